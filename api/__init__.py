@@ -1,0 +1,1 @@
+"""REST API: thin FastAPI routers over the service layer."""

@@ -1,0 +1,1 @@
+"""Control plane: settings, database, queue, dispatcher, planner and CLI (never imports torch)."""

@@ -1,0 +1,47 @@
+"""One settings object for the whole control plane, read from RINGMASTER_* variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RINGMASTER_", extra="ignore")
+
+    data_dir: Path = Field(default=Path(".ringmaster"), description="Where the embedded database, Ray head state and checkpoints live.")
+    database_url: str | None = Field(default=None, description="SQLAlchemy URL; default: SQLite file under data_dir.")
+    ray_address: str | None = Field(default=None, description="GCS address of an existing Ray cluster; unset starts an embedded head.")
+    ray_dashboard_url: str | None = Field(default=None, description="That cluster's dashboard / Jobs API URL; derived when embedded.")
+    storage_uri: str | None = Field(default=None, description="Checkpoint storage; default: data_dir/checkpoints.")
+    api_host: str = "127.0.0.1"
+    api_port: int = 8765
+    api_url: str | None = Field(default=None, description="URL the job driver uses to report back; default from host and port.")
+    dispatch_interval_s: float = Field(default=0.5, gt=0)
+    lease_s: float = Field(default=30.0, gt=0, description="How long a dispatcher owns a claimed job before another may take it.")
+    admission_wait_s: float = Field(default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued.")
+    driver_python: str = Field(default="python", description="Interpreter that runs the job driver on the Ray cluster.")
+
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'ringmaster.db').resolve()}"
+
+    def resolved_storage_uri(self) -> str:
+        if self.storage_uri:
+            return self.storage_uri
+        return str((self.data_dir / "checkpoints").resolve())
+
+    def resolved_api_url(self) -> str:
+        if self.api_url:
+            return self.api_url.rstrip("/")
+        host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::") else self.api_host
+        return f"http://{host}:{self.api_port}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,121 @@
+"""JobSpec: the public contract of a training job, validated once at the edge.
+
+Shared by the control plane (validation at submit) and the job driver (which trusts it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+BUILTIN_MODELS = ("mlp", "tiny-gpt")
+BUILTIN_DATA = {"mlp": "synthetic", "tiny-gpt": "pysource"}
+USER_DATA = "user"
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkersSpec(_Strict):
+    min: int = Field(default=1, ge=1, le=1024, description="Fewest workers the job may run with (gang admission size).")
+    max: int = Field(default=1, ge=1, le=1024, description="Most workers the job may run with.")
+    gpus_per_worker: int = Field(default=0, ge=0, le=16, description="GPUs per worker actor; 0 trains on CPU with gloo.")
+    cpus_per_worker: float = Field(default=1, gt=0, le=256, description="CPUs per worker actor; also its torch thread count.")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "WorkersSpec":
+        if self.min > self.max:
+            raise ValueError(f"workers.min ({self.min}) must not exceed workers.max ({self.max})")
+        return self
+
+
+class TrainSpec(_Strict):
+    steps: int = Field(default=100, ge=1, le=10_000_000)
+    global_batch_size: int = Field(default=16, ge=1)
+    micro_batch_size: int = Field(default=4, ge=1)
+    lr: float = Field(default=1e-3, gt=0, le=10)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_scaling: Literal["none", "linear"] = Field(default="none", description="linear: lr is multiplied by the world size.")
+    seed: int = Field(default=0, ge=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int = Field(default=0, ge=0, description="0 writes only the final checkpoint.")
+    keep: int = Field(default=2, ge=1, le=1000)
+
+
+class JobSpec(_Strict):
+    name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.")
+    model: str = Field(description="Built-in model name, or 'package.module:function' for user code.")
+    data: str | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic') or 'user'; default follows the model.")
+    model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
+    strategy: Literal["ddp"] = "ddp"
+    workers: WorkersSpec = Field(default_factory=WorkersSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    max_failures: int = Field(default=3, ge=0, le=100)
+    priority: int = Field(default=0, ge=-1000, le=1000)
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-64 characters of a-z, 0-9, '.', '_' or '-', starting and ending with a letter or digit")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_known(cls, value: str) -> str:
+        if value not in BUILTIN_MODELS and not _ENTRYPOINT.match(value):
+            raise ValueError(f"must be one of {', '.join(BUILTIN_MODELS)} or 'package.module:function', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobSpec":
+        if self.data is None:
+            self.data = BUILTIN_DATA.get(self.model, USER_DATA)
+        if self.model in BUILTIN_DATA and self.data != BUILTIN_DATA[self.model]:
+            raise ValueError(f"data: model {self.model!r} trains on {BUILTIN_DATA[self.model]!r}, got {self.data!r}")
+        if self.model not in BUILTIN_DATA and self.data not in (USER_DATA, *BUILTIN_DATA.values()):
+            raise ValueError(f"data: must be 'user' (from the entrypoint) or one of {sorted(set(BUILTIN_DATA.values()))}, got {self.data!r}")
+        train = self.train
+        for world in range(self.workers.min, self.workers.max + 1):
+            per_step = train.micro_batch_size * world
+            if train.global_batch_size % per_step:
+                raise ValueError(
+                    f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+                    f"micro_batch_size × world size ({train.micro_batch_size} × {world} = {per_step}) "
+                    f"for every world size in workers [{self.workers.min}, {self.workers.max}]"
+                )
+        if train.warmup_steps > train.steps:
+            raise ValueError(f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})")
+        return self
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step that keep the global batch fixed at this world size."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+
+    def scaled_lr(self, world_size: int) -> float:
+        return self.train.lr * world_size if self.train.lr_scaling == "linear" else self.train.lr
+
+    def spec_hash(self) -> str:
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def parse_spec_text(text: str) -> JobSpec:
+    """Parse a YAML or JSON job spec (JSON is YAML)."""
+    document = yaml.safe_load(text)
+    if not isinstance(document, dict):
+        raise ValueError("a job spec must be a mapping of fields")
+    return JobSpec.model_validate(document)

@@ -1,0 +1,39 @@
+"""Job states and the one table of legal transitions."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobState(StrEnum):
+    QUEUED = "QUEUED"
+    ADMITTED = "ADMITTED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE = frozenset({JobState.ADMITTED, JobState.RUNNING})
+
+_ALLOWED: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.ADMITTED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(ValueError):
+    def __init__(self, current: JobState, target: JobState) -> None:
+        super().__init__(f"job cannot go from {current} to {target}")
+        self.current, self.target = current, target
+
+
+def check_transition(current: JobState, target: JobState) -> None:
+    """Raise IllegalTransition unless current → target is in the table."""
+    if target not in _ALLOWED[JobState(current)]:
+        raise IllegalTransition(JobState(current), JobState(target))
