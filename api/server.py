@@ -1,0 +1,114 @@
+"""The composition root of `ringmaster serve` and `demo`: database, Ray, dispatcher and API together."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+from api.app import create_app
+from service.dispatcher import Dispatcher
+from service.embedded_ray import RayHead, start_head, stop_head
+from service.errors import LogsUnavailable
+from service.ray_cluster import RayCluster
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    """Owns the embedded Ray head (when no cluster is named) and the dispatcher thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.head: RayHead | None = None
+        if settings.ray_address is None:
+            self.head = start_head(settings.data_dir)
+            settings = settings.model_copy(update={
+                "ray_address": self.head.gcs_address,
+                "ray_dashboard_url": self.head.dashboard_url,
+                # The embedded head runs drivers on this machine: use this very interpreter.
+                "driver_python": sys.executable,
+            })
+        elif settings.ray_dashboard_url is None:
+            host = settings.ray_address.split(":")[0]
+            settings = settings.model_copy(update={"ray_dashboard_url": f"http://{host}:8265"})
+        self.settings = settings
+        self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url)
+        self.cluster.connect()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def logs(self, submission_id: str) -> str:
+        try:
+            return self.cluster.logs(submission_id)
+        except Exception as error:  # noqa: BLE001 — any cluster failure is "logs unavailable" to the caller
+            raise LogsUnavailable(f"Ray could not serve logs for {submission_id}: {error}") from error
+
+    def start_dispatcher(self, app: FastAPI) -> Callable[[], None]:
+        dispatcher = Dispatcher(app.state.db.sessions, self.cluster, self.settings)
+        self._thread = threading.Thread(target=dispatcher.run, args=(self._stop,), name="dispatcher", daemon=True)
+        self._thread.start()
+
+        def stop() -> None:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+
+        return stop
+
+    def app(self) -> FastAPI:
+        return create_app(self.settings, start_background=self.start_dispatcher, logs_provider=self.logs)
+
+    def close(self) -> None:
+        if self.head is not None:
+            stop_head(self.head, self.settings.data_dir)
+
+
+def run_server(settings: Settings) -> None:
+    """Serve until interrupted; an embedded Ray head is stopped with the server."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    plane = ControlPlane(settings)
+    log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
+    try:
+        uvicorn.run(plane.app(), host=plane.settings.api_host, port=plane.settings.api_port, log_level="info")
+    finally:
+        plane.close()
+
+
+class BackgroundServer:
+    """The whole control plane in a background thread, for the demo, tests and benchmarks."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.plane = ControlPlane(settings)
+        config = uvicorn.Config(self.plane.app(), host=self.plane.settings.api_host,
+                                port=self.plane.settings.api_port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self.plane.settings.resolved_api_url()
+
+    @property
+    def dashboard_url(self) -> str | None:
+        return self.plane.settings.ray_dashboard_url
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.plane.close()
+                raise RuntimeError(f"the API server did not start on {self.url}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self.plane.close()

@@ -1,0 +1,90 @@
+"""A small REST client for the CLI, the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, detail: Any) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+class RingmasterClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except (json.JSONDecodeError, AttributeError):
+                detail = response.text
+            raise ApiError(response.status_code, detail)
+        return response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/healthz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the API did not become healthy within {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def submit_yaml(self, text: str) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def jobs(self, state: str | None = None, limit: int = 50, offset: int = 0) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if state:
+            params["state"] = state
+        return self._call("GET", "/v1/jobs", params=params)
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def events(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/events")
+
+    def metrics(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics")
+
+    def checkpoints(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    def logs(self, job_id: str) -> str:
+        return self._call("GET", f"/v1/jobs/{job_id}/logs")
+
+    def follow(self, job_id: str, interval_s: float = 0.5) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """Yield (job, new metric rows) until the job reaches a terminal state."""
+        seen = 0
+        while True:
+            job = self.job(job_id)
+            rows = self.metrics(job_id)["items"]
+            yield job, rows[seen:]
+            seen = len(rows)
+            if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                return
+            time.sleep(interval_s)

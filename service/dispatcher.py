@@ -1,0 +1,153 @@
+"""The dispatcher: claims queued jobs, admits them gang-shaped onto Ray, and watches them run.
+
+Each pass (1) closes attempts whose job ended (stop the Ray job, free its placement group),
+(2) fails jobs whose Ray job died without the driver reporting, and (3) admits queued jobs in
+priority order. A job that cannot be placed now stays queued and does not block smaller jobs
+behind it. Several dispatchers may run against one database: the queue lease keeps them apart.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import threading
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import jobs, queue
+from service.models import Job, utcnow
+from service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import ACTIVE, JobState
+
+log = logging.getLogger(__name__)
+
+_RAY_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+_LOG_TAIL = 4000
+_DRIVER_EXIT_GRACE_S = 30.0
+
+
+class Dispatcher:
+    def __init__(self, sessions: sessionmaker[Session], cluster: ClusterBackend, settings: Settings,
+                 owner: str | None = None) -> None:
+        self.sessions = sessions
+        self.cluster = cluster
+        self.settings = settings
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+    def run_once(self) -> None:
+        self.close_finished_attempts()
+        self.watch_active_jobs()
+        self.dispatch_queued()
+
+    def run(self, stop: threading.Event) -> None:
+        """Loop until stop is set; a failing pass is logged and retried, never fatal."""
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 — a transient database or Ray error must not end the loop
+                log.exception("dispatcher pass failed")
+            stop.wait(self.settings.dispatch_interval_s)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def dispatch_queued(self) -> None:
+        unplaceable: set[str] = set()
+        while (job := queue.claim_next(self.sessions, self.owner, self.settings.lease_s, skip_ids=unplaceable)) is not None:
+            try:
+                if not self._admit(job):
+                    unplaceable.add(job.id)
+            finally:
+                queue.release(self.sessions, job.id, self.owner)
+
+    def _admit(self, job: Job) -> bool:
+        """Reserve the gang, record the attempt, submit the Ray job; False when it cannot be placed now."""
+        spec = JobSpec.model_validate(job.spec)
+        attempt = job.attempt + 1
+        group_name = placement_group_name(job.id, attempt)
+        world_size = self._reserve(spec, group_name)
+        if world_size is None:
+            return False
+        submission_id = submission_id_for(job.id, attempt)
+        with self.sessions() as session, session.begin():
+            current = session.get(Job, job.id, with_for_update=True)
+            if current is None or current.state != JobState.QUEUED or current.lease_owner != self.owner:
+                self.cluster.release(group_name)  # cancelled or taken over while we reserved
+                return True
+            jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size)
+        try:
+            self.cluster.submit(submission_id, self._entrypoint(job.id, attempt, group_name, spec), {})
+        except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
+            self.cluster.release(group_name)
+            with self.sessions() as session, session.begin():
+                current = session.get(Job, job.id, with_for_update=True)
+                if current is not None and current.state == JobState.ADMITTED:
+                    jobs.transition(session, current, JobState.FAILED, f"Ray refused the job: {error}")
+        return True
+
+    def _reserve(self, spec: JobSpec, group_name: str) -> int | None:
+        """The largest world size in [min, max] whose placement group is ready now (tries max, then min)."""
+        sizes = [spec.workers.max] if spec.workers.max == spec.workers.min else [spec.workers.max, spec.workers.min]
+        for size in sizes:
+            bundles = worker_bundles(spec.workers.gpus_per_worker, spec.workers.cpus_per_worker, size)
+            if self.cluster.reserve(group_name, bundles, self.settings.admission_wait_s):
+                return size
+        return None
+
+    def _entrypoint(self, job_id: str, attempt: int, group_name: str, spec: JobSpec) -> str:
+        spec_b64 = base64.b64encode(spec.model_dump_json().encode()).decode()
+        return (
+            f"{self.settings.driver_python} -m workers.driver --job-id {job_id} --attempt {attempt} "
+            f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "
+            f"--storage-uri {self.settings.resolved_storage_uri()} --spec-b64 {spec_b64}"
+        )
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def watch_active_jobs(self) -> None:
+        """A Ray job that ended while its record is still active died without the driver reporting."""
+        with self.sessions() as session:
+            active = session.scalars(select(Job).where(Job.state.in_([s.value for s in ACTIVE]))).all()
+        for job in active:
+            if job.submission_id is None:
+                continue
+            ray_status = self.cluster.status(job.submission_id)
+            if ray_status is not None and ray_status not in _RAY_TERMINAL:
+                continue
+            reason = "its Ray job is gone" if ray_status is None else f"its Ray job ended {ray_status} without a report"
+            with self.sessions() as session, session.begin():
+                current = session.get(Job, job.id, with_for_update=True)
+                if current is None or current.state not in ACTIVE or current.submission_id != job.submission_id:
+                    continue  # the driver's report arrived meanwhile
+                jobs.transition(session, current, JobState.FAILED, f"driver ended unexpectedly: {reason}\n{self._log_tail(job.submission_id)}")
+
+    def _log_tail(self, submission_id: str) -> str:
+        try:
+            return self.cluster.logs(submission_id)[-_LOG_TAIL:]
+        except Exception:  # noqa: BLE001 — logs are a courtesy in an error message
+            return ""
+
+    def close_finished_attempts(self) -> None:
+        """Stop the Ray job and free the placement group of every attempt whose job has moved on.
+
+        A cancelled job is stopped at once; a job its driver reported finished gets a short grace
+        to exit on its own, so its Ray job ends SUCCEEDED rather than STOPPED in the dashboard.
+        """
+        with self.sessions() as session:
+            closing = [(attempt, session.get(Job, attempt.job_id)) for attempt in jobs.attempts_to_close(session)]
+        now = utcnow()
+        for attempt, job in closing:
+            reported_end = job.state in (JobState.SUCCEEDED, JobState.FAILED) and job.attempt == attempt.number
+            if reported_end and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}:
+                if job.finished_at and (now - job.finished_at).total_seconds() < _DRIVER_EXIT_GRACE_S:
+                    continue
+            self.cluster.stop(attempt.submission_id)
+            if attempt.placement_group:
+                self.cluster.release(attempt.placement_group)
+            with self.sessions() as session, session.begin():
+                jobs.close_attempt(session, attempt, outcome=str(job.state))

@@ -1,0 +1,117 @@
+"""The control plane's client side of Ray: gang reservation, Ray job submission, status, stop, logs.
+
+Imports ray lazily: the API process starts without it until the dispatcher first needs the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "ringmaster"
+
+
+class ClusterBackend(Protocol):
+    """What the dispatcher needs from a cluster; tests substitute a fake."""
+
+    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
+    def release(self, name: str) -> None: ...
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None: ...
+    def status(self, submission_id: str) -> str | None: ...
+    def stop(self, submission_id: str) -> None: ...
+    def logs(self, submission_id: str) -> str: ...
+
+
+def placement_group_name(job_id: str, attempt: int) -> str:
+    return f"ringmaster-{job_id}-{attempt}"
+
+
+def submission_id_for(job_id: str, attempt: int) -> str:
+    """Derived from job and attempt, so resubmitting the same attempt is refused by Ray, not run twice."""
+    return f"ringmaster-{job_id}-{attempt}"
+
+
+def worker_bundles(gpus_per_worker: int, cpus_per_worker: float, count: int) -> list[dict[str, float]]:
+    bundle = {"GPU": float(gpus_per_worker)} if gpus_per_worker > 0 else {"CPU": float(cpus_per_worker)}
+    return [dict(bundle) for _ in range(count)]
+
+
+class RayCluster:
+    """A Ray cluster reached through its GCS (placement groups) and dashboard (Jobs API)."""
+
+    def __init__(self, gcs_address: str, dashboard_url: str) -> None:
+        self.gcs_address = gcs_address
+        self.dashboard_url = dashboard_url.rstrip("/")
+        self._jobs = None
+        self._lock = threading.Lock()
+
+    def connect(self):
+        """Join the cluster as a client; call from the main thread so Ray can install its signal handlers."""
+        return self._connect()
+
+    def _connect(self):
+        import ray
+        from ray.job_submission import JobSubmissionClient
+
+        with self._lock:
+            if not ray.is_initialized():
+                ray.init(address=self.gcs_address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                         log_to_driver=False, configure_logging=False)
+            if self._jobs is None:
+                self._jobs = JobSubmissionClient(self.dashboard_url)
+        return ray, self._jobs
+
+    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
+        """All-or-nothing: a placement group of these bundles is ready within wait_s, or nothing is held."""
+        ray, _ = self._connect()
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group(bundles, strategy="PACK", name=name, lifetime="detached")
+        ready, _ = ray.wait([group.ready()], timeout=wait_s)
+        if ready:
+            return True
+        remove_placement_group(group)
+        return False
+
+    def release(self, name: str) -> None:
+        ray, _ = self._connect()
+        from ray.util import get_placement_group
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(get_placement_group(name))
+        except ValueError:
+            pass  # already removed
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+        _, jobs = self._connect()
+        # The driver holds no cluster resources of its own: the job's placement group has them all.
+        jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0,
+                        runtime_env={"env_vars": env_vars})
+
+    def status(self, submission_id: str) -> str | None:
+        _, jobs = self._connect()
+        try:
+            return str(jobs.get_job_status(submission_id).value)
+        except RuntimeError as error:
+            if "does not exist" in str(error):
+                return None
+            raise
+
+    def stop(self, submission_id: str) -> None:
+        _, jobs = self._connect()
+        try:
+            jobs.stop_job(submission_id)
+        except RuntimeError as error:
+            if "does not exist" not in str(error):
+                raise
+
+    def logs(self, submission_id: str) -> str:
+        _, jobs = self._connect()
+        return jobs.get_job_logs(submission_id)
+
+    def job_page_url(self, submission_id: str) -> str:
+        return f"{self.dashboard_url}/#/jobs/{submission_id}"

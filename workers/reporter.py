@@ -1,0 +1,79 @@
+"""Sends the driver's reports to the control plane; buffers and replays while it is unreachable.
+
+Replays are safe because the control plane upserts metrics by step and checkpoints by URI.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import httpx
+
+from service.reports import CheckpointRecord, DriverReport, MetricPoint
+
+log = logging.getLogger(__name__)
+
+
+class Reporter:
+    def __init__(self, api_url: str, job_id: str, attempt: int, token: str | None = None,
+                 flush_interval_s: float = 0.5) -> None:
+        self._url = f"{api_url.rstrip('/')}/v1/internal/jobs/{job_id}/attempts/{attempt}/report"
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(headers=headers, timeout=5.0)
+        self._pending: deque[DriverReport] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._interval = flush_interval_s
+        self._thread = threading.Thread(target=self._flush_loop, name="reporter", daemon=True)
+        self._thread.start()
+
+    def report(self, *, state: str | None = None, message: str | None = None,
+               metrics: list[MetricPoint] | None = None, checkpoints: list[CheckpointRecord] | None = None) -> None:
+        report = DriverReport(state=state, message=message, metrics=metrics or [], checkpoints=checkpoints or [])
+        with self._lock:
+            self._pending.append(report)
+        self._wake.set()
+
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            self._flush()
+
+    def _flush(self) -> bool:
+        """Send pending reports in order; stop at the first failure and keep it for the next try."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return True
+                report = self._pending[0]
+            try:
+                response = self._client.post(self._url, content=report.model_dump_json(),
+                                             headers={"Content-Type": "application/json"})
+            except httpx.HTTPError as error:
+                log.warning("control plane unreachable, keeping %d report(s): %s", len(self._pending), error)
+                return False
+            if response.status_code >= 500:
+                log.warning("control plane answered %s, will retry", response.status_code)
+                return False
+            if response.status_code >= 400:
+                log.error("control plane refused a report (%s): %s", response.status_code, response.text[:500])
+            with self._lock:
+                self._pending.popleft()
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Flush what is left, retrying until timeout_s; True when everything was delivered."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+        deadline = time.monotonic() + timeout_s
+        delivered = self._flush()
+        while not delivered and time.monotonic() < deadline:
+            time.sleep(0.5)
+            delivered = self._flush()
+        self._client.close()
+        return delivered
