@@ -1,0 +1,174 @@
+"""The dispatcher's decisions against a fake cluster: gang admission, ordering, failures, cleanup."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import pytest
+
+from service import jobs
+from service.db import Database
+from service.dispatcher import Dispatcher
+from service.models import Attempt, Job
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+
+
+class FakeCluster:
+    """A cluster with a fixed number of CPUs; placement groups are all-or-nothing like Ray's."""
+
+    def __init__(self, cpus: int) -> None:
+        self.free_cpus = cpus
+        self.groups: dict[str, int] = {}
+        self.submitted: dict[str, str] = {}
+        self.ray_status: dict[str, str] = {}
+        self.stopped: list[str] = []
+        self.refuse_submit = False
+        self.duplicates: list[str] = []
+
+    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
+        need = int(sum(bundle.get("CPU", 0) for bundle in bundles))
+        if need > self.free_cpus:
+            return False
+        self.free_cpus -= need
+        self.groups[name] = need
+        return True
+
+    def release(self, name: str) -> None:
+        self.free_cpus += self.groups.pop(name, 0)
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+        if self.refuse_submit:
+            raise RuntimeError("Jobs API unavailable")
+        if submission_id in self.submitted:
+            self.duplicates.append(submission_id)
+        self.submitted[submission_id] = entrypoint
+        self.ray_status[submission_id] = "RUNNING"
+
+    def status(self, submission_id: str) -> str | None:
+        return self.ray_status.get(submission_id)
+
+    def stop(self, submission_id: str) -> None:
+        self.stopped.append(submission_id)
+        if submission_id in self.ray_status:
+            self.ray_status[submission_id] = "STOPPED"
+
+    def logs(self, submission_id: str) -> str:
+        return f"log of {submission_id}"
+
+
+def _spec(name: str, workers: int, priority: int = 0) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": name, "model": "mlp", "priority": priority,
+        "workers": {"min": workers, "max": workers},
+        "train": {"steps": 5, "global_batch_size": 4 * workers, "micro_batch_size": 4},
+    })
+
+
+def _submit(db: Database, spec: JobSpec) -> str:
+    with db.sessions() as session, session.begin():
+        return jobs.submit_job(session, spec).id
+
+
+def _state(db: Database, job_id: str) -> JobState:
+    with db.sessions() as session:
+        return JobState(session.get(Job, job_id).state)
+
+
+@pytest.fixture
+def dispatcher(db: Database) -> tuple[Dispatcher, FakeCluster]:
+    cluster = FakeCluster(cpus=4)
+    settings = Settings(api_url="http://control-plane:8765", storage_uri="/ckpt", driver_python="python3")
+    return Dispatcher(db.sessions, cluster, settings, owner="test-dispatcher"), cluster
+
+
+def test_job_too_large_waits_and_does_not_block_smaller_jobs(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    big = _submit(db, _spec("big", workers=8, priority=10))
+    small = _submit(db, _spec("small", workers=2))
+    dispatcher.run_once()
+    assert _state(db, big) == JobState.QUEUED
+    assert _state(db, small) == JobState.ADMITTED
+    assert cluster.free_cpus == 2 and list(cluster.groups) == [f"ringmaster-{small}-1"]
+
+
+def test_higher_priority_then_older_job_is_admitted_first(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    first_low = _submit(db, _spec("low", workers=4))
+    high = _submit(db, _spec("high", workers=4, priority=5))
+    dispatcher.run_once()
+    assert (_state(db, high), _state(db, first_low)) == (JobState.ADMITTED, JobState.QUEUED)
+
+
+def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    spec = _spec("one", workers=2)
+    job_id = _submit(db, spec)
+    dispatcher.run_once()
+    submission_id = f"ringmaster-{job_id}-1"
+    entrypoint = cluster.submitted[submission_id].split()
+    assert entrypoint[:3] == ["python3", "-m", "workers.driver"]
+    carried = json.loads(base64.b64decode(entrypoint[entrypoint.index("--spec-b64") + 1]))
+    assert JobSpec.model_validate(carried) == spec
+    assert entrypoint[entrypoint.index("--api-url") + 1] == "http://control-plane:8765"
+    with db.sessions() as session:
+        job = session.get(Job, job_id)
+        assert (job.attempt, job.submission_id) == (1, submission_id)
+
+
+def test_refused_submission_fails_the_job_and_frees_the_gang(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    cluster.refuse_submit = True
+    job_id = _submit(db, _spec("refused", workers=2))
+    dispatcher.run_once()
+    with db.sessions() as session:
+        job = session.get(Job, job_id)
+        assert job.state == JobState.FAILED and "Jobs API unavailable" in job.error
+    assert cluster.free_cpus == 4
+
+
+def test_ray_job_dying_without_report_fails_the_job_with_its_log(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    job_id = _submit(db, _spec("dies", workers=2))
+    dispatcher.run_once()
+    cluster.ray_status[f"ringmaster-{job_id}-1"] = "FAILED"
+    dispatcher.run_once()
+    with db.sessions() as session:
+        job = session.get(Job, job_id)
+        assert job.state == JobState.FAILED
+        assert "without a report" in job.error and f"log of ringmaster-{job_id}-1" in job.error
+
+
+def test_cancel_stops_the_ray_job_and_frees_the_placement_group(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    job_id = _submit(db, _spec("cancelled", workers=4))
+    dispatcher.run_once()
+    assert cluster.free_cpus == 0
+    with db.sessions() as session, session.begin():
+        jobs.cancel_job(session, job_id)
+    dispatcher.run_once()
+    assert cluster.stopped == [f"ringmaster-{job_id}-1"] and cluster.free_cpus == 4
+    with db.sessions() as session:
+        attempt = session.query(Attempt).filter_by(job_id=job_id).one()
+        assert attempt.ended_at is not None and attempt.outcome == "CANCELLED"
+    dispatcher.run_once()
+    assert cluster.stopped == [f"ringmaster-{job_id}-1"], "a closed attempt is not stopped twice"
+
+
+def test_two_dispatchers_never_admit_the_same_job(db):
+    cluster = FakeCluster(cpus=64)
+    settings = Settings(api_url="http://cp", storage_uri="/ckpt")
+    first = Dispatcher(db.sessions, cluster, settings, owner="a")
+    second = Dispatcher(db.sessions, cluster, settings, owner="b")
+    ids = [_submit(db, _spec(f"job-{index}", workers=1)) for index in range(12)]
+    threads = [threading.Thread(target=d.dispatch_queued) for d in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(cluster.submitted) == sorted(f"ringmaster-{job_id}-1" for job_id in ids)
+    assert cluster.duplicates == [] and cluster.free_cpus == 64 - 12
+    assert {_state(db, job_id) for job_id in ids} == {JobState.ADMITTED}

@@ -1,0 +1,137 @@
+"""End to end on a real local Ray: REST submit → queue → gang admission → Ray job → DDP → checkpoint."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from api.server import BackgroundServer
+from service.client import RingmasterClient
+from service.embedded_ray import start_head, stop_head
+from service.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+CLUSTER_CPUS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    data_dir = tmp_path_factory.mktemp("ringmaster")
+    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
+    settings = Settings(
+        data_dir=data_dir, ray_address=head.gcs_address, ray_dashboard_url=head.dashboard_url,
+        api_port=_free_port(), driver_python=sys.executable,
+    )
+    try:
+        with BackgroundServer(settings) as running:
+            yield running
+    finally:
+        stop_head(head)
+
+
+@pytest.fixture
+def client(server: BackgroundServer) -> RingmasterClient:
+    return RingmasterClient(server.url)
+
+
+def _spec(name: str, **overrides) -> dict:
+    spec = {
+        "name": name, "model": "tiny-gpt", "data": "pysource", "strategy": "ddp",
+        "workers": {"min": 2, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1},
+        "train": {"steps": 30, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.003, "warmup_steps": 3, "seed": 0},
+        "checkpoint": {"every_steps": 10, "keep": 2},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def _wait(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (job := client.job(job_id))["state"] not in states:
+        assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s}s"
+        time.sleep(0.25)
+    return job
+
+
+def _cluster_is_idle(timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) == CLUSTER_CPUS:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: RingmasterClient):
+    job = client.submit(_spec("e2e-ddp"))
+    assert job["state"] == "QUEUED"
+    done = _wait(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"})
+    assert done["state"] == "SUCCEEDED", done["error"]
+    assert done["ray_job_id"] == f"ringmaster-{job['id']}-1"
+    assert done["dashboard_url"].endswith(f"/#/jobs/{done['ray_job_id']}")
+    assert done["started_at"] and done["finished_at"]
+
+    transitions = [(e["from_state"], e["to_state"]) for e in client.events(job["id"])["items"] if e["to_state"]]
+    assert transitions == [(None, "QUEUED"), ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"), ("RUNNING", "SUCCEEDED")]
+
+    rows = client.metrics(job["id"])["items"]
+    losses = [row["loss"] for row in rows if row["loss"] is not None]
+    assert [row["step"] for row in rows] == list(range(1, 31))
+    assert len(losses) == 30 and all(row["world_size"] == 2 for row in rows)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, f"loss did not fall: {losses}"
+    assert rows[-1]["val_loss"] is not None and rows[-1]["val_loss"] < losses[0]
+
+    checkpoints = client.checkpoints(job["id"])["items"]
+    assert [c["step"] for c in checkpoints] == [10, 20, 30] and checkpoints[-1]["final"]
+    final = Path(checkpoints[-1]["uri"])
+    assert json.loads((final / "manifest.json").read_text())["step"] == 30
+    assert any(final.glob("*.distcp")), "the final checkpoint holds no tensor data"
+    kept = sorted(path.name for path in final.parent.iterdir())
+    assert kept == ["step-00000020", "step-00000030"], "retention keeps the newest checkpoint.keep"
+
+    assert f"job {job['id']} attempt 1 ended with code 0" in client.logs(job["id"])
+    assert _cluster_is_idle(15), "the job's placement group was not freed"
+
+
+def test_cancel_running_job_stops_it_and_frees_ray_resources(client: RingmasterClient):
+    job = client.submit(_spec("e2e-cancel", train={"steps": 100000, "global_batch_size": 8, "micro_batch_size": 4}))
+    _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
+    deadline = time.monotonic() + 60
+    while not client.metrics(job["id"])["items"]:
+        assert time.monotonic() < deadline, "no training step was reported"
+        time.sleep(0.25)
+    cancelled = client.cancel(job["id"])
+    assert cancelled["state"] == "CANCELLED"
+    assert _cluster_is_idle(15), f"resources still held after cancel: {ray.available_resources()}"
+    from ray.job_submission import JobSubmissionClient
+
+    jobs_api = JobSubmissionClient(client.job(job["id"])["dashboard_url"].split("/#")[0])
+    deadline = time.monotonic() + 15
+    while str(jobs_api.get_job_status(cancelled["ray_job_id"]).value) != "STOPPED":
+        assert time.monotonic() < deadline, "the Ray job was not stopped"
+        time.sleep(0.25)
+    with pytest.raises(Exception, match="409"):
+        client.cancel(job["id"])
+
+
+def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(client: RingmasterClient):
+    big = client.submit(_spec("e2e-big", workers={"min": 8, "max": 8},
+                              train={"steps": 5, "global_batch_size": 32, "micro_batch_size": 4}, priority=5))
+    small = client.submit(_spec("e2e-small", model="mlp", data="synthetic", checkpoint={"every_steps": 0, "keep": 1},
+                                train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4}))
+    assert _wait(client, small["id"], {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
+    assert client.job(big["id"])["state"] == "QUEUED"
+    client.cancel(big["id"])
