@@ -1,0 +1,97 @@
+"""Baseline: tiny-gpt trained by a hand-written DDP loop under torchrun, with no ringmaster in the way.
+
+    torchrun --nproc_per_node=N bench/bare_torchrun.py --steps S --global-batch-size G --micro-batch-size M --seed 0
+
+Prints one JSON line whose steps_per_s_steady ringmaster's overhead is measured against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from contextlib import nullcontext
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from workers.data.pysource import pysource_splits
+from workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--skip-steps", type=int, default=5, help="Warm-up steps left out of the steady-state rate.")
+    return parser.parse_args()
+
+
+def micro_batches(dataset: Dataset, sampler: DistributedSampler, batch_size: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless micro-batches of this rank's shard; a new shuffle each epoch."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        for inputs, targets in DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True):
+            yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        epoch += 1
+
+
+def main() -> None:
+    args = parse_args()
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    if args.global_batch_size % (args.micro_batch_size * world_size) or args.steps <= args.skip_steps:
+        raise SystemExit("global batch must be a multiple of micro batch × world size, and --steps must exceed --skip-steps")
+    accumulation = args.global_batch_size // (args.micro_batch_size * world_size)
+
+    torch.manual_seed(args.seed)
+    config = TinyGPTConfig()
+    model = DistributedDataParallel(TinyGPT(config).to(device), device_ids=[device] if use_cuda else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    train_dataset, _ = pysource_splits(seq_len=config.seq_len)
+    sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    batches = micro_batches(train_dataset, sampler, args.micro_batch_size, device)
+
+    loss_sum = torch.zeros((), device=device)
+    steady_start = time.perf_counter()
+    for step in range(args.steps):
+        if step == args.skip_steps:
+            steady_start = time.perf_counter()
+        loss_sum.zero_()
+        for micro_step in range(accumulation):
+            inputs, targets = next(batches)
+            with model.no_sync() if micro_step < accumulation - 1 else nullcontext():
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                (loss / accumulation).backward()
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        global_loss = loss_sum.item() / (accumulation * world_size)
+    steady_seconds = time.perf_counter() - steady_start
+
+    if rank == 0:
+        steady_steps = args.steps - args.skip_steps
+        report = {"steps_per_s_steady": steady_steps / steady_seconds, "steps": args.steps, "world_size": world_size, "final_loss": global_loss}
+        print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Checkpoints: a resumed run continues bit-for-bit, interrupted saves are invisible, retention keeps the newest."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from process_group import run_on_ranks
+from service.spec import JobSpec
+from workers.checkpoint import (
+    MANIFEST_NAME,
+    TrainingProgress,
+    apply_retention,
+    checkpoint_dir,
+    committed_checkpoints,
+    latest_committed,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
+from workers.data.stream import DataPosition
+from workers.models import build_bundle
+from workers.training import TrainContext, run_training
+
+STEPS = 6
+STOP_AFTER = 3
+SPEC = JobSpec(
+    name="resume",
+    model="tiny-gpt",
+    model_options={"n_layers": 2, "dim": 32, "n_heads": 4, "seq_len": 32, "max_corpus_bytes": 16_384},
+    workers={"min": 2, "max": 2},
+    # 16 KiB ≈ 500 windows ≈ 16 steps per epoch: lr warmup and shuffling both matter across the resume.
+    train={"steps": STEPS, "global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 4, "seed": 7},
+    checkpoint={"every_steps": 2, "keep": 2},
+)
+
+
+def _uninterrupted_then_interrupted_and_resumed(rank: int, world_size: int, root: str) -> None:
+    """Runs on each rank: one straight run; one stopped after STOP_AFTER steps, left a crashed save, then resumed."""
+    runs: dict[str, list] = {"straight": [], "before_stop": [], "after_resume": [], "checkpoints": []}
+
+    def context(storage: str, metrics: list, **callbacks) -> TrainContext:
+        return TrainContext(rank, world_size, torch.device("cpu"), "resume", f"{root}/{storage}", on_metric=metrics.append, **callbacks)
+
+    run_training(SPEC, context("straight", runs["straight"]))
+    calls = itertools.count(1)
+    stopped = run_training(SPEC, context("resumed", runs["before_stop"], should_stop=lambda: next(calls) >= STOP_AFTER))
+    if rank == 0:
+        crashed = checkpoint_dir(f"{root}/resumed", STOP_AFTER + 2)
+        crashed.mkdir()
+        (crashed / "__0_0.distcp").write_bytes(b"half-written")
+    dist.barrier()
+    resumed = run_training(SPEC, context("resumed", runs["after_resume"], on_checkpoint=lambda record: runs["checkpoints"].append(record)))
+    if rank == 0:
+        losses = {name: [p.loss for p in runs[name] if p.loss is not None] for name in ("straight", "before_stop", "after_resume")}
+        first_resumed_step = next(p.step for p in runs["after_resume"])
+        records = [record.model_dump() for record in runs["checkpoints"]]
+        summary = {"losses": losses, "stopped": [stopped.stopped, stopped.step], "first_resumed_step": first_resumed_step}
+        summary.update(records=records, resumed_step=resumed.step, resumed_uri=resumed.checkpoint_uri)
+        Path(f"{root}/summary.json").write_text(json.dumps(summary))
+
+
+def test_resume_reproduces_uninterrupted_run_and_ignores_uncommitted_directory(tmp_path: Path) -> None:
+    run_on_ranks(_uninterrupted_then_interrupted_and_resumed, 2, str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    losses = summary["losses"]
+
+    assert summary["stopped"] == [True, STOP_AFTER]
+    assert summary["first_resumed_step"] == STOP_AFTER + 1, "resume must start after the stop checkpoint, not the crashed step 5"
+    assert len(losses["straight"]) == STEPS
+    assert losses["before_stop"] + losses["after_resume"] == losses["straight"]
+    assert summary["records"] == [
+        {"step": 4, "uri": str(checkpoint_dir(tmp_path / "resumed", 4)), "world_size": 2, "final": False},
+        {"step": 6, "uri": str(checkpoint_dir(tmp_path / "resumed", 6)), "world_size": 2, "final": True},
+    ]
+    assert summary["resumed_uri"] == str(checkpoint_dir(tmp_path / "resumed", STEPS))
+
+    straight, resumed = build_bundle(SPEC).model, build_bundle(SPEC).model
+    load_model_weights(latest_committed(tmp_path / "straight").path, straight)
+    load_model_weights(latest_committed(tmp_path / "resumed").path, resumed)
+    for (name, expected), actual in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(actual, expected), name
+
+    for storage in ("straight", "resumed"):
+        assert sorted(p.name for p in (tmp_path / storage).iterdir()) == ["step-00000004", "step-00000006"]
+        manifest = json.loads((checkpoint_dir(tmp_path / storage, STEPS) / MANIFEST_NAME).read_text())
+        assert manifest["step"] == STEPS and manifest["world_size"] == 2
+        assert manifest["strategy"] == "ddp" and manifest["spec_hash"] == SPEC.spec_hash()
+
+
+def _commit(storage_root: Path, step: int) -> Path:
+    path = checkpoint_dir(storage_root, step)
+    path.mkdir(parents=True)
+    (path / MANIFEST_NAME).write_text(json.dumps({"step": step, "world_size": 1}))
+    return path
+
+
+def test_directory_without_valid_manifest_is_ignored(tmp_path: Path) -> None:
+    _commit(tmp_path, 2)
+    checkpoint_dir(tmp_path, 3).mkdir()
+    (_commit(tmp_path, 4) / MANIFEST_NAME).write_text('{"step": 4, "world')
+    (_commit(tmp_path, 5) / MANIFEST_NAME).write_text(json.dumps({"step": 9}))
+    (tmp_path / "notes").mkdir()
+
+    assert latest_committed(tmp_path).step == 2
+    assert latest_committed(tmp_path / "absent") is None
+
+
+def test_retention_keeps_newest_committed_and_drops_older_uncommitted(tmp_path: Path) -> None:
+    for step in (1, 3, 5, 7):
+        _commit(tmp_path, step)
+    checkpoint_dir(tmp_path, 6).mkdir()
+    checkpoint_dir(tmp_path, 8).mkdir()  # newer than every commit: may be a save in progress
+
+    apply_retention(tmp_path, keep=2)
+
+    assert [c.step for c in committed_checkpoints(tmp_path)] == [5, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000007", "step-00000008"]
+
+
+def test_load_restores_rng_states_and_progress(tmp_path: Path, single_rank_group: None) -> None:
+    spec = SPEC.model_copy(update={"workers": SPEC.workers.model_copy(update={"min": 1, "max": 1})})
+    bundle = build_bundle(spec)
+    optimizer = torch.optim.AdamW(bundle.model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda completed: 1.0)
+    torch.manual_seed(11)
+    random.seed(11)
+    np.random.seed(11)
+    save_checkpoint(tmp_path, spec, step=9, position=DataPosition(2, 5), model=bundle.model, optimizer=optimizer, scheduler=scheduler)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+
+    progress = load_checkpoint(checkpoint_dir(tmp_path, 9), model=bundle.model, optimizer=optimizer, scheduler=scheduler)
+
+    assert progress == TrainingProgress(9, DataPosition(2, 5))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]

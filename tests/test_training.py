@@ -1,0 +1,61 @@
+"""The training loop's reports and its behaviour on retry, on one in-process rank."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from service.reports import CheckpointRecord, MetricPoint
+from service.spec import JobSpec, parse_spec_text
+from workers.training import TrainContext, run_training
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _context(storage_root: Path, metrics: list[MetricPoint], checkpoints: list[CheckpointRecord]) -> TrainContext:
+    return TrainContext(0, 1, torch.device("cpu"), "job-1", str(storage_root), on_metric=metrics.append, on_checkpoint=checkpoints.append)
+
+
+def test_bf16_run_reports_each_step_warmup_lr_validation_and_final_checkpoint(tmp_path: Path, single_rank_group: None) -> None:
+    spec = JobSpec(
+        name="bf16",
+        model="mlp",
+        model_options={"n_train": 256, "n_val": 64},
+        train={"steps": 4, "global_batch_size": 16, "micro_batch_size": 8, "lr": 0.01, "warmup_steps": 2, "precision": "bf16"},
+    )
+    metrics, checkpoints = [], []
+
+    result = run_training(spec, _context(tmp_path, metrics, checkpoints))
+
+    step_points, (validation_point,) = metrics[:-1], metrics[-1:]
+    assert [p.step for p in step_points] == [1, 2, 3, 4]
+    assert [p.lr for p in step_points] == [0.005, 0.01, 0.01, 0.01]
+    assert all(math.isfinite(p.loss) and p.samples_per_s > 0 and p.step_time_s > 0 and p.world_size == 1 for p in step_points)
+    assert validation_point.step == 4 and validation_point.val_loss == result.val_loss and math.isfinite(result.val_loss)
+    assert checkpoints == [CheckpointRecord(step=4, uri=str(tmp_path / "step-00000004"), world_size=1, final=True)]
+    assert (result.step, result.loss, result.checkpoint_uri, result.stopped) == (4, step_points[-1].loss, checkpoints[0].uri, False)
+
+
+def test_example_user_model_learns(tmp_path: Path, single_rank_group: None) -> None:
+    spec = parse_spec_text((EXAMPLES / "user-model.yaml").read_text())
+    spec = spec.model_copy(update={"workers": spec.workers.model_copy(update={"min": 1, "max": 1})})
+    metrics: list[MetricPoint] = []
+
+    run_training(spec, _context(tmp_path, metrics, []))
+
+    losses = [p.loss for p in metrics if p.loss is not None]
+    assert len(losses) == spec.train.steps
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_retry_of_a_finished_run_does_not_train_again(tmp_path: Path, single_rank_group: None) -> None:
+    spec = JobSpec(name="done", model="mlp", model_options={"n_train": 64, "n_val": 16}, train={"steps": 3})
+    first = run_training(spec, _context(tmp_path, [], []))
+    metrics, checkpoints = [], []
+
+    retried = run_training(spec, _context(tmp_path, metrics, checkpoints))
+
+    assert (retried.step, retried.checkpoint_uri, retried.val_loss) == (3, first.checkpoint_uri, first.val_loss)
+    assert checkpoints == [] and [(p.step, p.loss) for p in metrics] == [(3, None)]

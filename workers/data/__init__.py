@@ -1,0 +1,1 @@
+"""Datasets the built-in models train on, and the resumable per-rank stream of micro-batches."""

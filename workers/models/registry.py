@@ -1,0 +1,96 @@
+"""The model plug-in contract: every model, built-in or user's, is a builder returning a ModelBundle.
+
+``spec.model`` is a built-in name or ``package.module:function``; the function is called with
+``spec.model_options`` as keyword arguments. Built-ins go through exactly the same path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from service.spec import USER_DATA, JobSpec
+from workers.data.pysource import pysource_splits
+from workers.data.synthetic import synthetic_regression_splits
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+BUILTIN_ENTRYPOINTS = {"mlp": "workers.models.mlp:build", "tiny-gpt": "workers.models.tiny_gpt:build"}
+
+# A user model may train on a built-in corpus (spec.data); it is built from the model_options it names.
+BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset, Dataset]]] = {
+    "pysource": pysource_splits,
+    "synthetic": synthetic_regression_splits,
+}
+
+
+class EntrypointError(ValueError):
+    """The job's model entrypoint cannot be imported, called, or returned the wrong thing."""
+
+
+@dataclass
+class ModelBundle:
+    """What a model builder hands the trainer. ``loss_fn(model, batch)`` returns the batch's mean
+    loss; datasets are map-style so samples have stable ids. ``val_dataset`` may be None (no
+    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus."""
+
+    model: nn.Module
+    train_dataset: Dataset | None
+    val_dataset: Dataset | None
+    loss_fn: LossFn
+
+
+def build_bundle(spec: JobSpec) -> ModelBundle:
+    """Resolve ``spec.model``, call its builder with ``spec.model_options``, and check the result."""
+    entrypoint = BUILTIN_ENTRYPOINTS.get(spec.model, spec.model)
+    builder = resolve_entrypoint(entrypoint)
+    try:
+        inspect.signature(builder).bind(**spec.model_options)
+    except TypeError as error:
+        raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
+    bundle = _as_bundle(builder(**spec.model_options), entrypoint)
+    if spec.data != USER_DATA and spec.model not in BUILTIN_ENTRYPOINTS:
+        corpus = BUILTIN_CORPORA[spec.data]
+        accepted = inspect.signature(corpus).parameters
+        bundle.train_dataset, bundle.val_dataset = corpus(**{k: v for k, v in spec.model_options.items() if k in accepted})
+    if bundle.train_dataset is None:
+        raise EntrypointError(f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in corpus")
+    return bundle
+
+
+def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
+    """Import ``package.module:function`` and return the function."""
+    module_name, _, attribute = entrypoint.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EntrypointError(f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: {error}") from error
+    builder = getattr(module, attribute, None)
+    if builder is None:
+        raise EntrypointError(f"model entrypoint {entrypoint!r}: module {module_name!r} has no attribute {attribute!r}")
+    if not callable(builder):
+        raise EntrypointError(f"model entrypoint {entrypoint!r}: {attribute!r} is a {type(builder).__name__}, not a function")
+    return builder
+
+
+def _as_bundle(result: Any, entrypoint: str) -> ModelBundle:
+    """Accept a ModelBundle or a tuple (model, train_dataset, loss_fn[, val_dataset])."""
+    if isinstance(result, tuple) and len(result) in (3, 4):
+        model, train_dataset, loss_fn, *rest = result
+        result = ModelBundle(model, train_dataset, rest[0] if rest else None, loss_fn)
+    if not isinstance(result, ModelBundle):
+        raise EntrypointError(
+            f"model entrypoint {entrypoint!r} returned {type(result).__name__}; expected a ModelBundle "
+            "or a tuple (model, train_dataset, loss_fn[, val_dataset])"
+        )
+    if not isinstance(result.model, nn.Module):
+        raise EntrypointError(f"model entrypoint {entrypoint!r}: model is a {type(result.model).__name__}, not a torch.nn.Module")
+    if not callable(result.loss_fn):
+        raise EntrypointError(f"model entrypoint {entrypoint!r}: loss_fn is a {type(result.loss_fn).__name__}, not callable")
+    return result
