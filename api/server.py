@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ class ControlPlane:
                 "ray_dashboard_url": self.head.dashboard_url,
                 # The embedded head runs drivers on this machine: use this very interpreter.
                 "driver_python": sys.executable,
+                "code_path": settings.code_path or os.getcwd(),
             })
         elif settings.ray_dashboard_url is None:
             host = settings.ray_address.split(":")[0]

@@ -81,7 +81,8 @@ class Dispatcher:
                 return True
             jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size)
         try:
-            self.cluster.submit(submission_id, self._entrypoint(job.id, attempt, group_name, spec), {})
+            env_vars = {"PYTHONPATH": self.settings.code_path} if self.settings.code_path else {}
+            self.cluster.submit(submission_id, self._entrypoint(job.id, attempt, group_name, spec), env_vars)
         except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
             self.cluster.release(group_name)
             with self.sessions() as session, session.begin():

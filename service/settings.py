@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     lease_s: float = Field(default=30.0, gt=0, description="How long a dispatcher owns a claimed job before another may take it.")
     admission_wait_s: float = Field(default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued.")
     driver_python: str = Field(default="python", description="Interpreter that runs the job driver on the Ray cluster.")
+    code_path: str | None = Field(default=None, description="PYTHONPATH for job drivers and workers, where user models "
+                                  "('package.module:function') are imported from; embedded default: the current directory.")
 
     def resolved_database_url(self) -> str:
         if self.database_url:

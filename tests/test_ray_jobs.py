@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 
 from api.server import BackgroundServer
 from service.client import RingmasterClient
@@ -33,7 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
     settings = Settings(
         data_dir=data_dir, ray_address=head.gcs_address, ray_dashboard_url=head.dashboard_url,
-        api_port=_free_port(), driver_python=sys.executable,
+        api_port=_free_port(), driver_python=sys.executable, code_path=str(Path(__file__).resolve().parents[1]),
     )
     try:
         with BackgroundServer(settings) as running:
@@ -135,3 +136,23 @@ def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(cli
     assert _wait(client, small["id"], {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
     assert client.job(big["id"])["state"] == "QUEUED"
     client.cancel(big["id"])
+
+
+def test_user_entrypoint_trains_through_ray(client: RingmasterClient):
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "user-model.yaml").read_text())
+    spec["train"]["steps"] = 10
+    job = client.submit(spec)
+    done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done["error"]
+    rows = client.metrics(job["id"])["items"]
+    assert rows[-1]["step"] == 10 and rows[-1]["world_size"] == 2
+
+
+def test_exception_in_user_code_fails_the_job_once_with_its_traceback(client: RingmasterClient):
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "user-model.yaml").read_text())
+    spec["model_options"]["text_path"] = "/nonexistent/corpus.txt"
+    job = client.submit(spec)
+    done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "FAILED"
+    assert "FileNotFoundError" in done["error"] and "Traceback" in done["error"] and "user_model.py" in done["error"]
+    assert done["attempt"] == 1

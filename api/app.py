@@ -1,0 +1,71 @@
+"""The FastAPI application: schema upgrade at startup, routers, error mapping, optional background work."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from api.errors import install_error_handlers
+from api.routes import health, internal, jobs
+from service.db import Database, upgrade_schema
+from service.settings import Settings, get_settings
+from service.spec import JobSpec
+
+LogsProvider = Callable[[str], str]
+"""Returns the log text of a Ray job given its submission id; raises service.errors.LogsUnavailable."""
+
+BackgroundStarter = Callable[[FastAPI], Callable[[], None]]
+"""Called once the schema is current and app.state.db is set; returns the function that stops it."""
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    start_background: BackgroundStarter | None = None,
+    logs_provider: LogsProvider | None = None,
+) -> FastAPI:
+    """Build the API; without start_background it only records jobs (nothing dispatches them)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.resolved_database_url()
+        upgrade_schema(url)
+        app.state.db = Database.connect(url)
+        stop = start_background(app) if start_background else None
+        try:
+            yield
+        finally:
+            if stop is not None:
+                stop()
+            app.state.db.dispose()
+
+    app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.logs_provider = logs_provider
+    install_error_handlers(app)
+    app.include_router(jobs.router)
+    app.include_router(internal.router)
+    app.include_router(health.router)
+    _document_spec_schema(app)
+    return app
+
+
+def _document_spec_schema(app: FastAPI) -> None:
+    """POST /v1/jobs reads its body itself (JSON or YAML), so JobSpec's schema is added to OpenAPI by hand."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(spec_schema.pop("$defs", {}))
+            components["JobSpec"] = spec_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,74 @@
+"""The one mapping from domain exceptions to HTTP responses.
+
+422 bodies keep FastAPI's shape (``{"detail": [{"type", "loc", "msg", "input"}]}``) and add
+``field`` (the dotted path inside the body or query); pydantic's "Value error, " prefix is dropped
+so JobSpec's own messages read as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable
+from service.states import IllegalTransition
+
+_SOURCES = ("body", "query", "path", "header", "cookie")
+_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def readable_errors(errors: Iterable[Any], prefix: Sequence[str | int] = ()) -> list[dict[str, Any]]:
+    """Pydantic/FastAPI error entries as clients should see them: loc, field path, clean message, input."""
+    readable = []
+    for error in errors:
+        loc = [*prefix, *error.get("loc", ())]
+        path = loc[1:] if loc and loc[0] in _SOURCES else loc
+        message = str(error["msg"])
+        for noise in _PREFIXES:
+            message = message.removeprefix(noise)
+        entry = {"type": error["type"], "loc": loc, "field": ".".join(map(str, path)) or None, "msg": message}
+        if "input" in error:
+            entry["input"] = error["input"]
+        readable.append(entry)
+    encoded: list[dict[str, Any]] = jsonable_encoder(readable)
+    return encoded
+
+
+def _detail(status_code: int, exc: Exception) -> JSONResponse:
+    return JSONResponse(status_code=status_code, content={"detail": str(exc)})
+
+
+async def _not_found(_request: Request, exc: Exception) -> JSONResponse:
+    return _detail(status.HTTP_404_NOT_FOUND, exc)
+
+
+async def _conflict(_request: Request, exc: Exception) -> JSONResponse:
+    return _detail(status.HTTP_409_CONFLICT, exc)
+
+
+async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    return _detail(status.HTTP_503_SERVICE_UNAVAILABLE, exc)
+
+
+async def _invalid_spec(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidSpec)
+    return JSONResponse(status_code=422, content={"detail": readable_errors(exc.errors, prefix=("body",))})
+
+
+async def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse(status_code=422, content={"detail": readable_errors(exc.errors())})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(JobNotFound, _not_found)
+    app.add_exception_handler(JobConflict, _conflict)
+    app.add_exception_handler(IllegalTransition, _conflict)
+    app.add_exception_handler(LogsUnavailable, _unavailable)
+    app.add_exception_handler(InvalidSpec, _invalid_spec)
+    app.add_exception_handler(RequestValidationError, _invalid_request)

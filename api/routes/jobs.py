@@ -1,0 +1,115 @@
+"""User-facing job routes: parse, call service.jobs, convert to a schema."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import yaml
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from fastapi.responses import PlainTextResponse
+from pydantic import ValidationError
+
+from api.deps import DatabaseDep, SessionDep, SettingsDep
+from api.schemas import CheckpointOut, EventOut, JobOut, MetricOut, Page
+from service import jobs
+from service.db import session_scope
+from service.errors import InvalidSpec, JobConflict, LogsUnavailable
+from service.spec import JobSpec, parse_spec_text
+from service.states import JobState
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
+ListLimit = Annotated[int, Query(ge=1, le=10_000)]
+Offset = Annotated[int, Query(ge=0)]
+
+
+def _errors(exc: ValidationError) -> list[dict[str, Any]]:
+    return [dict(error) for error in exc.errors(include_url=False, include_context=False)]
+
+
+async def spec_from_body(request: Request) -> JobSpec:
+    """The JobSpec from a JSON or YAML body; FastAPI's own body parsing only speaks JSON."""
+    media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    body = await request.body()
+    if media_type in YAML_TYPES:
+        try:
+            return parse_spec_text(body.decode("utf-8"))
+        except ValidationError as exc:
+            raise InvalidSpec(_errors(exc)) from exc
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
+            raise InvalidSpec([{"type": "yaml_invalid", "loc": (), "msg": f"not a YAML job spec: {exc}"}]) from exc
+    if media_type == "application/json" or media_type.endswith("+json"):
+        try:
+            return JobSpec.model_validate_json(body)
+        except ValidationError as exc:
+            raise InvalidSpec(_errors(exc)) from exc
+    raise HTTPException(
+        status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"send the job spec as application/json or application/yaml, not {media_type!r}"
+    )
+
+
+_SPEC_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
+            "application/yaml": {"schema": {"type": "string", "description": "The same JobSpec written as YAML."}},
+        },
+    }
+}
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, openapi_extra=_SPEC_BODY)
+def submit(spec: Annotated[JobSpec, Depends(spec_from_body)], session: SessionDep, settings: SettingsDep) -> JobOut:
+    return JobOut.from_row(jobs.submit_job(session, spec), settings)
+
+
+@router.get("")
+def list_jobs(
+    session: SessionDep,
+    settings: SettingsDep,
+    state: JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Offset = 0,
+) -> Page[JobOut]:
+    page = jobs.list_jobs(session, state, limit, offset)
+    return Page[JobOut].convert(page, lambda job: JobOut.from_row(job, settings))
+
+
+@router.get("/{job_id}")
+def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
+    return JobOut.from_row(jobs.get_job(session, job_id), settings)
+
+
+@router.post("/{job_id}/cancel")
+def cancel(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
+    return JobOut.from_row(jobs.cancel_job(session, job_id), settings)
+
+
+@router.get("/{job_id}/events")
+def events(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> Page[EventOut]:
+    return Page[EventOut].convert(jobs.list_events(session, job_id, limit, offset), EventOut.from_row)
+
+
+@router.get("/{job_id}/metrics")
+def metrics(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> Page[MetricOut]:
+    return Page[MetricOut].convert(jobs.list_metrics(session, job_id, limit, offset), MetricOut.from_row)
+
+
+@router.get("/{job_id}/checkpoints")
+def checkpoints(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> Page[CheckpointOut]:
+    return Page[CheckpointOut].convert(jobs.list_checkpoints(session, job_id, limit, offset), CheckpointOut.from_row)
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse)
+def logs(job_id: str, request: Request, db: DatabaseDep) -> PlainTextResponse:
+    """The current attempt's driver log; the transaction ends before the (slow) provider is called."""
+    provider = request.app.state.logs_provider
+    with session_scope(db.sessions) as session:
+        submission_id = jobs.get_job(session, job_id).submission_id
+    if provider is None:
+        raise LogsUnavailable("this server has no logs provider configured; job logs are served when it runs with a Ray cluster")
+    if submission_id is None:
+        raise JobConflict(f"job {job_id} has not been dispatched to Ray yet, so it has no logs")
+    return PlainTextResponse(provider(submission_id))

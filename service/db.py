@@ -1,0 +1,99 @@
+"""Engine, sessions and schema upgrades for SQLite (embedded) and PostgreSQL (production).
+
+On SQLite every transaction starts with ``BEGIN IMMEDIATE``: SQLite has no row locks, and a
+deferred transaction that reads and then writes fails with SQLITE_BUSY (which busy_timeout
+cannot wait out) as soon as another writer committed in between. Taking the write lock up front
+serializes writers, waiting up to busy_timeout, so every read-modify-write in service/jobs.py
+and the queue claim are atomic — the role row locks (``FOR UPDATE``) play on PostgreSQL. The
+price: keep sessions short, never hold one open across a call to Ray, and never open a second
+session in a thread that already has one open (it waits busy_timeout, then "database is locked").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 5000
+# Any constant shared by all replicas: serializes concurrent schema upgrades on PostgreSQL.
+_MIGRATION_LOCK_ID = 0x52494E47
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with the per-dialect settings the control plane relies on."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(parsed, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, pool_pre_ping=True, connect_args={"check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _configure(dbapi_connection: Any, _record: Any) -> None:
+        # Hand transaction control to SQLAlchemy so that _begin_immediate below is what starts it.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@dataclass(frozen=True)
+class Database:
+    """The engine and the session factory built on it; one per process."""
+
+    engine: Engine
+    sessions: sessionmaker[Session]
+
+    @classmethod
+    def connect(cls, url: str) -> "Database":
+        engine = make_engine(url)
+        # expire_on_commit=False: rows returned from a finished transaction (claim_next) stay readable.
+        return cls(engine, sessionmaker(engine, expire_on_commit=False))
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+@contextmanager
+def session_scope(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    """One transaction: commit when the block ends normally, roll back when it raises."""
+    with sessions() as session, session.begin():
+        yield session
+
+
+def alembic_config(connection: Connection) -> Config:
+    """Alembic configuration without an alembic.ini: the scripts ship inside the package."""
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("service") / "migrations"))
+    config.attributes["connection"] = connection
+    return config
+
+
+def upgrade_schema(url: str) -> None:
+    """Bring the database to the newest schema; safe to call from several replicas at once."""
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_ID})")
+            command.upgrade(alembic_config(connection), "head")
+    finally:
+        engine.dispose()

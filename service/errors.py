@@ -1,0 +1,31 @@
+"""Domain errors raised by the control plane; api/errors.py maps each to one HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RingmasterError(Exception):
+    """Base of the errors a caller is expected to handle."""
+
+
+class JobNotFound(RingmasterError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job with id {job_id!r}")
+        self.job_id = job_id
+
+
+class JobConflict(RingmasterError):
+    """The request is valid but the job's current state forbids it (e.g. cancelling a finished job)."""
+
+
+class InvalidSpec(RingmasterError):
+    """A job spec that failed to parse or validate; ``errors`` are pydantic-style entries (type, loc, msg)."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(str(error["msg"]) for error in errors))
+        self.errors = errors
+
+
+class LogsUnavailable(RingmasterError):
+    """No logs can be served now: no provider configured, or the cluster cannot be reached."""

@@ -1,0 +1,280 @@
+"""Job lifecycle on the database: the only code that changes a job, so every rule lives in one place.
+
+Functions take a Session inside the caller's transaction (service.db.session_scope) and never
+commit; a function that raises leaves the whole transaction to be rolled back, so nothing is
+half-written. Each one that changes a job first locks its row (lock_job): FOR UPDATE on
+PostgreSQL, the BEGIN IMMEDIATE write lock on SQLite.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import ColumnElement, Select, func, or_, select
+from sqlalchemy.orm import Session
+
+from service.errors import JobConflict, JobNotFound
+from service.models import Attempt, Checkpoint, Job, JobEvent, Metric, utcnow
+from service.reports import DriverReport
+from service.spec import JobSpec
+from service.states import ACTIVE, TERMINAL, JobState, check_transition
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One slice of a listing plus the total, so clients can page without guessing."""
+
+    items: list[T]
+    total: int
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """What the driver learns from a report: the job's state now, and whether its report was stored."""
+
+    state: JobState
+    accepted: bool
+
+
+def get_job(session: Session, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
+def lock_job(session: Session, job_id: str) -> Job:
+    """Re-read the job under a row lock so a read-modify-write cannot interleave with another writer."""
+    job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
+def submit_job(session: Session, spec: JobSpec) -> Job:
+    """Record a validated spec as a QUEUED job with its first event; the queue takes it from there."""
+    now = utcnow()
+    job = Job(
+        id=uuid.uuid4().hex,
+        name=spec.name,
+        spec=spec.model_dump(mode="json"),
+        state=JobState.QUEUED,
+        priority=spec.priority,
+        attempt=0,
+        failures=0,
+        created_at=now,
+        cancel_requested=False,
+    )
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, at=now, from_state=None, to_state=JobState.QUEUED, kind="transition", message="submitted"))
+    session.flush()
+    return job
+
+
+def transition(session: Session, job: Job, target: JobState, message: str, data: dict[str, Any] | None = None) -> Job:
+    """The one place a job changes state: checks the table, stamps the time, records the event."""
+    job = lock_job(session, job.id)
+    current = JobState(job.state)
+    check_transition(current, target)
+    now = utcnow()
+    job.state = target
+    if target == JobState.ADMITTED:
+        job.admitted_at = now
+    elif target == JobState.RUNNING:
+        job.started_at = now
+    elif target in TERMINAL:
+        job.finished_at = now
+    if target == JobState.FAILED:
+        job.error = message
+    session.add(JobEvent(job_id=job.id, at=now, from_state=current, to_state=target, kind="transition", message=message, data=data))
+    session.flush()
+    return job
+
+
+def cancel_job(session: Session, job_id: str) -> Job:
+    """Cancel at once in the database; the dispatcher then stops the Ray job (see attempts_to_close)."""
+    job = lock_job(session, job_id)
+    if job.state in TERMINAL:
+        raise JobConflict(f"job {job_id} already finished as {job.state}; there is nothing to cancel")
+    job.cancel_requested = True
+    return transition(session, job, JobState.CANCELLED, "cancelled on request")
+
+
+def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, offset: int = 0) -> Page[Job]:
+    query = select(Job)
+    if state is not None:
+        query = query.where(Job.state == state)
+    return _page(session, query.order_by(Job.created_at.desc(), Job.id), limit, offset)
+
+
+def list_events(session: Session, job_id: str, limit: int = 1000, offset: int = 0) -> Page[JobEvent]:
+    get_job(session, job_id)
+    query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
+    return _page(session, query, limit, offset)
+
+
+def list_metrics(session: Session, job_id: str, limit: int = 1000, offset: int = 0) -> Page[Metric]:
+    get_job(session, job_id)
+    query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.attempt, Metric.step)
+    return _page(session, query, limit, offset)
+
+
+def list_checkpoints(session: Session, job_id: str, limit: int = 1000, offset: int = 0) -> Page[Checkpoint]:
+    get_job(session, job_id)
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.attempt, Checkpoint.step, Checkpoint.id)
+    return _page(session, query, limit, offset)
+
+
+def _page(session: Session, query: Select[T], limit: int, offset: int) -> Page[T]:
+    total = session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0
+    items = list(session.scalars(query.limit(limit).offset(offset)))
+    return Page(items=items, total=total, limit=limit, offset=offset)
+
+
+def apply_driver_report(session: Session, job_id: str, attempt_number: int, report: DriverReport) -> ReportResult:
+    """Store a driver's batch idempotently; a report from a superseded attempt or a finished job changes nothing."""
+    job = lock_job(session, job_id)
+    if attempt_number != job.attempt or job.state not in ACTIVE:
+        return ReportResult(state=JobState(job.state), accepted=False)
+    _upsert_metrics(session, job, report)
+    _insert_checkpoints(session, job, report)
+    if report.state is not None and report.state != job.state:
+        target = JobState(report.state)
+        transition(session, job, target, report.message or f"driver reported {target}", {"attempt": attempt_number})
+    return ReportResult(state=JobState(job.state), accepted=True)
+
+
+def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
+    """One row per (job, attempt, step): a replay or a later report for the step fills in its non-null fields."""
+    if not report.metrics:
+        return
+    steps = [point.step for point in report.metrics]
+    rows = session.scalars(
+        select(Metric).where(Metric.job_id == job.id, Metric.attempt == job.attempt, Metric.step.between(min(steps), max(steps)))
+    )
+    by_step = {row.step: row for row in rows}
+    now = utcnow()
+    for point in report.metrics:
+        values = point.model_dump(exclude={"step"}, exclude_none=True)
+        row = by_step.get(point.step)
+        if row is None:
+            row = by_step[point.step] = Metric(job_id=job.id, attempt=job.attempt, step=point.step, recorded_at=now, **values)
+            session.add(row)
+        else:
+            for field, value in values.items():
+                setattr(row, field, value)
+    session.flush()
+
+
+def _insert_checkpoints(session: Session, job: Job, report: DriverReport) -> None:
+    """A checkpoint is known by its URI; only the first report of it is stored and announced as an event."""
+    uris = {record.uri for record in report.checkpoints}
+    if not uris:
+        return
+    known = set(session.scalars(select(Checkpoint.uri).where(Checkpoint.job_id == job.id, Checkpoint.uri.in_(uris))))
+    now = utcnow()
+    for record in report.checkpoints:
+        if record.uri in known:
+            continue
+        known.add(record.uri)
+        session.add(
+            Checkpoint(
+                job_id=job.id,
+                attempt=job.attempt,
+                step=record.step,
+                uri=record.uri,
+                world_size=record.world_size,
+                final=record.final,
+                created_at=now,
+            )
+        )
+        session.add(
+            JobEvent(
+                job_id=job.id,
+                at=now,
+                kind="checkpoint",
+                message=f"{'final ' if record.final else ''}checkpoint at step {record.step}",
+                data={"attempt": job.attempt, **record.model_dump(mode="json")},
+            )
+        )
+    session.flush()
+
+
+def mark_admitted(
+    session: Session, job: Job, attempt_number: int, submission_id: str, placement_group: str | None, world_size: int | None
+) -> Job:
+    """Record a new attempt the dispatcher has placed on Ray and move the job to ADMITTED."""
+    job = lock_job(session, job.id)
+    if attempt_number <= job.attempt:
+        raise JobConflict(f"attempt {attempt_number} of job {job.id} is not newer than its attempt {job.attempt}")
+    job = transition(
+        session,
+        job,
+        JobState.ADMITTED,
+        f"attempt {attempt_number} admitted",
+        {"attempt": attempt_number, "submission_id": submission_id, "placement_group": placement_group, "world_size": world_size},
+    )
+    session.add(
+        Attempt(
+            job_id=job.id,
+            number=attempt_number,
+            submission_id=submission_id,
+            placement_group=placement_group,
+            world_size=world_size,
+            started_at=utcnow(),
+        )
+    )
+    job.attempt = attempt_number
+    job.submission_id = submission_id
+    job.lease_owner = job.lease_expires_at = None
+    session.flush()
+    return job
+
+
+def requeue(session: Session, job: Job, message: str, *, failure: bool = False) -> Job:
+    """Put an admitted job back in the queue; a counted failure beyond spec.max_failures fails it instead."""
+    job = lock_job(session, job.id)
+    job.lease_owner = job.lease_expires_at = None
+    if failure:
+        job.failures += 1
+        max_failures = JobSpec.model_validate(job.spec).max_failures
+        if job.failures > max_failures:
+            return transition(session, job, JobState.FAILED, f"{message} (failure {job.failures}, max_failures {max_failures})")
+    return transition(session, job, JobState.QUEUED, message, {"attempt": job.attempt, "failures": job.failures})
+
+
+def attempts_to_close(session: Session) -> list[Attempt]:
+    """Open attempts that are no longer the live attempt of a live job: their Ray job and placement group must go."""
+    superseded: ColumnElement[bool] = or_(
+        Job.state.in_(TERMINAL), Job.state == JobState.QUEUED, Job.attempt != Attempt.number
+    )
+    query = select(Attempt).join(Job, Job.id == Attempt.job_id).where(Attempt.ended_at.is_(None), superseded)
+    return list(session.scalars(query.order_by(Attempt.id)))
+
+
+def close_attempt(session: Session, attempt: Attempt, outcome: str) -> Attempt:
+    """Mark an attempt's Ray resources as released; a second close (another replica) changes nothing."""
+    row = session.get(Attempt, attempt.id, with_for_update=True, populate_existing=True)
+    if row is None:
+        raise JobConflict(f"attempt {attempt.id} does not exist")
+    if row.ended_at is None:
+        row.ended_at = utcnow()
+        row.outcome = outcome
+        session.add(
+            JobEvent(
+                job_id=row.job_id,
+                at=row.ended_at,
+                kind="info",
+                message=f"attempt {row.number} closed: {outcome}",
+                data={"attempt": row.number, "submission_id": row.submission_id, "outcome": outcome},
+            )
+        )
+        session.flush()
+    return row

@@ -1,0 +1,51 @@
+"""The job queue: dispatchers claim QUEUED jobs with a lease so that no job is dispatched twice.
+
+A claim is one short transaction. On PostgreSQL, ``SELECT … FOR UPDATE SKIP LOCKED`` lets
+concurrent claimers pass over each other's rows instead of queueing behind them (and a row
+committed by another claimer meanwhile is re-checked against the lease condition). SQLite has no
+row locks: the engine opens every transaction with ``BEGIN IMMEDIATE`` (service/db.py), so
+claims are serialized by the database write lock and the second claimer sees the first's lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from datetime import timedelta
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import session_scope
+from service.models import Job, utcnow
+from service.states import JobState
+
+
+def claim_next(sessions: sessionmaker[Session], owner: str, lease_s: float, skip_ids: Set[str] = frozenset()) -> Job | None:
+    """Lease the highest-priority, then oldest, QUEUED job nobody holds; None when there is none."""
+    with session_scope(sessions) as session:
+        now = utcnow()
+        query = (
+            select(Job)
+            .where(Job.state == JobState.QUEUED, or_(Job.lease_expires_at.is_(None), Job.lease_expires_at <= now))
+            .order_by(Job.priority.desc(), Job.created_at, Job.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        )
+        if skip_ids:
+            query = query.where(Job.id.not_in(skip_ids))
+        job = session.scalars(query).first()
+        if job is None:
+            return None
+        job.lease_owner = owner
+        job.lease_expires_at = now + timedelta(seconds=lease_s)
+    return job
+
+
+def release(sessions: sessionmaker[Session], job_id: str, owner: str) -> bool:
+    """Give a claimed job back at once (e.g. no room on the cluster yet); False when owner no longer holds it."""
+    with session_scope(sessions) as session:
+        job = session.get(Job, job_id, with_for_update=True)
+        if job is None or job.lease_owner != owner:
+            return False
+        job.lease_owner = job.lease_expires_at = None
+        return True

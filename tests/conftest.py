@@ -1,0 +1,70 @@
+"""Shared fixtures: an in-process one-rank gloo group for tests that need collectives but not peers,
+and the databases every control-plane test runs on (SQLite, and PostgreSQL in a fresh schema)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Iterator
+
+import pytest
+import torch.distributed as dist
+from sqlalchemy import Engine, create_engine
+
+from process_group import free_port
+from service.db import Database, upgrade_schema
+
+POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _postgres_admin_url() -> str:
+    """The server to create test schemas on; missing is a skip locally but a failure in CI."""
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        message = f"{POSTGRES_ENV} is not set (e.g. postgresql+psycopg://user:password@127.0.0.1:5432/postgres)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL tests must run in CI: {message}")
+        pytest.skip(message)
+    return url
+
+
+@pytest.fixture(scope="session")
+def postgres_admin() -> Iterator[Engine]:
+    engine = create_engine(_postgres_admin_url(), isolation_level="AUTOCOMMIT")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An empty database: a SQLite file, or a fresh PostgreSQL schema (much cheaper than CREATE DATABASE)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'ringmaster.db'}"
+        return
+    admin: Engine = request.getfixturevalue("postgres_admin")
+    schema = f"test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        url = admin.url.update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    upgrade_schema(db_url)
+    database = Database.connect(db_url)
+    yield database
+    database.dispose()

@@ -1,0 +1,129 @@
+"""Job lifecycle rules in service.jobs: one event per transition, timestamps, attempts and failure counting."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from service.db import Database, session_scope
+from service.errors import JobConflict
+from service.jobs import (
+    attempts_to_close,
+    close_attempt,
+    get_job,
+    list_events,
+    mark_admitted,
+    requeue,
+    submit_job,
+    transition,
+)
+from service.models import Attempt, JobEvent
+from service.spec import JobSpec
+from service.states import IllegalTransition, JobState
+
+
+def _submit(db: Database, max_failures: int = 3) -> str:
+    with session_scope(db.sessions) as session:
+        return submit_job(session, JobSpec(name="job", model="mlp", max_failures=max_failures)).id
+
+
+def _admit(db: Database, job_id: str, number: int) -> None:
+    with session_scope(db.sessions) as session:
+        mark_admitted(session, get_job(session, job_id), number, f"ringmaster-{job_id}-{number}", f"pg-{number}", 2)
+
+
+def _events(db: Database, job_id: str) -> list[tuple[str | None, str | None, str]]:
+    with session_scope(db.sessions) as session:
+        return [(e.from_state, e.to_state, e.kind) for e in list_events(session, job_id).items]
+
+
+def test_submit_records_the_queued_event_with_the_job(db: Database) -> None:
+    job_id = _submit(db)
+    assert _events(db, job_id) == [(None, "QUEUED", "transition")]
+
+
+def test_transition_stamps_times_and_writes_one_event_each(db: Database) -> None:
+    job_id = _submit(db)
+    _admit(db, job_id, 1)
+    with session_scope(db.sessions) as session:
+        job = transition(session, get_job(session, job_id), JobState.RUNNING, "driver up")
+        assert job.started_at is not None and job.finished_at is None
+        job = transition(session, job, JobState.FAILED, "boom")
+        assert (job.state, job.error) == (JobState.FAILED, "boom")
+        assert job.admitted_at is not None and job.started_at is not None and job.finished_at is not None
+        assert job.admitted_at <= job.started_at <= job.finished_at
+    assert _events(db, job_id)[1:] == [
+        ("QUEUED", "ADMITTED", "transition"),
+        ("ADMITTED", "RUNNING", "transition"),
+        ("RUNNING", "FAILED", "transition"),
+    ]
+
+
+def test_illegal_transition_raises_and_writes_nothing(db: Database) -> None:
+    job_id = _submit(db)
+    with pytest.raises(IllegalTransition), session_scope(db.sessions) as session:
+        transition(session, get_job(session, job_id), JobState.SUCCEEDED, "too early")
+    with session_scope(db.sessions) as session:
+        assert get_job(session, job_id).state == JobState.QUEUED
+        assert session.scalar(select(func.count()).select_from(JobEvent)) == 1
+
+
+def test_mark_admitted_records_the_attempt_and_clears_the_lease(db: Database) -> None:
+    job_id = _submit(db)
+    with session_scope(db.sessions) as session:
+        get_job(session, job_id).lease_owner = "d1"
+    _admit(db, job_id, 1)
+    with session_scope(db.sessions) as session:
+        job = get_job(session, job_id)
+        assert (job.state, job.attempt, job.submission_id, job.lease_owner) == ("ADMITTED", 1, f"ringmaster-{job_id}-1", None)
+        [attempt] = session.scalars(select(Attempt)).all()
+        assert (attempt.number, attempt.placement_group, attempt.world_size, attempt.ended_at) == (1, "pg-1", 2, None)
+
+
+def test_mark_admitted_twice_is_a_conflict(db: Database) -> None:
+    job_id = _submit(db)
+    _admit(db, job_id, 1)
+    with pytest.raises(JobConflict):
+        _admit(db, job_id, 1)
+    with pytest.raises(IllegalTransition):
+        _admit(db, job_id, 2)
+
+
+def test_requeue_counts_failures_and_fails_after_max_failures(db: Database) -> None:
+    job_id = _submit(db, max_failures=1)
+    _admit(db, job_id, 1)
+    with session_scope(db.sessions) as session:
+        job = requeue(session, get_job(session, job_id), "driver did not start", failure=True)
+        assert (job.state, job.failures) == (JobState.QUEUED, 1)
+    _admit(db, job_id, 2)
+    with session_scope(db.sessions) as session:
+        job = requeue(session, get_job(session, job_id), "driver did not start", failure=True)
+        assert (job.state, job.failures) == (JobState.FAILED, 2)
+        assert job.error is not None and "driver did not start" in job.error
+
+
+def test_requeue_without_failure_keeps_the_count(db: Database) -> None:
+    job_id = _submit(db, max_failures=0)
+    _admit(db, job_id, 1)
+    with session_scope(db.sessions) as session:
+        job = requeue(session, get_job(session, job_id), "preempted")
+        assert (job.state, job.failures) == (JobState.QUEUED, 0)
+
+
+def test_attempts_to_close_lists_attempts_of_finished_or_requeued_jobs_once(db: Database) -> None:
+    live, cancelled, requeued = _submit(db), _submit(db), _submit(db)
+    for job_id in (live, cancelled, requeued):
+        _admit(db, job_id, 1)
+    with session_scope(db.sessions) as session:
+        transition(session, get_job(session, cancelled), JobState.CANCELLED, "user")
+        requeue(session, get_job(session, requeued), "lost")
+    with session_scope(db.sessions) as session:
+        closable = attempts_to_close(session)
+        assert sorted(a.job_id for a in closable) == sorted([cancelled, requeued])
+        for attempt in closable:
+            close_attempt(session, attempt, "stopped")
+        again = close_attempt(session, closable[0], "stopped twice")
+        assert again.outcome == "stopped"
+    with session_scope(db.sessions) as session:
+        assert attempts_to_close(session) == []
+    assert [kind for _, _, kind in _events(db, cancelled)].count("info") == 1

@@ -1,0 +1,69 @@
+"""JobSpec rejects bad input with messages that name the offending field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from service.spec import JobSpec, parse_spec_text
+
+
+def _errors(**fields: Any) -> list[ErrorDetails]:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"name": "job", "model": "mlp", **fields})
+    return info.value.errors()
+
+
+def test_workers_min_above_max_names_both_fields() -> None:
+    [error] = _errors(workers={"min": 4, "max": 2})
+    assert error["loc"] == ("workers",)
+    assert "workers.min (4)" in error["msg"] and "workers.max (2)" in error["msg"]
+
+
+def test_global_batch_not_divisible_names_the_field_and_the_world_size() -> None:
+    [error] = _errors(workers={"min": 1, "max": 3}, train={"global_batch_size": 8, "micro_batch_size": 4})
+    assert "train.global_batch_size (8)" in error["msg"]
+    assert "4 × 3 = 12" in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "loc"),
+    [({"optimizer": "adam"}, ("optimizer",)), ({"workers": {"gpus": 1}}, ("workers", "gpus")), ({"train": {"epochs": 2}}, ("train", "epochs"))],
+)
+def test_unknown_field_is_rejected_at_its_path(fields: dict[str, Any], loc: tuple[str, ...]) -> None:
+    [error] = _errors(**fields)
+    assert (error["type"], error["loc"]) == ("extra_forbidden", loc)
+
+
+def test_unknown_model_name_lists_the_choices() -> None:
+    [error] = _errors(model="resnet50")
+    assert error["loc"] == ("model",)
+    assert "'resnet50'" in error["msg"] and "mlp, tiny-gpt" in error["msg"]
+
+
+@pytest.mark.parametrize("name", ["Upper", "has space", "-leading", "trailing-", "x" * 65, ""])
+def test_bad_job_name_is_rejected_on_name(name: str) -> None:
+    [error] = _errors(name=name)
+    assert error["loc"] == ("name",)
+
+
+def test_user_entrypoint_model_is_accepted_and_defaults_to_user_data() -> None:
+    spec = JobSpec(name="mine", model="my_pkg.models:build")
+    assert spec.data == "user"
+
+
+def test_yaml_spec_equals_the_same_spec_in_json() -> None:
+    text = "name: gpt\nmodel: tiny-gpt\nworkers: {min: 2, max: 4}\ntrain: {global_batch_size: 48, micro_batch_size: 4}\n"
+    expected = JobSpec.model_validate(
+        {"name": "gpt", "model": "tiny-gpt", "workers": {"min": 2, "max": 4}, "train": {"global_batch_size": 48, "micro_batch_size": 4}}
+    )
+    assert parse_spec_text(text) == expected
+    assert expected.data == "pysource"
+
+
+def test_yaml_that_is_not_a_mapping_is_rejected() -> None:
+    with pytest.raises(ValueError, match="mapping"):
+        parse_spec_text("- name: job\n")

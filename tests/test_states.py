@@ -1,0 +1,33 @@
+"""The job state machine: exactly the documented transitions are legal."""
+
+from __future__ import annotations
+
+from itertools import product
+
+import pytest
+
+from service.states import TERMINAL, IllegalTransition, JobState, check_transition
+
+Q, A, R, S, F, C = (JobState.QUEUED, JobState.ADMITTED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+LEGAL = {
+    (Q, A), (Q, C), (Q, F),
+    (A, R), (A, Q), (A, F), (A, C),
+    (R, S), (R, F), (R, C),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("current", "target"), list(product(JobState, JobState)), ids=lambda state: state.value)
+def test_transition_is_legal_exactly_when_listed(current: JobState, target: JobState) -> None:
+    if (current, target) in LEGAL:
+        check_transition(current, target)
+    else:
+        with pytest.raises(IllegalTransition, match=f"from {current} to {target}"):
+            check_transition(current, target)
+
+
+def test_terminal_states_have_no_way_out() -> None:
+    assert TERMINAL == {S, F, C}
+    for current, target in product(TERMINAL, JobState):
+        with pytest.raises(IllegalTransition):
+            check_transition(current, target)
