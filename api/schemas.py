@@ -87,6 +87,7 @@ class MetricOut(BaseModel):
     val_loss: float | None
     samples_per_s: float | None
     step_time_s: float | None
+    wall_time: float | None = Field(description="Unix time at which the step finished on rank 0.")
     lr: float | None
     world_size: int | None
     recorded_at: datetime
@@ -100,6 +101,7 @@ class MetricOut(BaseModel):
             val_loss=metric.val_loss,
             samples_per_s=metric.samples_per_s,
             step_time_s=metric.step_time_s,
+            wall_time=metric.wall_time,
             lr=metric.lr,
             world_size=metric.world_size,
             recorded_at=metric.recorded_at,

@@ -127,6 +127,7 @@ class Metric(Base):
     val_loss: Mapped[float | None] = mapped_column(Float)
     samples_per_s: Mapped[float | None] = mapped_column(Float)
     step_time_s: Mapped[float | None] = mapped_column(Float)
+    wall_time: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float | None] = mapped_column(Float)
     world_size: Mapped[int | None] = mapped_column(Integer)
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)

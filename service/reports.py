@@ -15,6 +15,7 @@ class MetricPoint(BaseModel):
     val_loss: float | None = None
     samples_per_s: float | None = None
     step_time_s: float | None = None
+    wall_time: float | None = Field(default=None, description="Unix time at which rank 0 finished the step.")
     lr: float | None = None
     world_size: int | None = None
 

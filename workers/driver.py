@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import re
 import signal
 import sys
 import time
@@ -33,6 +34,15 @@ COLLECTIVE_TIMEOUT_S = 60.0
 _MAX_MESSAGE = 20_000
 
 
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def describe_task_error(error: RayTaskError) -> str:
+    """The remote traceback as plain text, headed by where it was raised."""
+    where, _, frames = _ANSI_ESCAPE.sub("", str(error)).partition("\n")
+    return f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n{frames}"
+
+
 class JobDriver:
     def __init__(self, spec: JobSpec, job_id: str, placement_group_name: str, storage_uri: str, reporter: Reporter) -> None:
         self.spec = spec
@@ -51,7 +61,7 @@ class JobDriver:
             self.reporter.report(state="RUNNING", message=f"training on {self.workers.world_size} workers across {nodes} node(s)")
             results = self._train()
         except RayTaskError as error:
-            self._fail(f"training raised an exception:\n{error}")
+            self._fail(describe_task_error(error))
             return 1
         except RayActorError as error:
             self._fail(f"a worker died: {error}")

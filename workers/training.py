@@ -137,6 +137,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
                     loss=loss,
                     samples_per_s=spec.train.global_batch_size / step_time,
                     step_time_s=step_time,
+                    wall_time=time.time(),
                     lr=lr,
                     world_size=ctx.world_size,
                 )

@@ -85,6 +85,7 @@ def upgrade() -> None:
         sa.Column("val_loss", sa.Float(), nullable=True),
         sa.Column("samples_per_s", sa.Float(), nullable=True),
         sa.Column("step_time_s", sa.Float(), nullable=True),
+        sa.Column("wall_time", sa.Float(), nullable=True),
         sa.Column("lr", sa.Float(), nullable=True),
         sa.Column("world_size", sa.Integer(), nullable=True),
         sa.Column("recorded_at", _utc(), nullable=False),
