@@ -29,6 +29,21 @@ class CheckpointRecord(BaseModel):
     final: bool = False
 
 
+class RankMemory(BaseModel):
+    """Bytes of training state one rank holds, measured from its tensors after the first optimizer step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=0)
+    parameter_count: int = Field(ge=0, description="Parameters of the whole (unsharded) model.")
+    parameters_bytes: int = Field(ge=0)
+    gradients_bytes: int = Field(ge=0)
+    optimizer_bytes: int = Field(ge=0)
+    dp: int = Field(ge=1)
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+
+
 class DriverReport(BaseModel):
     """One batch from the driver. ``state`` moves the job; metrics and checkpoints are upserted."""
 
@@ -38,3 +53,4 @@ class DriverReport(BaseModel):
     message: str | None = Field(default=None, max_length=100_000)
     metrics: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list, max_length=1000)
+    memory: list[RankMemory] = Field(default_factory=list, max_length=4096)

@@ -29,6 +29,7 @@ class WorkersSpec(_Strict):
     max: int = Field(default=1, ge=1, le=1024, description="Most workers the job may run with.")
     gpus_per_worker: int = Field(default=0, ge=0, le=16, description="GPUs per worker actor; 0 trains on CPU with gloo.")
     cpus_per_worker: float = Field(default=1, gt=0, le=256, description="CPUs per worker actor; also its torch thread count.")
+    gpu_memory_gb: float | None = Field(default=None, gt=0, le=4096, description="Memory of each GPU, for the planner's fit check at submit.")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "WorkersSpec":
@@ -49,6 +50,20 @@ class TrainSpec(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
+STRATEGIES = ("ddp", "zero1", "fsdp", "pipeline", "tensor", "3d", "auto")
+
+
+class ParallelSpec(_Strict):
+    """How the model is split; which fields apply depends on the strategy."""
+
+    shard: Literal["zero2", "zero3", "hybrid"] = Field(default="zero3", description="fsdp/3d: what FSDP shards; hybrid shards within a node and replicates across nodes.")
+    tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree (tensor, 3d); its group stays inside a node.")
+    pp: int = Field(default=1, ge=1, le=64, description="Pipeline stages (pipeline, 3d).")
+    microbatches: int = Field(default=8, ge=1, le=4096, description="Pipeline micro-batches of micro_batch_size per step and data-parallel replica.")
+    schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks (virtual stages) per pipeline rank.")
+
+
 class CheckpointSpec(_Strict):
     every_steps: int = Field(default=0, ge=0, description="0 writes only the final checkpoint.")
     keep: int = Field(default=2, ge=1, le=1000)
@@ -59,7 +74,8 @@ class JobSpec(_Strict):
     model: str = Field(description="Built-in model name, or 'package.module:function' for user code.")
     data: str | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic') or 'user'; default follows the model.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "zero1", "fsdp", "pipeline", "tensor", "3d", "auto"] = "ddp"
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     workers: WorkersSpec = Field(default_factory=WorkersSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -88,25 +104,63 @@ class JobSpec(_Strict):
             raise ValueError(f"data: model {self.model!r} trains on {BUILTIN_DATA[self.model]!r}, got {self.data!r}")
         if self.model not in BUILTIN_DATA and self.data not in (USER_DATA, *BUILTIN_DATA.values()):
             raise ValueError(f"data: must be 'user' (from the entrypoint) or one of {sorted(set(BUILTIN_DATA.values()))}, got {self.data!r}")
+        self._check_parallel_fields()
         train = self.train
         for world in range(self.workers.min, self.workers.max + 1):
-            per_step = train.micro_batch_size * world
+            model_parallel = self.parallel.tp * self.parallel.pp
+            if world % model_parallel:
+                raise ValueError(
+                    f"workers: every world size in [{self.workers.min}, {self.workers.max}] must be a multiple of "
+                    f"parallel.tp × parallel.pp ({self.parallel.tp} × {self.parallel.pp} = {model_parallel}); {world} is not"
+                )
+            per_step = self.samples_per_micro_step(world)
             if train.global_batch_size % per_step:
                 raise ValueError(
                     f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
-                    f"micro_batch_size × world size ({train.micro_batch_size} × {world} = {per_step}) "
+                    f"{self._micro_step_formula(world)} = {per_step}) "
                     f"for every world size in workers [{self.workers.min}, {self.workers.max}]"
                 )
         if train.warmup_steps > train.steps:
             raise ValueError(f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})")
         return self
 
+    def _check_parallel_fields(self) -> None:
+        parallel, strategy = self.parallel, self.strategy
+        if strategy in ("ddp", "zero1", "fsdp", "auto") and (parallel.tp, parallel.pp) != (1, 1):
+            raise ValueError(f"parallel.tp and parallel.pp apply to strategies tensor, pipeline and 3d, not {strategy!r}")
+        if strategy == "tensor" and (parallel.tp < 2 or parallel.pp != 1):
+            raise ValueError("strategy 'tensor' needs parallel.tp >= 2 and parallel.pp = 1")
+        if strategy == "pipeline" and (parallel.pp < 2 or parallel.tp != 1):
+            raise ValueError("strategy 'pipeline' needs parallel.pp >= 2 and parallel.tp = 1")
+        if parallel.shard == "hybrid" and strategy not in ("fsdp", "3d"):
+            raise ValueError(f"parallel.shard 'hybrid' applies to strategies fsdp and 3d, not {strategy!r}")
+        if parallel.schedule == "interleaved1f1b" and parallel.pp > 1 and parallel.microbatches % parallel.pp:
+            raise ValueError(f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Replicas of the model: what is left of the world after tensor and pipeline splits."""
+        return world_size // (self.parallel.tp * self.parallel.pp)
+
+    def samples_per_micro_step(self, world_size: int) -> int:
+        """Samples one gradient-accumulation micro-step consumes across the whole world."""
+        microbatches = self.parallel.microbatches if self.parallel.pp > 1 else 1
+        return self.train.micro_batch_size * microbatches * self.data_parallel_size(world_size)
+
+    def _micro_step_formula(self, world_size: int) -> str:
+        dp = self.data_parallel_size(world_size)
+        if self.parallel.pp > 1:
+            return f"micro_batch_size × parallel.microbatches × data-parallel size ({self.train.micro_batch_size} × {self.parallel.microbatches} × {dp}"
+        if self.parallel.tp > 1:
+            return f"micro_batch_size × data-parallel size ({self.train.micro_batch_size} × {dp}"
+        return f"micro_batch_size × world size ({self.train.micro_batch_size} × {world_size}"
+
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step that keep the global batch fixed at this world size."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+        return self.train.global_batch_size // self.samples_per_micro_step(world_size)
 
     def scaled_lr(self, world_size: int) -> float:
-        return self.train.lr * world_size if self.train.lr_scaling == "linear" else self.train.lr
+        """lr_scaling: linear multiplies lr by the number of data-parallel replicas (one replica = lr)."""
+        return self.train.lr * self.data_parallel_size(world_size) if self.train.lr_scaling == "linear" else self.train.lr
 
     def spec_hash(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)

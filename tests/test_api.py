@@ -56,7 +56,7 @@ def _total_jobs(client: TestClient) -> int:
 def test_submit_json_returns_the_queued_job(client: TestClient) -> None:
     job = _submit(client, priority=7)
     assert job["state"] == "QUEUED" and job["attempt"] == 0 and job["priority"] == 7
-    assert job["spec"]["data"] == "synthetic" and job["spec"]["workers"] == {"min": 1, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1.0}
+    assert job["spec"]["data"] == "synthetic" and job["spec"]["workers"] == {"min": 1, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1.0, "gpu_memory_gb": None}
     assert job["ray_job_id"] is None and job["dashboard_url"] is None
     assert job["created_at"].endswith("Z") and job["started_at"] is None
     assert client.get(f"/v1/jobs/{job['id']}").json() == job
