@@ -68,3 +68,18 @@ def db(db_url: str) -> Iterator[Database]:
     database = Database.connect(db_url)
     yield database
     database.dispose()
+
+
+@pytest.fixture(scope="session")
+def ray_server(tmp_path_factory: pytest.TempPathFactory):
+    """One Ray head and control plane for every test that runs jobs on Ray (starting one takes ~10 s)."""
+    from tests.ray_cluster import running_control_plane
+
+    yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"))
+
+
+@pytest.fixture
+def client(ray_server):
+    from service.client import RingmasterClient
+
+    return RingmasterClient(ray_server.url)

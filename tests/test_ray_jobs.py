@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import sys
 import time
 from pathlib import Path
 
@@ -12,40 +10,10 @@ import pytest
 import ray
 import yaml
 
-from api.server import BackgroundServer
 from service.client import RingmasterClient
-from service.embedded_ray import start_head, stop_head
-from service.settings import Settings
+from tests.ray_cluster import CLUSTER_CPUS, REPO_ROOT, wait_for_state as _wait
 
 pytestmark = pytest.mark.integration
-
-CLUSTER_CPUS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    data_dir = tmp_path_factory.mktemp("ringmaster")
-    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
-    settings = Settings(
-        data_dir=data_dir, ray_address=head.gcs_address, ray_dashboard_url=head.dashboard_url,
-        api_port=_free_port(), driver_python=sys.executable, code_path=str(Path(__file__).resolve().parents[1]),
-    )
-    try:
-        with BackgroundServer(settings) as running:
-            yield running
-    finally:
-        stop_head(head)
-
-
-@pytest.fixture
-def client(server: BackgroundServer) -> RingmasterClient:
-    return RingmasterClient(server.url)
 
 
 def _spec(name: str, **overrides) -> dict:
@@ -57,14 +25,6 @@ def _spec(name: str, **overrides) -> dict:
     }
     spec.update(overrides)
     return spec
-
-
-def _wait(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while (job := client.job(job_id))["state"] not in states:
-        assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s}s"
-        time.sleep(0.25)
-    return job
 
 
 def _cluster_is_idle(timeout_s: float) -> bool:
@@ -139,7 +99,7 @@ def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(cli
 
 
 def test_user_entrypoint_trains_through_ray(client: RingmasterClient):
-    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "user-model.yaml").read_text())
+    spec = yaml.safe_load((REPO_ROOT / "examples" / "user-model.yaml").read_text())
     spec["train"]["steps"] = 10
     job = client.submit(spec)
     done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
@@ -149,7 +109,7 @@ def test_user_entrypoint_trains_through_ray(client: RingmasterClient):
 
 
 def test_exception_in_user_code_fails_the_job_once_with_its_traceback(client: RingmasterClient):
-    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "user-model.yaml").read_text())
+    spec = yaml.safe_load((REPO_ROOT / "examples" / "user-model.yaml").read_text())
     spec["model_options"]["text_path"] = "/nonexistent/corpus.txt"
     job = client.submit(spec)
     done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})

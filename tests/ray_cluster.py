@@ -1,0 +1,45 @@
+"""A real local Ray head and a running control plane, shared by the tests that go through Ray."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from api.server import BackgroundServer
+from service.client import RingmasterClient
+from service.embedded_ray import start_head, stop_head
+from service.settings import Settings
+
+CLUSTER_CPUS = 4
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def running_control_plane(data_dir: Path) -> Iterator[BackgroundServer]:
+    """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards."""
+    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
+    settings = Settings(
+        data_dir=data_dir, ray_address=head.gcs_address, ray_dashboard_url=head.dashboard_url,
+        api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
+    )
+    try:
+        with BackgroundServer(settings) as running:
+            yield running
+    finally:
+        stop_head(head)
+
+
+def wait_for_state(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (job := client.job(job_id))["state"] not in states:
+        assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s}s"
+        time.sleep(0.25)
+    return job
