@@ -67,6 +67,8 @@ class ControlPlane:
         return create_app(self.settings, start_background=self.start_dispatcher, logs_provider=self.logs)
 
     def close(self) -> None:
+        """Leave the cluster before an embedded head goes, so Ray's exit hook does not wait on a dead GCS."""
+        self.cluster.disconnect()
         if self.head is not None:
             stop_head(self.head, self.settings.data_dir)
 

@@ -69,7 +69,6 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
     port, dashboard_port = _free_port(), _free_port()
     command = [
         _ray_executable(), "start", "--head", "--block",
-        "--node-ip-address", "127.0.0.1",
         "--port", str(port),
         "--dashboard-host", "127.0.0.1",
         "--dashboard-port", str(dashboard_port),

@@ -64,6 +64,14 @@ class RayCluster:
                 self._jobs = JobSubmissionClient(self.dashboard_url)
         return ray, self._jobs
 
+    def disconnect(self) -> None:
+        import ray
+
+        with self._lock:
+            if ray.is_initialized():
+                ray.shutdown()
+            self._jobs = None
+
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         """All-or-nothing: a placement group of these bundles is ready within wait_s, or nothing is held."""
         ray, _ = self._connect()

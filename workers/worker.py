@@ -45,8 +45,6 @@ class TrainWorker:
 
         # One intra-op thread per CPU granted: oversubscribing the node's cores slows every rank.
         torch.set_num_threads(max(1, int(self._cpus)))
-        if master_addr.startswith("127."):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         backend = "nccl" if self._uses_gpu else "gloo"
         if self._uses_gpu:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.

@@ -1,0 +1,96 @@
+"""What ringmaster costs over bare torchrun, for the same model, world size and steps.
+
+    python bench/overhead.py [--workers 2] [--steps 150] [--rounds 3]
+
+(a) trains tiny-gpt through ringmaster: REST submit → queue → Ray job → worker actors;
+(b) trains it with bench/bare_torchrun.py under torchrun. Rounds alternate a and b so machine
+noise hits both. Prints steady-state steps/s of each (wall clock between step ends, first
+--skip-steps left out), their ratio (goal ≥ 0.97), and submit-to-first-step time on a warm
+cluster (goal ≤ 5 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from service.client import RingmasterClient  # noqa: E402
+from tests.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-steps", type=int, default=10)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    return parser.parse_args()
+
+
+def bare_torchrun(args: argparse.Namespace) -> float:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
+               str(REPO / "bench" / "bare_torchrun.py"), "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
+               "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    return json.loads(output.strip().splitlines()[-1])["steps_per_s_steady"]
+
+
+def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
+    return {
+        "name": name, "model": "tiny-gpt", "strategy": "ddp",
+        "workers": {"min": args.workers, "max": args.workers, "cpus_per_worker": 1},
+        "train": {"steps": steps, "global_batch_size": args.global_batch_size,
+                  "micro_batch_size": args.micro_batch_size, "lr": 0.001, "seed": 0},
+        "checkpoint": {"every_steps": 0, "keep": 1},
+    }
+
+
+def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, float]:
+    """Steady steps/s from the steps' wall times, and seconds from submit to the end of step 1."""
+    submitted = time.time()
+    job = client.submit(job_spec(args, name, args.steps))
+    done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600)
+    if done["state"] != "SUCCEEDED":
+        raise SystemExit(f"job {job['id']} ended {done['state']}: {done['error']}")
+    times = {row["step"]: row["wall_time"] for row in client.metrics(job["id"])["items"] if row["wall_time"]}
+    steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
+    return steady, times[1] - submitted
+
+
+def main() -> None:
+    args = parse_args()
+    bare, managed, first_step = [], [], []
+    with tempfile.TemporaryDirectory() as data_dir:
+        for server in running_control_plane(Path(data_dir)):
+            client = RingmasterClient(server.url)
+            through_ringmaster(client, args, "warm-up")  # a warm cluster: worker processes exist, imports cached
+            for round_index in range(args.rounds):
+                bare.append(bare_torchrun(args))
+                steady, to_first_step = through_ringmaster(client, args, f"overhead-{round_index}")
+                managed.append(steady)
+                first_step.append(to_first_step)
+                print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
+                      f"submit→first step {to_first_step:.2f} s", flush=True)
+    ratio = statistics.median(managed) / statistics.median(bare)
+    print(json.dumps({
+        "workers": args.workers, "steps": args.steps, "rounds": args.rounds,
+        "bare_steps_per_s_median": round(statistics.median(bare), 3),
+        "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
+        "ratio": round(ratio, 3), "ratio_goal": 0.97,
+        "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
+    }))
+
+
+if __name__ == "__main__":
+    main()
