@@ -10,8 +10,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from api.errors import install_error_handlers
-from api.routes import health, internal, jobs
+from api.routes import health, internal, jobs, plan
 from service.db import Database, upgrade_schema
+from service.job_plan import ClusterShapeProvider
 from service.settings import Settings, get_settings
 from service.spec import JobSpec
 
@@ -27,8 +28,13 @@ def create_app(
     *,
     start_background: BackgroundStarter | None = None,
     logs_provider: LogsProvider | None = None,
+    cluster_shape_provider: ClusterShapeProvider | None = None,
 ) -> FastAPI:
-    """Build the API; without start_background it only records jobs (nothing dispatches them)."""
+    """Build the API; without start_background it only records jobs (nothing dispatches them).
+
+    cluster_shape_provider tells submit the shape of the nodes (tp must divide the workers per node);
+    when it is absent or returns None, the settings' gpus_per_node / cpus_per_node are used, if set.
+    """
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -47,8 +53,10 @@ def create_app(
     app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan)
     app.state.settings = settings
     app.state.logs_provider = logs_provider
+    app.state.cluster_shape_provider = cluster_shape_provider
     install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(plan.router)
     app.include_router(internal.router)
     app.include_router(health.router)
     _document_spec_schema(app)

@@ -15,7 +15,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable
+from service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable, PlanError
 from service.states import IllegalTransition
 
 _SOURCES = ("body", "query", "path", "header", "cookie")
@@ -60,6 +60,12 @@ async def _invalid_spec(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=422, content={"detail": readable_errors(exc.errors, prefix=("body",))})
 
 
+async def _plan_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, PlanError)
+    error = {"type": "plan_invalid", "loc": tuple(exc.field.split(".")) if exc.field else (), "msg": str(exc)}
+    return JSONResponse(status_code=422, content={"detail": readable_errors([error], prefix=("body",))})
+
+
 async def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     return JSONResponse(status_code=422, content={"detail": readable_errors(exc.errors())})
@@ -71,4 +77,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(LogsUnavailable, _unavailable)
     app.add_exception_handler(InvalidSpec, _invalid_spec)
+    app.add_exception_handler(PlanError, _plan_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service import jobs
+from service import jobs, planner
 from service.models import Checkpoint, Job, JobEvent, Metric
 from service.settings import Settings
 from service.states import JobState
@@ -56,11 +56,61 @@ class JobOut(BaseModel):
         )
 
 
+class StateBytesOut(BaseModel):
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    total_bytes: int
+
+
+class RankMemoryOut(BaseModel):
+    """One rank's training-state bytes as measured by the driver and as predicted by the planner."""
+
+    attempt: int
+    rank: int
+    parameter_count: int = Field(description="Parameters of the whole (unsharded) model, as the rank counted them.")
+    dp: int
+    tp: int
+    pp: int
+    measured: StateBytesOut
+    predicted: StateBytesOut | None = Field(description="The planner's bytes for this rank; null for hybrid sharding.")
+    ratio: float | None = Field(description="Measured total over predicted total.")
+    recorded_at: datetime
+
+    @classmethod
+    def from_comparison(cls, comparison: jobs.RankMemoryComparison) -> "RankMemoryOut":
+        row, predicted = comparison.measurement, comparison.predicted
+        measured = StateBytesOut(parameters_bytes=row.parameters_bytes, gradients_bytes=row.gradients_bytes,
+                                 optimizer_bytes=row.optimizer_bytes, total_bytes=comparison.measured_total)
+        return cls(
+            attempt=row.attempt,
+            rank=row.rank,
+            parameter_count=row.parameter_count,
+            dp=row.dp,
+            tp=row.tp,
+            pp=row.pp,
+            measured=measured,
+            predicted=None if predicted is None else StateBytesOut(
+                parameters_bytes=round(predicted.parameters), gradients_bytes=round(predicted.gradients),
+                optimizer_bytes=round(predicted.optimizer), total_bytes=round(predicted.total)),
+            ratio=comparison.ratio,
+            recorded_at=row.recorded_at,
+        )
+
+
+class JobDetailOut(JobOut):
+    memory: list[RankMemoryOut] = Field(description="Per attempt and rank: training-state bytes measured beside predicted.")
+
+    @classmethod
+    def from_job(cls, job: Job, settings: Settings, memory: list[jobs.RankMemoryComparison]) -> "JobDetailOut":
+        return cls(**JobOut.from_row(job, settings).model_dump(), memory=[RankMemoryOut.from_comparison(m) for m in memory])
+
+
 class EventOut(BaseModel):
     id: int
     job_id: str
     at: datetime
-    kind: str = Field(description="transition, checkpoint or info.")
+    kind: str = Field(description="transition, checkpoint, plan (how strategy auto was resolved) or info.")
     from_state: JobState | None
     to_state: JobState | None
     message: str | None
@@ -139,6 +189,15 @@ class Page(BaseModel, Generic[Item]):
         return cls(items=[item(row) for row in page.items], total=page.total, limit=page.limit, offset=page.offset)
 
 
+class MetricsPage(Page[MetricOut]):
+    memory: list[RankMemoryOut] = Field(description="Per attempt and rank: training-state bytes measured beside predicted.")
+
+    @classmethod
+    def build(cls, page: jobs.Page[Metric], memory: list[jobs.RankMemoryComparison]) -> "MetricsPage":
+        return cls(items=[MetricOut.from_row(row) for row in page.items], total=page.total, limit=page.limit,
+                   offset=page.offset, memory=[RankMemoryOut.from_comparison(m) for m in memory])
+
+
 class ReportAck(BaseModel):
     state: JobState = Field(description="The job's state after the report; CANCELLED tells the driver to stop.")
     accepted: bool = Field(description="False when the report came from a superseded attempt or a finished job and was ignored.")
@@ -147,3 +206,150 @@ class ReportAck(BaseModel):
 class Health(BaseModel):
     status: str
     database: str
+
+
+class PlanRequest(BaseModel):
+    """A model (a parameter count, or a built-in and its options) and a cluster to plan it on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: int | None = Field(default=None, ge=1, description="Parameter count of the model; or name a built-in in model.")
+    model: str | None = Field(default=None, description="Built-in model (tiny-gpt, mlp), sized from model_options.")
+    model_options: dict[str, Any] = Field(default_factory=dict, description="The built-in's options, as in a JobSpec.")
+    layers: int | None = Field(default=None, ge=1, description="Transformer blocks, for activations and TP/PP traffic.")
+    hidden: int | None = Field(default=None, ge=1, description="Hidden size h.")
+    heads: int | None = Field(default=None, ge=1, description="Attention heads a.")
+    seq_len: int | None = Field(default=None, ge=1, description="Sequence length s.")
+    gpu_memory_gb: float = Field(gt=0, le=4096, description="Memory of each GPU, GB (10⁹ bytes).")
+    gpus_per_node: int = Field(default=8, ge=1, le=64)
+    nodes: int = Field(default=1, ge=1, le=4096)
+    precision: Literal["fp32", "bf16", "mixed"] = Field(
+        default="mixed", description="mixed: the seeds' 2+2+4+8 (bf16 parameters, fp32 master); bf16: ringmaster's autocast "
+        "over fp32 state (4+4+8); fp32: 4+4+8.")
+    micro_batch_size: int | None = Field(default=None, ge=1, description="Sequences per micro-batch; with the shape it "
+                                         "gives activations and tensor/pipeline traffic.")
+    microbatches: int = Field(default=8, ge=1, le=4096, description="Pipeline micro-batches per step.")
+    schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks per pipeline rank.")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "PlanRequest":
+        if (self.parameters is None) == (self.model is None):
+            raise ValueError("give either parameters (a count) or model (a built-in name), not both or neither")
+        shape = (self.layers, self.hidden, self.heads, self.seq_len)
+        if self.model is not None and any(value is not None for value in shape):
+            raise ValueError("a built-in's layers, hidden, heads and seq_len come from its model_options; do not give them")
+        if any(value is None for value in shape) and any(value is not None for value in shape):
+            raise ValueError("give layers, hidden, heads and seq_len together, or none of them")
+        if self.hidden is not None and self.heads is not None and self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        return self
+
+    def model_size(self) -> planner.ModelSize:
+        """The planner's model; a built-in's bad options raise PlanError."""
+        if self.model is not None:
+            return planner.builtin_model_size(self.model, self.model_options)
+        assert self.parameters is not None
+        shape = None
+        if self.layers and self.hidden and self.heads and self.seq_len:
+            shape = planner.TransformerShape(self.layers, self.hidden, self.heads, self.seq_len)
+        described = f"transformer (layers={self.layers}, hidden={self.hidden}, heads={self.heads}, seq_len={self.seq_len})"
+        return planner.ModelSize(self.parameters, shape, described if shape else "model")
+
+    def cluster(self) -> planner.Cluster:
+        return planner.Cluster(self.gpus_per_node * self.nodes, self.gpus_per_node, self.gpu_memory_gb * planner.GB)
+
+    def workload(self) -> planner.Workload:
+        return planner.Workload(planner.PRECISIONS[self.precision], self.micro_batch_size, self.microbatches,
+                                self.schedule, self.stages_per_rank)
+
+
+def _gb(value: float | None) -> float | None:
+    return None if value is None else value / planner.GB
+
+
+class MemoryGBOut(BaseModel):
+    parameters_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float | None = Field(description="Null when the transformer's shape or the micro-batch size is not known.")
+    total_gb: float = Field(description="State plus activations where known.")
+
+
+class CommunicationGBOut(BaseModel):
+    data_parallel_gb: float
+    tensor_parallel_gb: float | None
+    pipeline_gb: float | None
+    total_gb: float | None = Field(description="Null when a part needs the transformer's shape or micro-batch size.")
+
+
+class PlanOptionOut(BaseModel):
+    label: str
+    strategy: str
+    shard: str | None
+    dp: int
+    tp: int
+    pp: int
+    spec: dict[str, Any] = Field(description="The JobSpec strategy and parallel fields that run this option.")
+    memory_per_gpu: MemoryGBOut
+    communication_per_step: CommunicationGBOut = Field(description="GB each GPU sends per step (no gradient accumulation).")
+    bubble: float | None = Field(description="Pipeline idle fraction (p−1)/(p+m−1); null without a pipeline.")
+    bubble_fraction: str | None = Field(description="The same as an exact fraction, e.g. 3/11.")
+    fits: bool | None
+    reasons: list[str]
+
+    @classmethod
+    def from_option(cls, option: planner.Option) -> "PlanOptionOut":
+        state, traffic, bubble = option.state, option.communication, option.bubble
+        return cls(
+            label=option.label,
+            strategy=option.strategy,
+            shard=option.shard,
+            dp=option.layout.dp,
+            tp=option.layout.tp,
+            pp=option.layout.pp,
+            spec=option.spec_fields(),
+            memory_per_gpu=MemoryGBOut(
+                parameters_gb=state.parameters / planner.GB, gradients_gb=state.gradients / planner.GB,
+                optimizer_gb=state.optimizer / planner.GB, activations_gb=_gb(option.activations), total_gb=option.memory / planner.GB),
+            communication_per_step=CommunicationGBOut(
+                data_parallel_gb=traffic.data_parallel / planner.GB, tensor_parallel_gb=_gb(traffic.tensor_parallel),
+                pipeline_gb=_gb(traffic.pipeline), total_gb=_gb(traffic.total)),
+            bubble=None if bubble is None else float(bubble),
+            bubble_fraction=None if bubble is None else f"{bubble.numerator}/{bubble.denominator}",
+            fits=option.fits,
+            reasons=list(option.reasons),
+        )
+
+
+class PlanOut(BaseModel):
+    model: str
+    parameters: int
+    precision: str
+    bytes_per_parameter: int
+    precision_note: str
+    world_size: int
+    gpus_per_node: int
+    nodes: int
+    gpu_memory_gb: float
+    options: list[PlanOptionOut] = Field(description="Every option, cheapest first.")
+    recommendation: PlanOptionOut | None = Field(description="The pick; null when nothing fits.")
+    reasons: list[str] = Field(description="Why the pick, or what would fit when nothing does.")
+
+    @classmethod
+    def from_plan(cls, plan: planner.Plan, request: PlanRequest) -> "PlanOut":
+        precision = plan.workload.precision
+        return cls(
+            model=plan.model.description,
+            parameters=plan.model.parameters,
+            precision=precision.name,
+            bytes_per_parameter=precision.bytes_per_parameter,
+            precision_note=precision.description,
+            world_size=plan.cluster.world_size,
+            gpus_per_node=request.gpus_per_node,
+            nodes=request.nodes,
+            gpu_memory_gb=request.gpu_memory_gb,
+            options=[PlanOptionOut.from_option(option) for option in plan.options],
+            recommendation=None if plan.recommendation is None else PlanOptionOut.from_option(plan.recommendation),
+            reasons=list(plan.reasons),
+        )

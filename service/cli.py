@@ -1,18 +1,21 @@
-"""The `ringmaster` command line: serve, submit, status, watch, logs, cancel, demo, db upgrade."""
+"""The `ringmaster` command line: serve, submit, status, watch, logs, cancel, plan, demo, db upgrade."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from service.client import ApiError, RingmasterClient
+from service.planner import GB, format_bytes
 from service.settings import get_settings
 
 app = typer.Typer(help="ringmaster: elastic distributed training as a service.", no_args_is_help=True)
@@ -119,6 +122,95 @@ def cancel(job_id: str, api: ApiOption = None) -> None:
     console.print(f"job {job_id}: {job['state']}")
 
 
+_COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def _count(text: str) -> int:
+    """A parameter count written the way people say it: 7B, 350M, 1.5T, 13e9 or 7000000000."""
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    scale = _COUNT_SUFFIXES.get(cleaned[-1:].lower(), 1)
+    try:
+        value = float(cleaned[:-1] if scale > 1 else cleaned) * scale
+    except ValueError:
+        raise typer.BadParameter(f"not a parameter count: {text!r} (try 7B, 350M or 13e9)") from None
+    if value < 1 or value != int(value):
+        raise typer.BadParameter(f"a parameter count is a whole number ≥ 1, got {text!r}")
+    return int(value)
+
+
+def _model_options(pairs: list[str]) -> dict[str, Any]:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"model options are key=value, got {pair!r}")
+        options[key] = yaml.safe_load(value)
+    return options
+
+
+@app.command()
+def plan(
+    gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="Memory of each GPU, GB (10⁹ bytes).")],
+    parameters: Annotated[Optional[str], typer.Option("--parameters", "-p", help="Parameter count: 7B, 350M, 13e9.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="A built-in (tiny-gpt, mlp) sized from its options, instead of --parameters.")] = None,
+    option: Annotated[Optional[list[str]], typer.Option("--option", "-o", help="The built-in's option key=value; repeatable.")] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node; tensor parallelism stays inside one.")] = 8,
+    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
+    precision: Annotated[str, typer.Option(help="mixed (2+2+4+8, the seeds'), bf16 (ringmaster's autocast, 4+4+8) or fp32.")] = "mixed",
+    micro_batch_size: Annotated[Optional[int], typer.Option(help="Sequences per micro-batch: with the shape, activations and TP/PP traffic.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Transformer blocks (with --parameters).")] = None,
+    hidden: Annotated[Optional[int], typer.Option(help="Hidden size (with --parameters).")] = None,
+    heads: Annotated[Optional[int], typer.Option(help="Attention heads (with --parameters).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (with --parameters).")] = None,
+    microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step.")] = 8,
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or interleaved1f1b.")] = "1f1b",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of a table.")] = False,
+    api: ApiOption = None,
+) -> None:
+    """Which parallelism fits a model on a cluster: memory per GPU, traffic per step, bubble, and the pick."""
+    request: dict[str, Any] = {
+        "parameters": _count(parameters) if parameters is not None else None, "model": model,
+        "model_options": _model_options(option or []), "gpu_memory_gb": gpu_memory_gb, "gpus_per_node": gpus_per_node,
+        "nodes": nodes, "precision": precision, "micro_batch_size": micro_batch_size, "layers": layers, "hidden": hidden,
+        "heads": heads, "seq_len": seq_len, "microbatches": microbatches, "schedule": schedule,
+    }
+    try:
+        result = _client(api).plan(request)
+    except ApiError as error:
+        _fail(_describe(error, "plan request"))
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    _print_plan(result)
+
+
+def _print_plan(result: dict[str, Any]) -> None:
+    console.print(f"[bold]{result['model']}[/bold]: {result['parameters']:,} parameters", soft_wrap=True)
+    console.print(f"precision {result['precision']}: {result['precision_note']}", soft_wrap=True)
+    console.print(f"cluster: {result['nodes']} × {result['gpus_per_node']} = {result['world_size']} GPUs, {result['gpu_memory_gb']:g} GB each")
+    table = Table("option", "state/GPU", "activations", "total/GPU", "fits", "traffic/step", "bubble",
+                  caption="traffic: bytes each GPU sends per step (one micro-batch per replica, m through a pipeline); "
+                  "? needs the transformer's shape and --micro-batch-size")
+    chosen = (result["recommendation"] or {}).get("label")
+    for option in result["options"]:
+        memory, traffic = option["memory_per_gpu"], option["communication_per_step"]
+        fits = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "?"}[option["fits"]]
+        state = memory["parameters_gb"] + memory["gradients_gb"] + memory["optimizer_gb"]
+        table.add_row(
+            f"[bold]{option['label']} ★[/bold]" if option["label"] == chosen else option["label"],
+            _gb(state), _gb(memory["activations_gb"]), _gb(memory["total_gb"]), fits,
+            _gb(traffic["total_gb"]), f"{option['bubble_fraction']} = {option['bubble']:.1%}" if option["bubble"] is not None else "-",
+        )
+    console.print(table)
+    console.print(f"recommended: [bold]{chosen}[/bold]" if chosen else "[red]nothing fits[/red]")
+    for reason in result["reasons"] + ((result["recommendation"] or {}).get("reasons") or []):
+        console.print(f"  - {reason}", soft_wrap=True)
+
+
+def _gb(value: float | None) -> str:
+    return "?" if value is None else format_bytes(value * GB)
+
+
 @app.command()
 def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] = None) -> None:
     """Start everything locally, train examples/tiny-gpt.yaml over REST, and show it to the end."""
@@ -159,9 +251,9 @@ def db_upgrade() -> None:
     console.print(f"schema is up to date at {url}")
 
 
-def _describe(error: ApiError) -> str:
+def _describe(error: ApiError, subject: str = "job spec") -> str:
     if error.status == 422 and isinstance(error.detail, list):
-        return "invalid job spec:\n" + "\n".join(
+        return f"invalid {subject}:\n" + "\n".join(
             f"  {'.'.join(str(part) for part in item.get('loc', [])[1:]) or '(spec)'}: {item.get('msg')}" for item in error.detail)
     return str(error)
 

@@ -74,6 +74,10 @@ class RingmasterClient:
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
+    def plan(self, request: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/plan: the options table and the recommendation for a model on a cluster."""
+        return self._call("POST", "/v1/plan", json=request)
+
     def logs(self, job_id: str) -> str:
         return self._call("GET", f"/v1/jobs/{job_id}/logs")
 

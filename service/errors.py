@@ -29,3 +29,11 @@ class InvalidSpec(RingmasterError):
 
 class LogsUnavailable(RingmasterError):
     """No logs can be served now: no provider configured, or the cluster cannot be reached."""
+
+
+class PlanError(RingmasterError):
+    """Planner input that cannot be planned (unknown model, bad size options); ``field`` names the input at fault."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

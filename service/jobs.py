@@ -16,7 +16,9 @@ from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.errors import JobConflict, JobNotFound
-from service.models import Attempt, Checkpoint, Job, JobEvent, Metric, utcnow
+from service.job_plan import ClusterShape, plan_submission, predicted_rank_state
+from service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
+from service.planner import StateMemory
 from service.reports import DriverReport
 from service.spec import JobSpec
 from service.states import ACTIVE, TERMINAL, JobState, check_transition
@@ -32,6 +34,26 @@ class Page(Generic[T]):
     total: int
     limit: int
     offset: int
+
+
+@dataclass(frozen=True)
+class RankMemoryComparison:
+    """One rank's measured training state beside the planner's prediction for it (None when it cannot predict)."""
+
+    measurement: MemoryMeasurement
+    predicted: StateMemory | None
+
+    @property
+    def measured_total(self) -> int:
+        row = self.measurement
+        return row.parameters_bytes + row.gradients_bytes + row.optimizer_bytes
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted total; 1.0 is a perfect prediction."""
+        if self.predicted is None or not self.predicted.total:
+            return None
+        return self.measured_total / self.predicted.total
 
 
 @dataclass(frozen=True)
@@ -57,8 +79,14 @@ def lock_job(session: Session, job_id: str) -> Job:
     return job
 
 
-def submit_job(session: Session, spec: JobSpec) -> Job:
-    """Record a validated spec as a QUEUED job with its first event; the queue takes it from there."""
+def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = None) -> Job:
+    """Record a validated spec as a QUEUED job with its first event; the queue takes it from there.
+
+    The planner runs first: ``auto`` is stored as the strategy it resolves to (with a "plan" event saying
+    why), and a job that cannot fit its GPUs or nodes raises InvalidSpec before anything is written.
+    """
+    planned = plan_submission(spec, cluster)
+    spec = planned.spec
     now = utcnow()
     job = Job(
         id=uuid.uuid4().hex,
@@ -74,6 +102,8 @@ def submit_job(session: Session, spec: JobSpec) -> Job:
     session.add(job)
     session.flush()
     session.add(JobEvent(job_id=job.id, at=now, from_state=None, to_state=JobState.QUEUED, kind="transition", message="submitted"))
+    if planned.message is not None:
+        session.add(JobEvent(job_id=job.id, at=now, kind="plan", message=planned.message, data=planned.data))
     session.flush()
     return job
 
@@ -132,6 +162,15 @@ def list_checkpoints(session: Session, job_id: str, limit: int = 1000, offset: i
     return _page(session, query, limit, offset)
 
 
+def list_memory(session: Session, job_id: str) -> list[RankMemoryComparison]:
+    """Every rank's measured state memory, by attempt and rank, beside the planner's prediction from the job's spec."""
+    job = get_job(session, job_id)
+    spec = JobSpec.model_validate(job.spec)
+    query = select(MemoryMeasurement).where(MemoryMeasurement.job_id == job_id)
+    rows = session.scalars(query.order_by(MemoryMeasurement.attempt, MemoryMeasurement.rank))
+    return [RankMemoryComparison(row, predicted_rank_state(spec, row.parameter_count, row.dp, row.tp, row.pp)) for row in rows]
+
+
 def _page(session: Session, query: Select[T], limit: int, offset: int) -> Page[T]:
     total = session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0
     items = list(session.scalars(query.limit(limit).offset(offset)))
@@ -145,9 +184,10 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
         return ReportResult(state=JobState(job.state), accepted=False)
     _upsert_metrics(session, job, report)
     _insert_checkpoints(session, job, report)
+    _upsert_memory(session, job, report)
     if report.state is not None and report.state != job.state:
         target = JobState(report.state)
-        transition(session, job, target, report.message or f"driver reported {target}", {"attempt": attempt_number})
+        transition(session, job, target, report.message or f"driver reported {target}", {"attempt": attempt_number, **report.details})
     return ReportResult(state=JobState(job.state), accepted=True)
 
 
@@ -204,6 +244,28 @@ def _insert_checkpoints(session: Session, job: Job, report: DriverReport) -> Non
                 data={"attempt": job.attempt, **record.model_dump(mode="json")},
             )
         )
+    session.flush()
+
+
+def _upsert_memory(session: Session, job: Job, report: DriverReport) -> None:
+    """One row per (job, attempt, rank): a replay changes nothing, a later measurement of the rank replaces it."""
+    by_rank = {measured.rank: measured for measured in report.memory}
+    if not by_rank:
+        return
+    query = select(MemoryMeasurement).where(
+        MemoryMeasurement.job_id == job.id, MemoryMeasurement.attempt == job.attempt, MemoryMeasurement.rank.in_(by_rank)
+    )
+    rows = {row.rank: row for row in session.scalars(query)}
+    now = utcnow()
+    for rank, measured in by_rank.items():
+        values = measured.model_dump(exclude={"rank"})
+        row = rows.get(rank)
+        if row is None:
+            session.add(MemoryMeasurement(job_id=job.id, attempt=job.attempt, rank=rank, recorded_at=now, **values))
+        elif any(getattr(row, field) != value for field, value in values.items()):
+            for field, value in values.items():
+                setattr(row, field, value)
+            row.recorded_at = now
     session.flush()
 
 

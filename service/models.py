@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Dialect,
@@ -148,3 +149,24 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     __table_args__ = (UniqueConstraint("job_id", "uri"),)
+
+
+class MemoryMeasurement(Base):
+    """Bytes of training state one rank measured in one attempt (DriverReport.memory); the last report wins."""
+
+    __tablename__ = "memory_measurements"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    parameter_count: Mapped[int] = mapped_column(BigInteger)
+    parameters_bytes: Mapped[int] = mapped_column(BigInteger)
+    gradients_bytes: Mapped[int] = mapped_column(BigInteger)
+    optimizer_bytes: Mapped[int] = mapped_column(BigInteger)
+    dp: Mapped[int] = mapped_column(Integer)
+    tp: Mapped[int] = mapped_column(Integer)
+    pp: Mapped[int] = mapped_column(Integer)
+    recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "rank"),)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,8 +49,9 @@ class DriverReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    state: Literal["RUNNING", "SUCCEEDED", "FAILED"] | None = None
+    state: Literal["RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"] | None = None
     message: str | None = Field(default=None, max_length=100_000)
+    details: dict[str, Any] = Field(default_factory=dict, description="Stored on the state change's event (e.g. lost node, new world size).")
     metrics: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list, max_length=1000)
     memory: list[RankMemory] = Field(default_factory=list, max_length=4096)

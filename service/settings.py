@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     lease_s: float = Field(default=30.0, gt=0, description="How long a dispatcher owns a claimed job before another may take it.")
     admission_wait_s: float = Field(default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued.")
     driver_python: str = Field(default="python", description="Interpreter that runs the job driver on the Ray cluster.")
+    gpus_per_node: int | None = Field(default=None, ge=0, description="GPUs on each node workers run on, when the cluster "
+                                      "does not say; the submit-time check keeps tensor-parallel groups inside a node.")
+    cpus_per_node: float | None = Field(default=None, gt=0, description="CPUs on each node workers run on (CPU jobs), as above.")
+    nodes: int | None = Field(default=None, ge=1, description="Nodes in the cluster, when fixed.")
     code_path: str | None = Field(default=None, description="PYTHONPATH for job drivers and workers, where user models "
                                   "('package.module:function') are imported from; embedded default: the current directory.")
 

@@ -74,6 +74,8 @@ class JobSpec(_Strict):
     model: str = Field(description="Built-in model name, or 'package.module:function' for user code.")
     data: str | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic') or 'user'; default follows the model.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
+    model_parameters: int | None = Field(default=None, ge=1, description="Parameter count of a user model, for the planner "
+                                         "(strategy auto, the fit check against workers.gpu_memory_gb); built-ins are sized from model_options.")
     strategy: Literal["ddp", "zero1", "fsdp", "pipeline", "tensor", "3d", "auto"] = "ddp"
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     workers: WorkersSpec = Field(default_factory=WorkersSpec)

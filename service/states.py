@@ -9,18 +9,21 @@ class JobState(StrEnum):
     QUEUED = "QUEUED"
     ADMITTED = "ADMITTED"
     RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
-ACTIVE = frozenset({JobState.ADMITTED, JobState.RUNNING})
+ACTIVE = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.RECOVERING})
 
 _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.ADMITTED, JobState.CANCELLED, JobState.FAILED}),
     JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
-    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    # QUEUED from a live state: the attempt was lost outside the driver's control and is retried.
+    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

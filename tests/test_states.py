@@ -8,12 +8,14 @@ import pytest
 
 from service.states import TERMINAL, IllegalTransition, JobState, check_transition
 
-Q, A, R, S, F, C = (JobState.QUEUED, JobState.ADMITTED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+Q, A, R, V, S, F, C = (JobState.QUEUED, JobState.ADMITTED, JobState.RUNNING, JobState.RECOVERING,
+                       JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 LEGAL = {
     (Q, A), (Q, C), (Q, F),
     (A, R), (A, Q), (A, F), (A, C),
-    (R, S), (R, F), (R, C),
+    (R, S), (R, F), (R, C), (R, V), (R, Q),
+    (V, R), (V, F), (V, C), (V, Q),
 }  # fmt: skip
 
 

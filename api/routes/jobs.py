@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
-from api.deps import DatabaseDep, SessionDep, SettingsDep
-from api.schemas import CheckpointOut, EventOut, JobOut, MetricOut, Page
+from api.deps import ClusterShapeDep, DatabaseDep, SessionDep, SettingsDep
+from api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
 from service import jobs
 from service.db import session_scope
 from service.errors import InvalidSpec, JobConflict, LogsUnavailable
@@ -61,8 +61,10 @@ _SPEC_BODY = {
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, openapi_extra=_SPEC_BODY)
-def submit(spec: Annotated[JobSpec, Depends(spec_from_body)], session: SessionDep, settings: SettingsDep) -> JobOut:
-    return JobOut.from_row(jobs.submit_job(session, spec), settings)
+def submit(spec: Annotated[JobSpec, Depends(spec_from_body)], cluster: ClusterShapeDep, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
+    # The cluster's shape (a dependency) is read before the transaction opens: a provider may ask Ray, which is slow.
+    with session_scope(db.sessions) as session:
+        return JobDetailOut.from_job(jobs.submit_job(session, spec, cluster), settings, [])
 
 
 @router.get("")
@@ -78,13 +80,13 @@ def list_jobs(
 
 
 @router.get("/{job_id}")
-def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
-    return JobOut.from_row(jobs.get_job(session, job_id), settings)
+def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobDetailOut:
+    return JobDetailOut.from_job(jobs.get_job(session, job_id), settings, jobs.list_memory(session, job_id))
 
 
 @router.post("/{job_id}/cancel")
-def cancel(job_id: str, session: SessionDep, settings: SettingsDep) -> JobOut:
-    return JobOut.from_row(jobs.cancel_job(session, job_id), settings)
+def cancel(job_id: str, session: SessionDep, settings: SettingsDep) -> JobDetailOut:
+    return JobDetailOut.from_job(jobs.cancel_job(session, job_id), settings, jobs.list_memory(session, job_id))
 
 
 @router.get("/{job_id}/events")
@@ -93,8 +95,9 @@ def events(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Of
 
 
 @router.get("/{job_id}/metrics")
-def metrics(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> Page[MetricOut]:
-    return Page[MetricOut].convert(jobs.list_metrics(session, job_id, limit, offset), MetricOut.from_row)
+def metrics(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> MetricsPage:
+    """Metric rows by attempt and step; ``memory`` (not paged) holds each rank's state memory, measured and predicted."""
+    return MetricsPage.build(jobs.list_metrics(session, job_id, limit, offset), jobs.list_memory(session, job_id))
 
 
 @router.get("/{job_id}/checkpoints")
