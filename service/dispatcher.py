@@ -1,8 +1,8 @@
 """The dispatcher: claims queued jobs, admits them gang-shaped onto Ray, and watches them run.
 
-Each pass (1) closes attempts whose job ended (stop the Ray job, free its placement group),
-(2) fails jobs whose Ray job died without the driver reporting, and (3) admits queued jobs in
-priority order. A job that cannot be placed now stays queued and does not block smaller jobs
+Each pass (1) resubmits jobs whose Ray job died without the driver reporting, (2) closes
+attempts that ended or were superseded (stop the Ray job, free its placement group), and (3) admits
+queued jobs in priority order. A job that cannot be placed now stays queued and does not block smaller jobs
 behind it. Several dispatchers may run against one database: the queue lease keeps them apart.
 """
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _RAY_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 _LOG_TAIL = 4000
 _DRIVER_EXIT_GRACE_S = 30.0
+_SUBMIT_GRACE_S = 30.0
 
 
 class Dispatcher:
@@ -41,8 +42,8 @@ class Dispatcher:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
     def run_once(self) -> None:
-        self.close_finished_attempts()
         self.watch_active_jobs()
+        self.close_finished_attempts()  # after watching, so a lost attempt's resources are free for its retry
         self.dispatch_queued()
 
     def run(self, stop: threading.Event) -> None:
@@ -111,21 +112,30 @@ class Dispatcher:
     # -- watching ----------------------------------------------------------------------------
 
     def watch_active_jobs(self) -> None:
-        """A Ray job that ended while its record is still active died without the driver reporting."""
+        """Reconcile the database with Ray: an active job whose Ray job died or vanished outside the
+        driver's control (driver killed, Ray head restarted) is resubmitted as a new attempt, which
+        resumes from the latest committed checkpoint and counts against max_failures. A job whose
+        Ray job is alive is adopted as it is: never started twice."""
         with self.sessions() as session:
             active = session.scalars(select(Job).where(Job.state.in_([s.value for s in ACTIVE]))).all()
+        now = utcnow()
         for job in active:
             if job.submission_id is None:
                 continue
             ray_status = self.cluster.status(job.submission_id)
             if ray_status is not None and ray_status not in _RAY_TERMINAL:
                 continue
-            reason = "its Ray job is gone" if ray_status is None else f"its Ray job ended {ray_status} without a report"
+            if ray_status is None and job.state == JobState.ADMITTED and job.admitted_at and \
+                    (now - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S:
+                continue  # another replica may be between recording the attempt and submitting it
+            found = "is gone from Ray" if ray_status is None else f"ended {ray_status} without the driver reporting"
             with self.sessions() as session, session.begin():
                 current = session.get(Job, job.id, with_for_update=True)
                 if current is None or current.state not in ACTIVE or current.submission_id != job.submission_id:
                     continue  # the driver's report arrived meanwhile
-                jobs.transition(session, current, JobState.FAILED, f"driver ended unexpectedly: {reason}\n{self._log_tail(job.submission_id)}")
+                message = f"attempt {current.attempt}: Ray job {job.submission_id} {found}; resubmitting"
+                tail = self._log_tail(job.submission_id)
+                jobs.requeue(session, current, f"{message}\n{tail}" if tail else message, failure=True)
 
     def _log_tail(self, submission_id: str) -> str:
         try:

@@ -22,6 +22,15 @@ import httpx
 
 _STATE_FILE = "ray-head.json"
 
+# Declare a silent node dead after ~3 s instead of Ray's default of about a minute, so a frozen
+# machine's placement-group bundles are rescheduled quickly (ringmaster's own heartbeats notice first).
+FAST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
 
 @dataclass(frozen=True)
 class RayHead:
@@ -81,8 +90,7 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
         command += ["--num-cpus", str(num_cpus)]
     if resources:
         command += ["--resources", json.dumps(resources)]
-    if system_config:
-        command += ["--system-config", json.dumps(system_config)]
+    command += ["--system-config", json.dumps({**FAST_HEALTH_CHECKS, **(system_config or {})})]
     log = open(data_dir / "ray-head.log", "ab")
     # The head's processes inherit PATH, so the job driver finds this interpreter's packages.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")

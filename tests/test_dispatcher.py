@@ -12,6 +12,7 @@ from service import jobs
 from service.db import Database
 from service.dispatcher import Dispatcher
 from service.models import Attempt, Job
+from service.reports import DriverReport
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
@@ -130,7 +131,7 @@ def test_refused_submission_fails_the_job_and_frees_the_gang(db, dispatcher):
     assert cluster.free_cpus == 4
 
 
-def test_ray_job_dying_without_report_fails_the_job_with_its_log(db, dispatcher):
+def test_ray_job_dying_without_report_is_resubmitted_as_a_new_attempt(db, dispatcher):
     dispatcher, cluster = dispatcher
     job_id = _submit(db, _spec("dies", workers=2))
     dispatcher.run_once()
@@ -138,8 +139,41 @@ def test_ray_job_dying_without_report_fails_the_job_with_its_log(db, dispatcher)
     dispatcher.run_once()
     with db.sessions() as session:
         job = session.get(Job, job_id)
-        assert job.state == JobState.FAILED
-        assert "without a report" in job.error and f"log of ringmaster-{job_id}-1" in job.error
+        assert (job.state, job.attempt, job.failures) == (JobState.ADMITTED, 2, 1)
+        requeued = [e for e in jobs.list_events(session, job_id).items if e.to_state == JobState.QUEUED][-1]
+        assert "ended FAILED without the driver reporting" in requeued.message
+        assert f"log of ringmaster-{job_id}-1" in requeued.message
+    assert f"ringmaster-{job_id}-2" in cluster.submitted
+    assert cluster.stopped == [f"ringmaster-{job_id}-1"], "the lost attempt's placement group is released"
+    assert cluster.free_cpus == 2
+
+
+def test_job_lost_more_than_max_failures_times_fails_with_the_reason(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    spec = _spec("flaky", workers=1).model_copy(update={"max_failures": 1})
+    job_id = _submit(db, spec)
+    dispatcher.run_once()
+    cluster.ray_status[f"ringmaster-{job_id}-1"] = "FAILED"  # the driver process was killed
+    dispatcher.run_once()
+    with db.sessions() as session, session.begin():
+        jobs.apply_driver_report(session, job_id, 2, DriverReport(state="RUNNING"))
+    cluster.ray_status.pop(f"ringmaster-{job_id}-2")  # the Ray head restarted and forgot it
+    dispatcher.run_once()
+    with db.sessions() as session:
+        job = session.get(Job, job_id)
+        assert job.state == JobState.FAILED and job.attempt == 2
+        assert "is gone from Ray" in job.error and "max_failures 1" in job.error
+
+
+def test_running_ray_job_is_adopted_not_resubmitted(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    job_id = _submit(db, _spec("adopted", workers=2))
+    dispatcher.run_once()
+    restarted = Dispatcher(db.sessions, cluster, dispatcher.settings, owner="after-restart")
+    restarted.run_once()
+    restarted.run_once()
+    assert list(cluster.submitted) == [f"ringmaster-{job_id}-1"] and cluster.duplicates == []
+    assert _state(db, job_id) == JobState.ADMITTED
 
 
 def test_cancel_stops_the_ray_job_and_frees_the_placement_group(db, dispatcher):

@@ -1,0 +1,118 @@
+"""A multi-node Ray cluster on one machine (ray.cluster_utils.Cluster) with a control plane on it.
+
+Nodes carry one CPU each, so a 2-worker job spans two nodes. Killing a node SIGKILLs its raylet
+and every process under it, as a machine dying would; freezing SIGSTOPs them. Ray's health checks
+are tightened as ringmaster's embedded head tightens them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+from api.server import BackgroundServer
+from service.embedded_ray import FAST_HEALTH_CHECKS
+from service.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid, read from /proc (children before their own children)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+class SimulatedCluster:
+    def __init__(self, nodes: int, cpus_per_node: int = 1) -> None:
+        self.dashboard_port = _free_port()
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": self.dashboard_port, "_system_config": FAST_HEALTH_CHECKS,
+        })
+        self.cpus_per_node = cpus_per_node
+        self.nodes = [self.add_node() for _ in range(nodes)]
+
+    @property
+    def gcs_address(self) -> str:
+        return self.cluster.gcs_address
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def add_node(self):
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node)
+        self.cluster.wait_for_nodes()
+        return node
+
+    def node_by_id(self, node_id: str):
+        return next(node for node in self.cluster.worker_nodes if node.node_id == node_id)
+
+    def _node_processes(self, node) -> list[int]:
+        raylet = node.all_processes["raylet"][0].process.pid
+        return [raylet, *_descendants(raylet)]
+
+    def kill_node(self, node) -> None:
+        """The machine dies: every process on it is gone at once."""
+        for pid in reversed(self._node_processes(node)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def freeze_node(self, node) -> list[int]:
+        """The machine hangs: its processes stop but hold their sockets open."""
+        frozen = self._node_processes(node)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        return frozen
+
+    def shutdown(self) -> None:
+        for node in list(self.cluster.worker_nodes):
+            for pid in self._node_processes(node):
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        self.cluster.shutdown()
+
+
+@contextmanager
+def control_plane_on(cluster: SimulatedCluster, data_dir: Path) -> Iterator[BackgroundServer]:
+    settings = Settings(
+        data_dir=data_dir, ray_address=cluster.gcs_address, ray_dashboard_url=cluster.dashboard_url,
+        api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
+    )
+    with BackgroundServer(settings) as server:
+        yield server
+    if ray.is_initialized():
+        ray.shutdown()
