@@ -105,6 +105,7 @@ class Dispatcher:
         spec_b64 = base64.b64encode(spec.model_dump_json().encode()).decode()
         return (
             f"{self.settings.driver_python} -m workers.driver --job-id {job_id} --attempt {attempt} "
+            f"--ray-address {self.cluster.gcs_address} "
             f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "
             f"--storage-uri {self.settings.resolved_storage_uri()} --spec-b64 {spec_b64}"
         )

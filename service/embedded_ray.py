@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,6 +77,10 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
         state_path.unlink()
 
     port, dashboard_port = _free_port(), _free_port()
+    # Its own temp dir: Ray resolves "auto" addresses (as the Jobs API does for each job's driver)
+    # through <temp dir>/ray_current_cluster, which a shared /tmp/ray lets another cluster overwrite.
+    # Kept short: Ray's Unix socket paths live below it.
+    temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
     command = [
         _ray_executable(), "start", "--head", "--block",
         "--port", str(port),
@@ -85,6 +90,7 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
         "--ray-client-server-port", str(_free_port()),
         "--dashboard-agent-listen-port", str(_free_port()),
         "--disable-usage-stats",
+        "--temp-dir", temp_dir,
     ]
     if num_cpus is not None:
         command += ["--num-cpus", str(num_cpus)]

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,8 +54,10 @@ def _descendants(pid: int) -> list[int]:
 class SimulatedCluster:
     def __init__(self, nodes: int, cpus_per_node: int = 1) -> None:
         self.dashboard_port = _free_port()
+        # Its own temp dir, so "auto" addresses inside it never resolve to another cluster here.
+        self.temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "num_cpus": 0, "temp_dir": self.temp_dir, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": self.dashboard_port, "_system_config": FAST_HEALTH_CHECKS,
         })
         self.cpus_per_node = cpus_per_node

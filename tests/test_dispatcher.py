@@ -21,6 +21,8 @@ from service.states import JobState
 class FakeCluster:
     """A cluster with a fixed number of CPUs; placement groups are all-or-nothing like Ray's."""
 
+    gcs_address = "10.0.0.1:6379"
+
     def __init__(self, cpus: int) -> None:
         self.free_cpus = cpus
         self.groups: dict[str, int] = {}
@@ -115,6 +117,7 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
     carried = json.loads(base64.b64decode(entrypoint[entrypoint.index("--spec-b64") + 1]))
     assert JobSpec.model_validate(carried) == spec
     assert entrypoint[entrypoint.index("--api-url") + 1] == "http://control-plane:8765"
+    assert entrypoint[entrypoint.index("--ray-address") + 1] == "10.0.0.1:6379"
     with db.sessions() as session:
         job = session.get(Job, job_id)
         assert (job.attempt, job.submission_id) == (1, submission_id)
