@@ -116,6 +116,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--placement-group", required=True)
+    parser.add_argument("--ray-address", required=True, help="the cluster's GCS address (never resolved as 'auto')")
     parser.add_argument("--api-url", required=True)
     parser.add_argument("--storage-uri", required=True)
     parser.add_argument("--spec-b64", required=True, help="the JobSpec as base64-encoded JSON")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     # `ray job stop` sends SIGTERM: unwind through the finally blocks so actors and the group are freed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
-    ray.init(namespace=NAMESPACE, logging_level=logging.WARNING)
+    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
     reporter = Reporter(args.api_url, args.job_id, args.attempt)
     try:
         code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter).run()
