@@ -182,12 +182,22 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
     job = lock_job(session, job_id)
     if attempt_number != job.attempt or job.state not in ACTIVE:
         return ReportResult(state=JobState(job.state), accepted=False)
+    if report.seq is not None:
+        attempt = session.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == attempt_number)).one()
+        if report.seq <= attempt.last_report_seq:
+            return ReportResult(state=JobState(job.state), accepted=True)  # a replay: applied already
+        attempt.last_report_seq = report.seq
     _upsert_metrics(session, job, report)
     _insert_checkpoints(session, job, report)
     _upsert_memory(session, job, report)
+    details = {"attempt": attempt_number, **report.details}
     if report.state is not None and report.state != job.state:
         target = JobState(report.state)
-        transition(session, job, target, report.message or f"driver reported {target}", {"attempt": attempt_number, **report.details})
+        if target == JobState.RECOVERING:
+            job.failures += 1
+        transition(session, job, target, report.message or f"driver reported {target}", details)
+    elif report.message:
+        session.add(JobEvent(job_id=job.id, at=utcnow(), kind="info", message=report.message, data=details))
     return ReportResult(state=JobState(job.state), accepted=True)
 
 

@@ -113,6 +113,8 @@ class Attempt(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None]
     outcome: Mapped[str | None] = mapped_column(String(32))
+    # The driver numbers its reports; one at or below this was applied already (a replay).
+    last_report_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (UniqueConstraint("job_id", "number"),)
 

@@ -8,6 +8,7 @@ from sqlalchemy import func, select
 from service.db import Database, session_scope
 from service.errors import JobConflict
 from service.jobs import (
+    apply_driver_report,
     attempts_to_close,
     close_attempt,
     get_job,
@@ -17,7 +18,8 @@ from service.jobs import (
     submit_job,
     transition,
 )
-from service.models import Attempt, JobEvent
+from service.models import Attempt, Job, JobEvent
+from service.reports import DriverReport
 from service.spec import JobSpec
 from service.states import IllegalTransition, JobState
 
@@ -127,3 +129,29 @@ def test_attempts_to_close_lists_attempts_of_finished_or_requeued_jobs_once(db: 
     with session_scope(db.sessions) as session:
         assert attempts_to_close(session) == []
     assert [kind for _, _, kind in _events(db, cancelled)].count("info") == 1
+
+
+def test_replayed_report_is_applied_once_and_recovery_counts_a_failure(db: Database) -> None:
+    job_id = _submit(db)
+    _admit(db, job_id, 1)
+    reports = [
+        DriverReport(seq=1, state="RUNNING", message="training on 2 workers"),
+        DriverReport(seq=2, state="RECOVERING", message="lost rank 1", details={"lost_ranks": [1], "world_size": 1}),
+        DriverReport(seq=3, state="RUNNING", message="re-formed at 1 worker"),
+        DriverReport(seq=4, message="grew to 2 workers", details={"world_size": 2}),
+    ]
+    for report in reports + reports:  # the driver replays everything after an outage
+        with session_scope(db.sessions) as session:
+            apply_driver_report(session, job_id, 1, report)
+    with session_scope(db.sessions) as session:
+        events = [(e.to_state, e.kind, e.message) for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
+        job = session.get(Job, job_id)
+        assert job.failures == 1 and job.state == JobState.RUNNING
+        recovering = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.to_state == "RECOVERING")).one()
+        assert recovering.data == {"attempt": 1, "lost_ranks": [1], "world_size": 1}
+    assert events[-4:] == [
+        ("RUNNING", "transition", "training on 2 workers"),
+        ("RECOVERING", "transition", "lost rank 1"),
+        ("RUNNING", "transition", "re-formed at 1 worker"),
+        (None, "info", "grew to 2 workers"),
+    ]

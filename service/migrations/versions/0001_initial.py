@@ -69,6 +69,7 @@ def upgrade() -> None:
         sa.Column("started_at", _utc(), nullable=False),
         sa.Column("ended_at", _utc(), nullable=True),
         sa.Column("outcome", sa.String(length=32), nullable=True),
+        sa.Column("last_report_seq", sa.Integer(), nullable=False, server_default="0"),
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name="fk_attempts_job_id_jobs"),
         sa.PrimaryKeyConstraint("id", name="pk_attempts"),
         sa.UniqueConstraint("job_id", "number", name="uq_attempts_job_id_number"),
