@@ -128,14 +128,13 @@ def test_load_restores_rng_states_and_progress(tmp_path: Path, single_rank_group
     spec = SPEC.model_copy(update={"workers": SPEC.workers.model_copy(update={"min": 1, "max": 1})})
     bundle = build_bundle(spec)
     optimizer = torch.optim.AdamW(bundle.model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda completed: 1.0)
     torch.manual_seed(11)
     random.seed(11)
     np.random.seed(11)
-    save_checkpoint(tmp_path, spec, step=9, position=DataPosition(2, 5), model=bundle.model, optimizer=optimizer, scheduler=scheduler)
+    save_checkpoint(tmp_path, spec, step=9, position=DataPosition(2, 5), model_parts=[bundle.model], optimizers=[optimizer])
     expected = (torch.rand(3), random.random(), np.random.rand())
 
-    progress = load_checkpoint(checkpoint_dir(tmp_path, 9), model=bundle.model, optimizer=optimizer, scheduler=scheduler)
+    progress = load_checkpoint(checkpoint_dir(tmp_path, 9), model_parts=[bundle.model], optimizers=[optimizer])
 
     assert progress == TrainingProgress(9, DataPosition(2, 5))
     assert torch.equal(torch.rand(3), expected[0])

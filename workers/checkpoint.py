@@ -3,6 +3,11 @@
 A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards plus ``manifest.json``, which rank 0
 writes last, after every rank's shards are on disk. A directory without a valid manifest is an
 interrupted save and is never resumed from.
+
+Every key is the unsplit model's FQN (optimizer state flattened per parameter), whatever the strategy:
+each rank saves only what it holds (FSDP/TP shards, its pipeline stages, ZeRO-1's owned state), so a
+checkpoint can be loaded at another world size or by another strategy. The learning rate is a function
+of the step, so no scheduler state is kept.
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 
 from service.spec import JobSpec
 from workers.data.stream import DataPosition
+from workers.strategies.zero1 import local_optimizer
 
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A rank's parts each load their own keys out of the merged state of all its parts.
+_LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -81,11 +89,11 @@ def save_checkpoint(
     *,
     step: int,
     position: DataPosition,
-    model: nn.Module,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
+    model_parts: list[nn.Module],
+    optimizers: list[Optimizer],
 ) -> Path:
-    """Collective: every rank writes its shards, then rank 0 commits and applies retention."""
+    """Collective: every rank writes its shards, then rank 0 commits and applies retention.
+    ``optimizers[i]`` steps ``model_parts[i]`` (several parts only under interleaved pipelining)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     path = checkpoint_dir(storage_root, step)
     if rank == 0:
@@ -93,11 +101,10 @@ def save_checkpoint(
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = _merged_state(model_parts, optimizers)
     state = {
         "model": model_state,
         "optimizer": optimizer_state,
-        "scheduler": scheduler.state_dict(),
         "progress": {"step": step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch},
         "rng": {f"rank{rank}": _rng_state()},
     }
@@ -110,26 +117,37 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler) -> TrainingProgress:
-    """Collective: restore model, optimizer, scheduler and this rank's RNG states from ``path``."""
+def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> TrainingProgress:
+    """Collective: restore this rank's model parts, their optimizers and its RNG states from ``path``."""
     rank = dist.get_rank()
     saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = _merged_state(model_parts, optimizers)
     # A rank that did not exist when the checkpoint was written keeps its freshly seeded RNG.
     rng_state = {name: value for name, value in _rng_state().items() if f"rng.rank{rank}.{name}" in saved_keys}
     state = {
         "model": model_state,
         "optimizer": optimizer_state,
-        "scheduler": scheduler.state_dict(),
         "progress": {"step": 0, "epoch": 0, "batches_in_epoch": 0},
         "rng": {f"rank{rank}": rng_state},
     }
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)
     _restore_rng_state(state["rng"][f"rank{rank}"])
     progress = state["progress"]
     return TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["batches_in_epoch"]))
+
+
+def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and flattened optimizer state of all this rank's parts, keyed by the unsplit model's FQNs."""
+    model_state: dict[str, Any] = {}
+    optimizer_state: dict[str, Any] = {}
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        part_model, part_optimizer = get_state_dict(part, local_optimizer(optimizer), options=_OPTIONS)
+        model_state.update(part_model)
+        optimizer_state.update(part_optimizer)
+    return model_state, optimizer_state
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:

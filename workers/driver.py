@@ -22,7 +22,7 @@ from ray.util import get_placement_group
 from ray.util.placement_group import remove_placement_group
 
 from service.ray_cluster import NAMESPACE
-from service.reports import CheckpointRecord, MetricPoint
+from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.reporter import Reporter
 from workers.worker_group import WorkerGroup
@@ -51,12 +51,15 @@ class JobDriver:
         self.storage_root = f"{storage_uri.rstrip('/')}/{job_id}"
         self.reporter = reporter
         self.workers: WorkerGroup | None = None
+        self._memory_pending: set[int] = set()  # ranks whose state-memory report has not arrived yet
 
     def run(self) -> int:
         """Train to the end; 0 when the job succeeded, 1 when it failed (reported either way)."""
         group = get_placement_group(self.placement_group_name)
         try:
+            log.info("starting workers")
             self.workers = WorkerGroup.start(self.spec, group, group.bundle_count, COLLECTIVE_TIMEOUT_S)
+            self._memory_pending = {worker.rank for worker in self.workers.workers}
             nodes = len({worker.node_id for worker in self.workers.workers})
             self.reporter.report(state="RUNNING", message=f"training on {self.workers.world_size} workers across {nodes} node(s)")
             results = self._train()
@@ -88,12 +91,19 @@ class JobDriver:
         return ray.get(futures)
 
     def _forward_progress(self) -> None:
+        """Forward rank 0's metrics and checkpoints; until every rank's memory report (measured once,
+        after its first optimizer step) has arrived, drain the other ranks too."""
         assert self.workers is not None
-        drained = ray.get(self.workers.rank0.drain.remote())
-        if drained["metrics"] or drained["checkpoints"]:
+        sources = [worker for worker in self.workers.workers if worker.rank == 0 or worker.rank in self._memory_pending]
+        drained = ray.get([worker.actor.drain.remote() for worker in sources])
+        memory = [RankMemory(**measured) for batch in drained for measured in batch["memory"]]
+        self._memory_pending -= {measured.rank for measured in memory}
+        first = drained[0]
+        if first["metrics"] or first["checkpoints"] or memory:
             self.reporter.report(
-                metrics=[MetricPoint(**point) for point in drained["metrics"]],
-                checkpoints=[CheckpointRecord(**record) for record in drained["checkpoints"]],
+                metrics=[MetricPoint(**point) for point in first["metrics"]],
+                checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
+                memory=memory,
             )
 
     def _fail(self, message: str) -> None:
@@ -116,7 +126,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--placement-group", required=True)
-    parser.add_argument("--ray-address", required=True, help="the cluster's GCS address (never resolved as 'auto')")
+    parser.add_argument("--ray-address", help="the cluster's GCS address; without it, the one the Jobs API gives the driver")
+    parser.add_argument("--failures", type=int, default=0, help="failures the job already had in earlier attempts")
     parser.add_argument("--api-url", required=True)
     parser.add_argument("--storage-uri", required=True)
     parser.add_argument("--spec-b64", required=True, help="the JobSpec as base64-encoded JSON")

@@ -9,10 +9,11 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import httpx
 
-from service.reports import CheckpointRecord, DriverReport, MetricPoint
+from service.reports import CheckpointRecord, DriverReport, MetricPoint, RankMemory
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ class Reporter:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(headers=headers, timeout=5.0)
         self._pending: deque[DriverReport] = deque()
+        self._seq = 0  # per attempt: the control plane skips a report it has applied (a replay)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -32,9 +34,12 @@ class Reporter:
         self._thread.start()
 
     def report(self, *, state: str | None = None, message: str | None = None,
-               metrics: list[MetricPoint] | None = None, checkpoints: list[CheckpointRecord] | None = None) -> None:
-        report = DriverReport(state=state, message=message, metrics=metrics or [], checkpoints=checkpoints or [])
+               metrics: list[MetricPoint] | None = None, checkpoints: list[CheckpointRecord] | None = None,
+               memory: list[RankMemory] | None = None, details: dict[str, Any] | None = None) -> None:
         with self._lock:
+            self._seq += 1
+            report = DriverReport(seq=self._seq, state=state, message=message, details=details or {},
+                                  metrics=metrics or [], checkpoints=checkpoints or [], memory=memory or [])
             self._pending.append(report)
         self._wake.set()
 

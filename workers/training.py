@@ -1,7 +1,9 @@
 """The training loop one rank runs inside an already-initialised torch.distributed process group.
 
 It knows nothing of Ray or the control plane: progress leaves through ``TrainContext`` callbacks
-(rank 0 only), and a retried attempt continues from the latest committed checkpoint.
+(rank 0 only, except each rank's own memory report), and a retried attempt continues from the latest
+committed checkpoint. The strategy (workers/strategies) decides how the model is split; the loop
+only runs micro-steps on what it was handed.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from service.reports import CheckpointRecord, MetricPoint
+from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.checkpoint import latest_committed, load_checkpoint, save_checkpoint
 from workers.data.stream import DataPosition, ShardedBatchStream
 from workers.models import build_bundle
 from workers.models.registry import LossFn
-from workers.strategies import parallelize
+from workers.parallel_dims import ParallelDims
+from workers.state_memory import measure_rank_memory
+from workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
 
 VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-batch is cheap
 
@@ -50,6 +53,10 @@ class TrainContext:
     on_metric: Callable[[MetricPoint], None] = _ignore
     on_checkpoint: Callable[[CheckpointRecord], None] = _ignore
     should_stop: Callable[[], bool] = _never
+    # Called on every rank, once per attempt, after its first optimizer step.
+    on_memory: Callable[[RankMemory], None] = _ignore
+    # Workers on each node, in rank order (ranks are contiguous per node); None: all on one node.
+    ranks_per_node: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,25 +74,32 @@ class TrainResult:
 def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     """Train ``spec`` to ``spec.train.steps`` (or until any rank's ``should_stop``), resuming from
     the latest committed checkpoint under ``ctx.storage_root``; collective over the process group."""
+    dims = ParallelDims.from_spec(spec, ctx.world_size, ctx.ranks_per_node)
     accumulation = _accumulation_steps(spec, ctx.world_size)
+    mesh = dims.build_mesh(ctx.device.type)
     _seed_everything(spec.train.seed)
     bundle = build_bundle(spec)
-    model = parallelize(spec.strategy, bundle.model.to(ctx.device), ctx.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.scaled_lr(ctx.world_size), weight_decay=spec.train.weight_decay)
-    scheduler = LambdaLR(optimizer, linear_warmup(spec.train.warmup_steps))
+    parameter_count = sum(parameter.numel() for parameter in bundle.model.parameters())
+    bundle.model.to(ctx.device)
+    base_lr = spec.scaled_lr(ctx.world_size)
+    setup = ParallelSetup(spec, dims, mesh, ctx.device, OptimizerConfig(lr=base_lr, weight_decay=spec.train.weight_decay))
+    parallel = parallelize(bundle, setup)
+    lr_factor = linear_warmup(spec.train.warmup_steps)
 
     step, position, checkpoint_uri = 0, DataPosition(), None
     latest = latest_committed(ctx.storage_root)
     if latest is not None:
-        progress = load_checkpoint(latest.path, model=model, optimizer=optimizer, scheduler=scheduler)
+        progress = load_checkpoint(latest.path, model_parts=parallel.parts, optimizers=parallel.optimizers)
         step, position, checkpoint_uri = progress.step, progress.position, str(latest.path)
     saved_step = step
 
+    # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
+    batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if parallel.schedule else 1)
     stream = ShardedBatchStream(
         bundle.train_dataset,
-        spec.train.micro_batch_size,
-        ctx.rank,
-        ctx.world_size,
+        batch_size,
+        dims.dp_rank(mesh),
+        dims.dp,
         spec.train.seed,
         position,
         pin_memory=ctx.device.type == "cuda",
@@ -93,38 +107,49 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
 
     def checkpoint(final: bool) -> str:
         path = save_checkpoint(
-            ctx.storage_root, spec, step=step, position=stream.position, model=model, optimizer=optimizer, scheduler=scheduler
+            ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts, optimizers=parallel.optimizers
         )
         if ctx.rank == 0:
             ctx.on_checkpoint(CheckpointRecord(step=step, uri=str(path), world_size=ctx.world_size, final=final))
         return str(path)
 
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=spec.train.precision == "bf16")
-    # [sum of this rank's micro-batch losses, stop votes]: one all-reduce per step carries both.
+    # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
+    bf16 = spec.train.precision == "bf16" and not isinstance(parallel.parts[0], FSDPModule)
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
+    # [sum of this rank's micro-step losses, stop votes]: one all-reduce per step carries both. Only
+    # loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.
     step_stats = torch.zeros(2, device=ctx.device)
     loss_sum, stop_votes = step_stats[0], step_stats[1]
-    loss_divisor = accumulation * ctx.world_size
+    loss_divisor = accumulation * dims.dp
     every = spec.checkpoint.every_steps
-    loss, stopped = None, False
-    model.train()
+    loss, stopped, memory_reported = None, False, False
+    for part in parallel.parts:
+        part.train()
     while step < spec.train.steps and not stopped:
         started = time.perf_counter()
         step_stats.zero_()
         for micro_step in range(accumulation):
             batch = _to_device(stream.next_batch(), ctx.device)
-            # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
-            with model.no_sync() if micro_step < accumulation - 1 else nullcontext():
-                with autocast:
-                    micro_loss = bundle.loss_fn(model, batch)
-                (micro_loss / accumulation).backward()
-            loss_sum.add_(micro_loss.detach())
+            # Gradients are synchronised only on the last micro-step; earlier ones accumulate locally.
+            with parallel.accumulate_locally() if micro_step < accumulation - 1 else nullcontext():
+                micro_loss = _forward_backward(parallel, bundle.loss_fn, batch, accumulation, autocast)
+            if micro_loss is not None:
+                loss_sum.add_(micro_loss)
+        for stage in parallel.stages:
+            stage.scale_grads(spec.parallel.microbatches * accumulation)  # the schedule left them summed
         if ctx.should_stop():
             stop_votes.fill_(1.0)
         reduction = dist.all_reduce(step_stats, async_op=True)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = base_lr * lr_factor(step)
+        for optimizer in parallel.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+        if not memory_reported:
+            ctx.on_memory(measure_rank_memory(ctx.rank, parallel, dims, parameter_count))
+            memory_reported = True
+        for optimizer in parallel.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         reduction.wait()
         summed_loss, votes = step_stats.tolist()
         step_time = time.perf_counter() - started
@@ -151,36 +176,77 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         checkpoint_uri = checkpoint(final=True)
     val_loss = None
     if bundle.val_dataset is not None:
-        val_loss = evaluate(model, bundle.loss_fn, bundle.val_dataset, ctx, autocast)
+        val_loss = evaluate(parallel, bundle.loss_fn, bundle.val_dataset, ctx, autocast,
+                            dp_rank=dims.dp_rank(mesh), dp=dims.dp, pipeline_batch_size=batch_size)
         if ctx.rank == 0:
             ctx.on_metric(MetricPoint(step=step, val_loss=val_loss, world_size=ctx.world_size))
     return TrainResult(step, loss, val_loss, checkpoint_uri, stopped=False)
 
 
+def _forward_backward(
+    parallel: ParallelModel, loss_fn: LossFn, batch: Any, accumulation: int, autocast: torch.autocast
+) -> torch.Tensor | None:
+    """One micro-step's forward and backward; returns its mean loss where this rank holds losses."""
+    if parallel.schedule is not None:
+        inputs, targets = batch
+        losses: list[torch.Tensor] = []
+        with autocast:  # the schedule runs forward and backward together, so both sit inside autocast
+            parallel.schedule.step(*_first_stage_inputs(parallel, inputs), target=targets, losses=losses)
+        return torch.stack(losses).detach().mean() if parallel.holds_loss else None
+    with autocast:
+        loss = loss_fn(parallel.parts[0], batch)
+    (loss / accumulation).backward()
+    return loss.detach() if parallel.holds_loss else None
+
+
+def _first_stage_inputs(parallel: ParallelModel, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Only the rank holding stage 0 feeds inputs to the schedule; the others receive activations."""
+    return (inputs,) if parallel.stages[0].is_first else ()
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loss_fn: LossFn, dataset: Dataset, ctx: TrainContext, autocast: torch.autocast) -> float:
-    """Mean loss over the validation set, sharded over ranks; all ranks run the same number of
-    batches (drop_last drops fewer than world_size samples) so sharded strategies cannot hang."""
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False, drop_last=True)
-    loader = DataLoader(dataset, batch_size=VALIDATION_BATCH_SIZE, sampler=sampler)
-    batch_sizes = (min(VALIDATION_BATCH_SIZE, len(sampler) - start) for start in range(0, len(sampler), VALIDATION_BATCH_SIZE))
+def evaluate(
+    parallel: ParallelModel, loss_fn: LossFn, dataset: Dataset, ctx: TrainContext, autocast: torch.autocast,
+    *, dp_rank: int, dp: int, pipeline_batch_size: int,
+) -> float:
+    """Mean loss over the validation set, sharded over data-parallel ranks; all ranks run the same
+    number of batches (drop_last drops fewer than dp samples) so sharded strategies cannot hang. Under
+    a pipeline every batch must have the training shape, so a last partial batch is left out."""
+    pipelined = parallel.schedule is not None
+    batch_size = pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=False, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=pipelined)
+    batch_sizes = (min(batch_size, len(sampler) - start) for start in range(0, len(sampler), batch_size))
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # [sum of per-sample losses, samples]
-    model.eval()
+    for part in parallel.parts:
+        part.eval()
     for batch, samples in zip(loader, batch_sizes):
+        batch = _to_device(batch, ctx.device)
         with autocast:
-            batch_loss = loss_fn(model, _to_device(batch, ctx.device))
-        totals[0] += batch_loss.double() * samples
-        totals[1] += samples
-    model.train()
+            if pipelined:
+                inputs, targets = batch
+                losses: list[torch.Tensor] = []
+                parallel.schedule.eval(*_first_stage_inputs(parallel, inputs), target=targets, losses=losses)
+                batch_loss = torch.stack(losses).mean() if parallel.holds_loss else None
+            else:
+                batch_loss = loss_fn(parallel.parts[0], batch)
+        if parallel.holds_loss:
+            totals[0] += batch_loss.double() * samples
+            totals[1] += samples
+    for part in parallel.parts:
+        part.train()
     dist.all_reduce(totals)
     summed, samples = totals.tolist()
     if samples == 0:
-        raise ValueError(f"validation set of {len(dataset)} samples is smaller than the world size {ctx.world_size}")
+        raise ValueError(
+            f"validation set of {len(dataset)} samples holds no full batch of {batch_size} for each of {dp} data-parallel ranks"
+        )
     return summed / samples
 
 
 def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
-    """LambdaLR factor: ramps linearly to 1 over ``warmup_steps`` (the first step already moves), then stays."""
+    """Learning-rate factor before step ``completed_steps + 1``: ramps linearly to 1 over ``warmup_steps``
+    (the first step already moves), then stays."""
 
     def factor(completed_steps: int) -> float:
         return min(1.0, (completed_steps + 1) / warmup_steps) if warmup_steps else 1.0
@@ -189,10 +255,11 @@ def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
 
 
 def _accumulation_steps(spec: JobSpec, world_size: int) -> int:
-    per_pass = spec.train.micro_batch_size * world_size
+    per_pass = spec.samples_per_micro_step(world_size)
     if spec.train.global_batch_size % per_pass:
         raise ValueError(
-            f"global_batch_size {spec.train.global_batch_size} is not a multiple of micro_batch_size × world size = {per_pass}"
+            f"global_batch_size {spec.train.global_batch_size} is not a multiple of the {per_pass} samples one "
+            f"micro-step takes at world size {world_size} (micro_batch_size × pipeline micro-batches × data-parallel size)"
         )
     return spec.accumulation_steps(world_size)
 

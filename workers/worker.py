@@ -30,6 +30,7 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._metrics: list[dict[str, Any]] = []
         self._checkpoints: list[dict[str, Any]] = []
+        self._memory: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self.rank: int | None = None
 
@@ -52,7 +53,7 @@ class TrainWorker:
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         self.rank = rank
 
-    def train(self, spec_json: str, job_id: str, storage_root: str) -> dict[str, Any]:
+    def train(self, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int]) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
@@ -64,7 +65,7 @@ class TrainWorker:
         context = TrainContext(
             rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
             storage_root=storage_root, on_metric=self._record_metric, on_checkpoint=self._record_checkpoint,
-            should_stop=self._stop.is_set,
+            should_stop=self._stop.is_set, on_memory=self._record_memory, ranks_per_node=tuple(ranks_per_node),
         )
         try:
             result = run_training(spec, context)
@@ -80,12 +81,18 @@ class TrainWorker:
         with self._lock:
             self._checkpoints.append(record.model_dump())
 
+    def _record_memory(self, measured) -> None:
+        with self._lock:
+            self._memory.append(measured.model_dump())
+
     def drain(self) -> dict[str, list[dict[str, Any]]]:
-        """Hand over what rank 0 recorded since the last drain; doubles as a liveness probe."""
+        """Hand over what this rank recorded since the last drain (metrics and checkpoints come from
+        rank 0 only, memory from every rank); doubles as a liveness probe."""
         with self._lock:
             metrics, self._metrics = self._metrics, []
             checkpoints, self._checkpoints = self._checkpoints, []
-        return {"metrics": metrics, "checkpoints": checkpoints}
+            memory, self._memory = self._memory, []
+        return {"metrics": metrics, "checkpoints": checkpoints, "memory": memory}
 
     def request_stop(self) -> None:
         self._stop.set()

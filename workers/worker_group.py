@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 import ray
@@ -40,8 +41,9 @@ class WorkerGroup:
         return len(self.workers)
 
     @property
-    def rank0(self) -> Any:
-        return self.workers[0].actor
+    def ranks_per_node(self) -> list[int]:
+        """Workers on each node in rank order; the device mesh keeps tensor-parallel groups inside these."""
+        return [len(list(ranks)) for _, ranks in groupby(self.workers, key=lambda worker: worker.node_id)]
 
     @classmethod
     def start(cls, spec: JobSpec, group: PlacementGroup, bundle_count: int, collective_timeout_s: float) -> "WorkerGroup":
@@ -69,8 +71,8 @@ class WorkerGroup:
         return cls(workers)
 
     def train(self, spec: JobSpec, job_id: str, storage_root: str) -> list[Any]:
-        spec_json = spec.model_dump_json()
-        return [worker.actor.train.remote(spec_json, job_id, storage_root) for worker in self.workers]
+        spec_json, layout = spec.model_dump_json(), self.ranks_per_node
+        return [worker.actor.train.remote(spec_json, job_id, storage_root, layout) for worker in self.workers]
 
     def shutdown(self) -> None:
         for worker in self.workers:

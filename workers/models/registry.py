@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
 from service.spec import USER_DATA, JobSpec
@@ -20,6 +21,9 @@ from workers.data.pysource import pysource_splits
 from workers.data.synthetic import synthetic_regression_splits
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
+PipelineStageFn = Callable[[nn.Module, int, int], nn.Module]
+OutputLossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 BUILTIN_ENTRYPOINTS = {"mlp": "workers.models.mlp:build", "tiny-gpt": "workers.models.tiny_gpt:build"}
 
@@ -38,12 +42,23 @@ class EntrypointError(ValueError):
 class ModelBundle:
     """What a model builder hands the trainer. ``loss_fn(model, batch)`` returns the batch's mean
     loss; datasets are map-style so samples have stable ids. ``val_dataset`` may be None (no
-    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus."""
+    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus.
+
+    Optional parallelism hooks, plain functions beside the model (tiny_gpt_parallelize.py has the built-in's):
+    ``tensor_parallel(model, tp_mesh)`` shards the model in place over the tensor-parallel mesh (e.g. with
+    ``parallelize_module``); strategies tensor and 3d with tp > 1 need it.
+    ``pipeline_stage(model, stage_index, num_stages)`` returns a new module holding only that stage's
+    contiguous part of ``model`` under the unsplit model's parameter names (so checkpoints reshard), and
+    ``output_loss_fn(outputs, targets)`` is the mean loss of the last stage's outputs; strategies pipeline
+    and 3d with pp > 1 need both, and there a batch must be ``(inputs, targets)`` split along dim 0."""
 
     model: nn.Module
     train_dataset: Dataset | None
     val_dataset: Dataset | None
     loss_fn: LossFn
+    tensor_parallel: TensorParallelPlan | None = None
+    pipeline_stage: PipelineStageFn | None = None
+    output_loss_fn: OutputLossFn | None = None
 
 
 def build_bundle(spec: JobSpec) -> ModelBundle:

@@ -15,6 +15,7 @@ from torch import nn
 
 from workers.data.pysource import DEFAULT_MAX_CORPUS_BYTES, pysource_splits
 from workers.models.registry import ModelBundle
+from workers.models.tiny_gpt_parallelize import apply_tensor_parallel, pipeline_stage
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,11 @@ def _init_weights(module: nn.Module) -> None:
 def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean cross-entropy over every position of every sequence in the batch."""
     inputs, targets = batch
-    logits = model(inputs)
+    return logits_loss(model(inputs), targets)
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same loss from logits already computed, e.g. by the last pipeline stage."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -126,4 +131,7 @@ def build(
         raise ValueError(f"tiny-gpt: vocab must be at least 256 to hold every byte, got {vocab}")
     config = TinyGPTConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
     train_dataset, val_dataset = pysource_splits(seq_len=seq_len, max_corpus_bytes=max_corpus_bytes)
-    return ModelBundle(TinyGPT(config), train_dataset, val_dataset, next_token_loss)
+    return ModelBundle(
+        TinyGPT(config), train_dataset, val_dataset, next_token_loss,
+        tensor_parallel=apply_tensor_parallel, pipeline_stage=pipeline_stage, output_loss_fn=logits_loss,
+    )

@@ -1,0 +1,61 @@
+"""FSDP2: parameters, gradients and optimizer state sharded over the dp mesh (ZeRO-2/3), or hybrid:
+sharded within a node and replicated across nodes on the 2-D (dp_replicate, dp_shard) mesh."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from workers.models.registry import ModelBundle
+from workers.strategies.parallel_model import ParallelModel, ParallelSetup
+
+
+def parallelize_fsdp(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
+    model = apply_fsdp(bundle.model, setup)
+    return ParallelModel(parts=[model], optimizers=[setup.optimizer.build(model.parameters())], holds_loss=True,
+                         accumulate_locally=partial(without_gradient_sync, model))
+
+
+def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
+    """fully_shard each block, then the root. zero3 (and hybrid) free gathered parameters after forward
+    and gather again in backward; zero2 keeps them until backward. bf16 computes in bf16, reduces in fp32."""
+    mesh = setup.mesh[setup.dims.dp_mesh_names]
+    reshard_after_forward = setup.spec.parallel.shard != "zero2"
+    for block in transformer_blocks(module):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=False))
+    return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=True))
+
+
+def mixed_precision(setup: ParallelSetup, root: bool) -> MixedPrecisionPolicy:
+    """bf16: FSDP2 (and its replicate) cast parameters to bf16 for compute and reduce gradients in fp32;
+    the root hands back fp32 outputs so the loss is computed in fp32, as under autocast."""
+    if not setup.bf16:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """FSDP's units: the entries of the model's top-level ModuleDict/ModuleList containers (tiny-gpt's
+    ``layers``); a model without such a container is sharded as one unit."""
+    return [
+        block
+        for child in module.children()
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList))
+        for block in (child.values() if isinstance(child, nn.ModuleDict) else child)
+    ]
+
+
+@contextmanager
+def without_gradient_sync(model: FSDPModule) -> Iterator[None]:
+    """Backward keeps unsharded gradients locally; the next synced backward reduces them all at once."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

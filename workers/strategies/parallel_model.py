@@ -1,0 +1,59 @@
+"""The contract between strategies and the training loop: what goes in (the setup) and what comes out."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.optim import Optimizer
+
+from service.spec import JobSpec
+from workers.parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW's settings; the strategy decides how the optimizer is built (ZeRO-1 shards it)."""
+
+    lr: float
+    weight_decay: float
+
+    def build(self, params: Iterable[nn.Parameter]) -> Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class ParallelSetup:
+    """Everything a strategy composes from: the job, its dimensions, the world's one mesh, the device."""
+
+    spec: JobSpec
+    dims: ParallelDims
+    mesh: DeviceMesh
+    device: torch.device
+    optimizer: OptimizerConfig
+
+    @property
+    def bf16(self) -> bool:
+        return self.spec.train.precision == "bf16"
+
+
+@dataclass
+class ParallelModel:
+    """What a strategy hands the loop: the modules this rank holds (named with the unsplit model's
+    FQNs, one optimizer each) and how a micro-step runs on them."""
+
+    parts: list[nn.Module]
+    optimizers: list[Optimizer]
+    # Whether this rank's losses count (once) in the global mean: last pipeline stage, first tp rank.
+    holds_loss: bool
+    # Backward inside this context only accumulates gradients locally (no data-parallel sync).
+    accumulate_locally: Callable[[], AbstractContextManager] = nullcontext
+    # Pipeline only: the schedule that runs forward and backward over micro-batches, and this rank's stages.
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
+    stages: list[PipelineStage] = field(default_factory=list)
