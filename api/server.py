@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI
@@ -37,7 +38,7 @@ class ControlPlane:
                 "code_path": settings.code_path or os.getcwd(),
             })
         elif settings.ray_dashboard_url is None:
-            host = settings.ray_address.split(":")[0]
+            host = urlsplit(settings.ray_address if "://" in settings.ray_address else f"//{settings.ray_address}").hostname
             settings = settings.model_copy(update={"ray_dashboard_url": f"http://{host}:8265"})
         self.settings = settings
         self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url)
@@ -53,11 +54,13 @@ class ControlPlane:
 
     def start_dispatcher(self, app: FastAPI) -> Callable[[], None]:
         dispatcher = Dispatcher(app.state.db.sessions, self.cluster, self.settings)
+        app.state.wake_dispatcher = dispatcher.wake
         self._thread = threading.Thread(target=dispatcher.run, args=(self._stop,), name="dispatcher", daemon=True)
         self._thread.start()
 
         def stop() -> None:
             self._stop.set()
+            dispatcher.wake()
             if self._thread is not None:
                 self._thread.join(timeout=10)
 

@@ -40,20 +40,26 @@ class Dispatcher:
         self.cluster = cluster
         self.settings = settings
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._wake = threading.Event()
 
     def run_once(self) -> None:
         self.watch_active_jobs()
         self.close_finished_attempts()  # after watching, so a lost attempt's resources are free for its retry
         self.dispatch_queued()
 
+    def wake(self) -> None:
+        """Start the next pass now (a job was submitted or cancelled in this process)."""
+        self._wake.set()
+
     def run(self, stop: threading.Event) -> None:
         """Loop until stop is set; a failing pass is logged and retried, never fatal."""
         while not stop.is_set():
+            self._wake.clear()
             try:
                 self.run_once()
             except Exception:  # noqa: BLE001 — a transient database or Ray error must not end the loop
                 log.exception("dispatcher pass failed")
-            stop.wait(self.settings.dispatch_interval_s)
+            self._wake.wait(self.settings.dispatch_interval_s)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -83,7 +89,7 @@ class Dispatcher:
             jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size)
         try:
             env_vars = {"PYTHONPATH": self.settings.code_path} if self.settings.code_path else {}
-            self.cluster.submit(submission_id, self._entrypoint(job.id, attempt, group_name, spec), env_vars)
+            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, spec), env_vars)
         except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
             self.cluster.release(group_name)
             with self.sessions() as session, session.begin():
@@ -101,11 +107,12 @@ class Dispatcher:
                 return size
         return None
 
-    def _entrypoint(self, job_id: str, attempt: int, group_name: str, spec: JobSpec) -> str:
+    def _entrypoint(self, job: Job, attempt: int, group_name: str, spec: JobSpec) -> str:
         spec_b64 = base64.b64encode(spec.model_dump_json().encode()).decode()
         return (
-            f"{self.settings.driver_python} -m workers.driver --job-id {job_id} --attempt {attempt} "
-            f"--ray-address {self.cluster.gcs_address} "
+            f"{self.settings.driver_python} -m workers.driver --job-id {job.id} --attempt {attempt} "
+            + (f"--ray-address {self.cluster.gcs_address} " if self.cluster.gcs_address else "")
+            + f"--failures {job.failures} "
             f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "
             f"--storage-uri {self.settings.resolved_storage_uri()} --spec-b64 {spec_b64}"
         )

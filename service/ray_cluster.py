@@ -17,7 +17,7 @@ NAMESPACE = "ringmaster"
 class ClusterBackend(Protocol):
     """What the dispatcher needs from a cluster; tests substitute a fake."""
 
-    gcs_address: str
+    gcs_address: str | None
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
     def release(self, name: str) -> None: ...
@@ -44,11 +44,17 @@ def worker_bundles(gpus_per_worker: int, cpus_per_worker: float, count: int) -> 
 class RayCluster:
     """A Ray cluster reached through its GCS (placement groups) and dashboard (Jobs API)."""
 
-    def __init__(self, gcs_address: str, dashboard_url: str) -> None:
-        self.gcs_address = gcs_address
+    def __init__(self, address: str, dashboard_url: str) -> None:
+        self.address = address
         self.dashboard_url = dashboard_url.rstrip("/")
         self._jobs = None
         self._lock = threading.Lock()
+
+    @property
+    def gcs_address(self) -> str | None:
+        """The GCS address a job's driver joins; None through Ray Client (ray://), where the driver,
+        running on the cluster itself, takes the address the Jobs API gives it."""
+        return None if self.address.startswith("ray://") else self.address
 
     def connect(self):
         """Join the cluster as a client; call from the main thread so Ray can install its signal handlers."""
@@ -60,7 +66,7 @@ class RayCluster:
 
         with self._lock:
             if not ray.is_initialized():
-                ray.init(address=self.gcs_address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                ray.init(address=self.address, namespace=NAMESPACE, logging_level=logging.WARNING,
                          log_to_driver=False, configure_logging=False)
             if self._jobs is None:
                 self._jobs = JobSubmissionClient(self.dashboard_url)

@@ -61,10 +61,13 @@ _SPEC_BODY = {
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, openapi_extra=_SPEC_BODY)
-def submit(spec: Annotated[JobSpec, Depends(spec_from_body)], cluster: ClusterShapeDep, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
+def submit(request: Request, spec: Annotated[JobSpec, Depends(spec_from_body)], cluster: ClusterShapeDep, db: DatabaseDep,
+           settings: SettingsDep) -> JobDetailOut:
     # The cluster's shape (a dependency) is read before the transaction opens: a provider may ask Ray, which is slow.
     with session_scope(db.sessions) as session:
-        return JobDetailOut.from_job(jobs.submit_job(session, spec, cluster), settings, [])
+        created = JobDetailOut.from_job(jobs.submit_job(session, spec, cluster), settings, [])
+    _wake_dispatcher(request)
+    return created
 
 
 @router.get("")
@@ -85,8 +88,18 @@ def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobDetai
 
 
 @router.post("/{job_id}/cancel")
-def cancel(job_id: str, session: SessionDep, settings: SettingsDep) -> JobDetailOut:
-    return JobDetailOut.from_job(jobs.cancel_job(session, job_id), settings, jobs.list_memory(session, job_id))
+def cancel(request: Request, job_id: str, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
+    with session_scope(db.sessions) as session:
+        cancelled = JobDetailOut.from_job(jobs.cancel_job(session, job_id), settings, jobs.list_memory(session, job_id))
+    _wake_dispatcher(request)  # after the commit, so it sees the cancellation and stops the Ray job now
+    return cancelled
+
+
+def _wake_dispatcher(request: Request) -> None:
+    """An in-process dispatcher acts on a new or cancelled job now rather than at its next pass."""
+    wake = getattr(request.app.state, "wake_dispatcher", None)
+    if wake is not None:
+        wake()
 
 
 @router.get("/{job_id}/events")
