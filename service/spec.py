@@ -48,6 +48,7 @@ class TrainSpec(_Strict):
     seed: int = Field(default=0, ge=0)
     precision: Literal["fp32", "bf16"] = "fp32"
     weight_decay: float = Field(default=0.0, ge=0)
+    record_sample_ids: bool = Field(default=False, description="Write which sample ids each step used under the job's storage (data audit).")
 
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "pipeline", "tensor", "3d", "auto")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.data import DistributedSampler, default_collate
+from torch.utils.data import default_collate
 
 from process_group import run_on_ranks
 from service.spec import JobSpec
@@ -76,23 +76,17 @@ def distributed_runs(tmp_path_factory) -> Path:
 
 
 def global_batches(dataset, steps: int) -> tuple[list[list[int]], int]:
-    """Each step's global batch as the union of every rank's micro-batches, rebuilt from DistributedSampler
-    alone; also returns how many epochs were started."""
-    streams = []
-    for rank in range(WORLD_SIZE):
-        micro_batches, epoch = [], 0
-        while len(micro_batches) < steps * ACCUMULATION:
-            sampler = DistributedSampler(dataset, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=SEED, drop_last=True)
-            sampler.set_epoch(epoch)
-            indices = list(sampler)
-            micro_batches += [indices[i : i + MICRO_BATCH] for i in range(0, len(indices) - MICRO_BATCH + 1, MICRO_BATCH)]
-            epoch += 1
-        streams.append(micro_batches)
-    batches = [
-        [index for stream in streams for micro in stream[step * ACCUMULATION : (step + 1) * ACCUMULATION] for index in micro]
-        for step in range(steps)
-    ]
-    return batches, epoch
+    """Each step's global batch by the data contract: the next global_batch_size samples of the epoch's
+    shuffled order, an epoch holding only whole global batches; also returns how many epochs were started."""
+    global_batch = MICRO_BATCH * ACCUMULATION * WORLD_SIZE
+    batches, epoch = [], 0
+    while len(batches) < steps:
+        generator = torch.Generator()
+        generator.manual_seed(SEED + epoch)
+        order = torch.randperm(len(dataset), generator=generator).tolist()
+        batches += [order[i * global_batch : (i + 1) * global_batch] for i in range(len(dataset) // global_batch)]
+        epoch += 1
+    return batches[:steps], epoch
 
 
 @pytest.mark.parametrize("model_name", list(MODEL_OPTIONS))

@@ -105,7 +105,7 @@ def save_checkpoint(
     state = {
         "model": model_state,
         "optimizer": optimizer_state,
-        "progress": {"step": step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch},
+        "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
         "rng": {f"rank{rank}": _rng_state()},
     }
     dcp.save(state, checkpoint_id=path)
@@ -127,7 +127,7 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
     state = {
         "model": model_state,
         "optimizer": optimizer_state,
-        "progress": {"step": 0, "epoch": 0, "batches_in_epoch": 0},
+        "progress": {"step": 0, "epoch": 0, "samples_in_epoch": 0},
         "rng": {f"rank{rank}": rng_state},
     }
     dcp.load(state, checkpoint_id=path)
@@ -136,7 +136,7 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
                        optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)
     _restore_rng_state(state["rng"][f"rank{rank}"])
     progress = state["progress"]
-    return TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["batches_in_epoch"]))
+    return TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"]))
 
 
 def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> tuple[dict[str, Any], dict[str, Any]]:

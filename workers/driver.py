@@ -1,7 +1,10 @@
 """The job driver: the entrypoint of each Ray job ringmaster submits (`python -m workers.driver`).
 
-It takes the placement group the dispatcher reserved, starts the worker group, streams what rank 0
-records to the control plane, and reports the outcome. The training loop never sees any of this.
+A controller loop over a worker group. It takes the placement group the dispatcher reserved,
+forms the group, streams what the workers record to the control plane, and when workers are lost
+(actor death, a missed heartbeat, a broken collective) keeps the survivors, re-forms the group at
+the largest size in [workers.min, workers.max] that can be placed now, and resumes from the latest
+committed checkpoint. When capacity returns it grows back at a checkpoint boundary.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -24,17 +28,26 @@ from ray.util.placement_group import remove_placement_group
 from service.ray_cluster import NAMESPACE
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
+from workers.checkpoint import latest_committed
 from workers.reporter import Reporter
-from workers.worker_group import WorkerGroup
+from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
 
 log = logging.getLogger("ringmaster.driver")
 
-POLL_INTERVAL_S = 0.25
-COLLECTIVE_TIMEOUT_S = 60.0
+POLL_INTERVAL_S = 0.1
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus one interval)
+PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
+COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
+START_TIMEOUT_S = 120.0  # first start: worker processes import torch
+REPLACEMENT_WAIT_S = 5.0  # spare capacity exists: wait this long for Ray to move lost bundles onto it
+CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
+GROW_CHECK_INTERVAL_S = 2.0
 _MAX_MESSAGE = 20_000
-
-
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+# Text of the exceptions a rank raises when a peer or the transport is gone, not the user's code.
+_COMMUNICATION_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
+                           "DistNetworkError", "NCCL error", "Timed out", "timed out", "aborted")
 
 
 def describe_task_error(error: RayTaskError) -> str:
@@ -43,59 +56,111 @@ def describe_task_error(error: RayTaskError) -> str:
     return f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n{frames}"
 
 
+def is_communication_failure(error: RayTaskError) -> bool:
+    text = str(error)
+    return any(marker in text for marker in _COMMUNICATION_FAILURES)
+
+
+@dataclass
+class Outcome:
+    """How one run of the group ended: finished, lost workers, wants to grow, or the user's code failed."""
+
+    kind: str
+    results: list[dict[str, Any]] = field(default_factory=list)
+    lost: list[RankedWorker] = field(default_factory=list)
+    reason: str = ""
+
+
 class JobDriver:
-    def __init__(self, spec: JobSpec, job_id: str, placement_group_name: str, storage_uri: str, reporter: Reporter) -> None:
+    def __init__(self, spec: JobSpec, job_id: str, placement_group_name: str, storage_uri: str, reporter: Reporter,
+                 failures_so_far: int = 0) -> None:
         self.spec = spec
         self.job_id = job_id
         self.placement_group_name = placement_group_name
         self.storage_root = f"{storage_uri.rstrip('/')}/{job_id}"
         self.reporter = reporter
-        self.workers: WorkerGroup | None = None
-        self._memory_pending: set[int] = set()  # ranks whose state-memory report has not arrived yet
+        self.failure_budget = spec.max_failures - failures_so_far
+        self.group = WorkerGroup(spec, COLLECTIVE_TIMEOUT_S)
+        self.slots: list[Slot] = []
+        self.lost_nodes: set[str] = set()
+        self._memory_pending: set[int] = set()
 
     def run(self) -> int:
         """Train to the end; 0 when the job succeeded, 1 when it failed (reported either way)."""
-        group = get_placement_group(self.placement_group_name)
+        admission = get_placement_group(self.placement_group_name)
+        self.slots = [Slot(admission, index) for index in range(admission.bundle_count)]
         try:
-            log.info("starting workers")
-            self.workers = WorkerGroup.start(self.spec, group, group.bundle_count, COLLECTIVE_TIMEOUT_S)
-            self._memory_pending = {worker.rank for worker in self.workers.workers}
-            nodes = len({worker.node_id for worker in self.workers.workers})
-            self.reporter.report(state="RUNNING", message=f"training on {self.workers.world_size} workers across {nodes} node(s)")
-            results = self._train()
-        except RayTaskError as error:
-            self._fail(describe_task_error(error))
-            return 1
-        except RayActorError as error:
-            self._fail(f"a worker died: {error}")
-            return 1
+            members = self.group.launch(self.slots, START_TIMEOUT_S)
+            if len(members) < self.spec.workers.min:
+                return self._fail(f"only {len(members)} of {self.spec.workers.min} workers started")
+            self._form(members)
+            self.reporter.report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
+                                 f"{len(self.group.nodes)} node(s)", details={"world_size": self.group.world_size})
+            while True:
+                outcome = self._supervise()
+                if outcome.kind == "finished":
+                    final = outcome.results[0]
+                    self.reporter.report(state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}")
+                    return 0
+                if outcome.kind == "user_error":
+                    return self._fail(outcome.reason)
+                if outcome.kind == "lost":
+                    self.failure_budget -= 1
+                    if self.failure_budget < 0:
+                        return self._fail(f"{outcome.reason}; max_failures ({self.spec.max_failures}) exhausted")
+                if not self._regroup(outcome):
+                    return 1
         except Exception:  # noqa: BLE001 — whatever broke, the job's record must say what
-            self._fail(f"driver error:\n{traceback.format_exc()}")
-            return 1
+            return self._fail(f"driver error:\n{traceback.format_exc()}")
         finally:
-            self._release(group)
-        final = results[0]
-        self.reporter.report(state="SUCCEEDED", message=f"finished at step {final.get('step')}, checkpoint {final.get('checkpoint_uri')}")
-        return 0
+            self.group.shutdown()
+            remove_placement_group(admission)
 
-    def _train(self) -> list[dict[str, Any]]:
-        assert self.workers is not None
-        pending = self.workers.train(self.spec, self.job_id, self.storage_root)
-        futures = list(pending)
-        while pending:
+    # -- running ----------------------------------------------------------------------------
+
+    def _supervise(self) -> Outcome:
+        """Run the group until it finishes, loses workers, or stops at a checkpoint to grow."""
+        futures = self.group.train(self.job_id, self.storage_root)
+        pending = list(futures)
+        heartbeats = Heartbeats(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
+        lost: list[RankedWorker] = []
+        errors: list[RayTaskError] = []
+        next_grow_check, stopping = time.monotonic() + GROW_CHECK_INTERVAL_S, False
+        while pending and not (lost or errors):
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
-            for future in done:
-                ray.get(future)  # surfaces a rank's failure now rather than after the others hang
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    lost.append(futures[ref])
+                except RayTaskError as error:
+                    errors.append(error)
+            lost += [worker for worker in heartbeats.check(self.group.workers) if worker not in lost]
             self._forward_progress()
-        self._forward_progress()
-        return ray.get(futures)
+            if not stopping and time.monotonic() > next_grow_check and self.group.world_size < self.spec.workers.max:
+                next_grow_check = time.monotonic() + GROW_CHECK_INTERVAL_S
+                if self._spare_slots():
+                    self.group.request_stop()  # every rank stops after this step and checkpoints
+                    stopping = True
+        if lost or errors:
+            lost += [worker for worker in self.group.unresponsive(PROBE_TIMEOUT_S) if worker not in lost]
+            if lost:
+                nodes = sorted({worker.node_id[:12] for worker in lost})
+                return Outcome("lost", lost=lost, reason=f"lost rank(s) {sorted(w.rank for w in lost)} on node(s) {nodes}")
+            if all(is_communication_failure(error) for error in errors):
+                return Outcome("lost", reason=f"a collective failed with every worker alive: {str(errors[0])[-300:]}")
+            user_error = next(error for error in errors if not is_communication_failure(error))
+            return Outcome("user_error", reason=describe_task_error(user_error))
+        results = ray.get(list(futures))
+        return Outcome("grow" if any(result["stopped"] for result in results) else "finished", results=results)
 
     def _forward_progress(self) -> None:
-        """Forward rank 0's metrics and checkpoints; until every rank's memory report (measured once,
-        after its first optimizer step) has arrived, drain the other ranks too."""
-        assert self.workers is not None
-        sources = [worker for worker in self.workers.workers if worker.rank == 0 or worker.rank in self._memory_pending]
-        drained = ray.get([worker.actor.drain.remote() for worker in sources])
+        """Forward rank 0's metrics and checkpoints, and each rank's one memory report."""
+        sources = [worker for worker in self.group.workers if worker.rank == 0 or worker.rank in self._memory_pending]
+        try:
+            drained = ray.get([worker.actor.drain.remote() for worker in sources], timeout=PROBE_TIMEOUT_S)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return  # the heartbeats will name who is gone
         memory = [RankMemory(**measured) for batch in drained for measured in batch["memory"]]
         self._memory_pending -= {measured.rank for measured in memory}
         first = drained[0]
@@ -106,30 +171,87 @@ class JobDriver:
                 memory=memory,
             )
 
-    def _fail(self, message: str) -> None:
-        log.error(message)
-        if self.workers is not None:
-            try:
-                self._forward_progress()
-            except Exception:  # noqa: BLE001 — rank 0 may be the one that died
-                pass
-        self.reporter.report(state="FAILED", message=message[-_MAX_MESSAGE:])
+    # -- re-forming ---------------------------------------------------------------------------
 
-    def _release(self, group) -> None:
-        if self.workers is not None:
-            self.workers.shutdown()
-        remove_placement_group(group)
+    def _form(self, members: list[RankedWorker]) -> None:
+        world = min(self.spec.workers.max, len(members))
+        for extra in members[world:]:
+            ray.kill(extra.actor, no_restart=True)
+        self.group.form(members[:world])
+        self._memory_pending = {worker.rank for worker in self.group.workers}
+
+    def _free_slots(self) -> list[Slot]:
+        taken = {worker.slot for worker in self.group.workers}
+        return [slot for slot in self.slots if slot not in taken]
+
+    def _spare_slots(self) -> list[Slot]:
+        """Free bundles that sit on live nodes now (Ray moved them after a node died, or capacity returned)."""
+        return placed_slots(self._free_slots(), self.lost_nodes)
+
+    def _spare_capacity(self) -> bool:
+        """Whether unreserved resources exist for one more worker, onto which Ray may move a lost bundle."""
+        available = ray.available_resources()
+        need = self.spec.workers
+        return available.get("GPU", 0) >= need.gpus_per_worker if need.gpus_per_worker else available.get("CPU", 0) >= need.cpus_per_worker
+
+    def _regroup(self, outcome: Outcome) -> bool:
+        """Keep the survivors, add workers where bundles can be placed now, form the next generation."""
+        started = time.monotonic()
+        before = self.group.world_size
+        if outcome.kind == "lost":
+            self.lost_nodes |= {worker.node_id for worker in outcome.lost}
+            self.reporter.report(state="RECOVERING", message=f"{outcome.reason}; re-forming the group", details={
+                "lost_ranks": sorted(worker.rank for worker in outcome.lost),
+                "lost_nodes": sorted({worker.node_id for worker in outcome.lost}),
+                "lost_pids": sorted(worker.pid for worker in outcome.lost),
+                "world_size_before": before,
+            })
+            self.group.remove(outcome.lost)
+        wanted = self.spec.workers.max - self.group.world_size
+        if wanted and len(self._spare_slots()) < wanted and self._spare_capacity():
+            deadline = time.monotonic() + REPLACEMENT_WAIT_S
+            while len(self._spare_slots()) < wanted and time.monotonic() < deadline:
+                time.sleep(0.2)
+        give_up = time.monotonic() + CAPACITY_WAIT_S
+        while True:
+            added = self.group.launch(self._spare_slots()[:wanted], START_TIMEOUT_S) if wanted else []
+            members = self.group.workers + added
+            if len(members) >= self.spec.workers.min:
+                break
+            for worker in added:
+                ray.kill(worker.actor, no_restart=True)
+            if time.monotonic() > give_up:
+                self._fail(f"{outcome.reason}; only {len(members)} of workers.min {self.spec.workers.min} can be placed")
+                return False
+            time.sleep(1.0)
+        self._form(members)
+        checkpoint = latest_committed(self.storage_root)
+        resumed = checkpoint.step if checkpoint else 0
+        details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
+                   "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}
+        message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
+        if outcome.kind == "lost":
+            self.reporter.report(state="RUNNING", message=message, details=details)
+        else:
+            self.reporter.report(message=f"capacity returned: {message}", details=details)
+        return True
+
+    def _fail(self, message: str) -> int:
+        log.error(message)
+        self._forward_progress()
+        self.reporter.report(state="FAILED", message=message[-_MAX_MESSAGE:])
+        return 1
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers.driver", description=__doc__)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--attempt", type=int, required=True)
-    parser.add_argument("--placement-group", required=True)
     parser.add_argument("--ray-address", help="the cluster's GCS address; without it, the one the Jobs API gives the driver")
-    parser.add_argument("--failures", type=int, default=0, help="failures the job already had in earlier attempts")
+    parser.add_argument("--placement-group", required=True)
     parser.add_argument("--api-url", required=True)
     parser.add_argument("--storage-uri", required=True)
+    parser.add_argument("--failures", type=int, default=0, help="failures the job already had in earlier attempts")
     parser.add_argument("--spec-b64", required=True, help="the JobSpec as base64-encoded JSON")
     return parser.parse_args(argv)
 
@@ -144,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
     reporter = Reporter(args.api_url, args.job_id, args.attempt)
     try:
-        code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter).run()
+        code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter, args.failures).run()
     finally:
         delivered = reporter.close()
     log.info("job %s attempt %d ended with code %d after %.1fs (reports delivered: %s)",

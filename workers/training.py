@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.checkpoint import latest_committed, load_checkpoint, save_checkpoint
-from workers.data.stream import DataPosition, ShardedBatchStream
+from workers.data.audit import SampleAudit
+from workers.data.stream import DataPosition, GlobalBatchStream
 from workers.models import build_bundle
 from workers.models.registry import LossFn
 from workers.parallel_dims import ParallelDims
@@ -57,6 +58,8 @@ class TrainContext:
     on_memory: Callable[[RankMemory], None] = _ignore
     # Workers on each node, in rank order (ranks are contiguous per node); None: all on one node.
     ranks_per_node: tuple[int, ...] | None = None
+    # Which formation of the group this is (the driver re-forms it after failures and to grow).
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,15 +98,17 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
 
     # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
     batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if parallel.schedule else 1)
-    stream = ShardedBatchStream(
+    stream = GlobalBatchStream(
         bundle.train_dataset,
-        batch_size,
-        dims.dp_rank(mesh),
-        dims.dp,
-        spec.train.seed,
-        position,
+        micro_batch_size=batch_size,
+        dp_rank=dims.dp_rank(mesh),
+        dp_size=dims.dp,
+        seed=spec.train.seed,
+        global_batch_size=spec.train.global_batch_size,
+        position=position,
         pin_memory=ctx.device.type == "cuda",
     )
+    audit = SampleAudit(ctx.storage_root, ctx.rank, dims.dp_rank(mesh), ctx.generation) if spec.train.record_sample_ids else None
 
     def checkpoint(final: bool) -> str:
         path = save_checkpoint(
@@ -128,8 +133,11 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     while step < spec.train.steps and not stopped:
         started = time.perf_counter()
         step_stats.zero_()
+        step_sample_ids: list[int] = []
         for micro_step in range(accumulation):
             batch = _to_device(stream.next_batch(), ctx.device)
+            if audit is not None:
+                step_sample_ids += stream.last_sample_ids
             # Gradients are synchronised only on the last micro-step; earlier ones accumulate locally.
             with parallel.accumulate_locally() if micro_step < accumulation - 1 else nullcontext():
                 micro_loss = _forward_backward(parallel, bundle.loss_fn, batch, accumulation, autocast)
@@ -155,6 +163,8 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         step_time = time.perf_counter() - started
         step += 1
         loss, stopped = summed_loss / loss_divisor, votes > 0 and step < spec.train.steps
+        if audit is not None:
+            audit.record(step, stream.position.epoch, step_sample_ids)
         if ctx.rank == 0:
             ctx.on_metric(
                 MetricPoint(
@@ -170,6 +180,8 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         if stopped or (every and step % every == 0 and step < spec.train.steps):
             checkpoint_uri, saved_step = checkpoint(final=False), step
 
+    if audit is not None:
+        audit.close()
     if stopped:
         return TrainResult(step, loss, None, checkpoint_uri, stopped=True)
     if saved_step != step:

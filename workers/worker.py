@@ -1,7 +1,9 @@
 """One Ray actor per GPU (or CPU share): joins the process group and runs the training loop.
 
-A threaded actor (two concurrent calls) so the driver can drain metrics and ask it to stop while
-`train` runs; the training loop itself never talks to the control plane.
+A threaded actor, so the driver can drain metrics, send heartbeats and re-form the group while
+`train` runs. Each group the actor joins has a generation: joining a new one aborts the old, and a
+training call from an old generation (stuck behind a frozen peer) never tears down the new group.
+The training loop itself never talks to the control plane.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any
 
 import ray
 
+# train (possibly one stuck from an abandoned generation), its successor, drain, heartbeat, stop.
+_CONCURRENT_CALLS = 8
+
 
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
@@ -22,38 +27,59 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-@ray.remote(max_concurrency=2)
+def _import_training_stack() -> None:
+    import torch._dynamo  # noqa: F401 — DistributedDataParallel imports it on construction
+
+    import workers.training  # noqa: F401
+
+
+@ray.remote(max_concurrency=_CONCURRENT_CALLS)
 class TrainWorker:
     def __init__(self, cpus: float, uses_gpu: bool) -> None:
         self._cpus = cpus
         self._uses_gpu = uses_gpu
         self._lock = threading.Lock()
+        self._group_lock = threading.Lock()
         self._metrics: list[dict[str, Any]] = []
         self._checkpoints: list[dict[str, Any]] = []
         self._memory: list[dict[str, Any]] = []
         self._stop = threading.Event()
-        self.rank: int | None = None
+        self.generation = 0
+        # Import the training stack while the driver is still placing and ranking the other workers.
+        self._warm = threading.Thread(target=_import_training_stack, name="warm-up", daemon=True)
+        self._warm.start()
 
     def placement(self) -> dict[str, Any]:
-        """Where this actor landed: node id (the rank-ordering key), IP and a free port for rendezvous."""
+        """Where this actor landed: its node id (the rank-ordering key), IP and process."""
         context = ray.get_runtime_context()
-        ip = ray.util.get_node_ip_address()
-        return {"node_id": context.get_node_id(), "ip": ip, "port": _free_port(ip), "pid": os.getpid()}
+        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
-    def join(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
+    def rendezvous_port(self) -> int:
+        """A free port on this node, for the group this actor will lead as rank 0."""
+        return _free_port(ray.util.get_node_ip_address())
+
+    def heartbeat(self) -> int:
+        return self.generation
+
+    def join(self, generation: int, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
+        """Leave the previous group (abort: a peer may be gone mid-collective) and form the new one."""
         import torch
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _abort_process_group
 
-        # One intra-op thread per CPU granted: oversubscribing the node's cores slows every rank.
-        torch.set_num_threads(max(1, int(self._cpus)))
-        backend = "nccl" if self._uses_gpu else "gloo"
-        if self._uses_gpu:
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        self.rank = rank
+        torch.set_num_threads(max(1, int(self._cpus)))  # one intra-op thread per CPU granted
+        self._warm.join()
+        with self._group_lock:
+            if dist.is_initialized():
+                _abort_process_group()
+            self.generation = generation
+            self._stop.clear()
+            if self._uses_gpu:
+                torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
+            dist.init_process_group("nccl" if self._uses_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
-    def train(self, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int]) -> dict[str, Any]:
+    def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int]) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
@@ -66,11 +92,14 @@ class TrainWorker:
             rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
             storage_root=storage_root, on_metric=self._record_metric, on_checkpoint=self._record_checkpoint,
             should_stop=self._stop.is_set, on_memory=self._record_memory, ranks_per_node=tuple(ranks_per_node),
+            generation=generation,
         )
         try:
             result = run_training(spec, context)
         finally:
-            dist.destroy_process_group()
+            with self._group_lock:
+                if self.generation == generation and dist.is_initialized():
+                    dist.destroy_process_group()
         return asdict(result)
 
     def _record_metric(self, point) -> None:
@@ -87,7 +116,7 @@ class TrainWorker:
 
     def drain(self) -> dict[str, list[dict[str, Any]]]:
         """Hand over what this rank recorded since the last drain (metrics and checkpoints come from
-        rank 0 only, memory from every rank); doubles as a liveness probe."""
+        rank 0 only, memory from every rank)."""
         with self._lock:
             metrics, self._metrics = self._metrics, []
             checkpoints, self._checkpoints = self._checkpoints, []
@@ -95,4 +124,5 @@ class TrainWorker:
         return {"metrics": metrics, "checkpoints": checkpoints, "memory": memory}
 
     def request_stop(self) -> None:
+        """Stop after the current step with a checkpoint: the boundary at which the group regrows."""
         self._stop.set()

@@ -1,79 +1,180 @@
-"""Start one worker actor per placement-group bundle, rank them node by node, and form the group."""
+"""The job's worker actors: started on placement-group bundles, ranked node by node, re-formed.
+
+A worker group outlives any one process group: when workers are lost it keeps the survivors,
+adds actors on whatever bundles can be placed now, and forms the next generation of the group.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.spec import JobSpec
 from workers.worker import TrainWorker
 
 
+@dataclass(frozen=True)
+class Slot:
+    """One bundle of a placement group: where one worker may run."""
+
+    group: PlacementGroup
+    index: int
+
+
 @dataclass
 class RankedWorker:
-    rank: int
     actor: Any
+    slot: Slot
     node_id: str
     ip: str
-    port: int
+    pid: int
+    rank: int = -1
 
 
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
     """Indices of placements in rank order: each node's workers contiguous, nodes ordered by id.
 
-    Contiguous ranks per node are what later lets tensor-parallel groups stay inside a node.
+    Contiguous ranks per node are what lets tensor-parallel groups stay inside a node.
     Simulated nodes share one IP, so the node id, not the address, is the key.
     """
     return sorted(range(len(placements)), key=lambda index: (placements[index]["node_id"], index))
 
 
+def placed_slots(slots: list[Slot], excluded_nodes: set[str]) -> list[Slot]:
+    """The slots whose bundle sits on a live node now (not one known to be lost)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - excluded_nodes
+    placed = []
+    for group in {slot.group for slot in slots}:
+        table = placement_group_table(group)
+        bundle_nodes = table.get("bundles_to_node_id", {})
+        placed += [slot for slot in slots if slot.group == group and bundle_nodes.get(slot.index) in alive]
+    return placed
+
+
 class WorkerGroup:
-    def __init__(self, workers: list[RankedWorker]) -> None:
-        self.workers = workers
+    def __init__(self, spec: JobSpec, collective_timeout_s: float) -> None:
+        self.spec = spec
+        self.collective_timeout_s = collective_timeout_s
+        self.workers: list[RankedWorker] = []
+        self.generation = 0
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
 
     @property
+    def nodes(self) -> list[str]:
+        return sorted({worker.node_id for worker in self.workers})
+
+    @property
     def ranks_per_node(self) -> list[int]:
         """Workers on each node in rank order; the device mesh keeps tensor-parallel groups inside these."""
         return [len(list(ranks)) for _, ranks in groupby(self.workers, key=lambda worker: worker.node_id)]
 
-    @classmethod
-    def start(cls, spec: JobSpec, group: PlacementGroup, bundle_count: int, collective_timeout_s: float) -> "WorkerGroup":
-        resources = spec.workers
+    def launch(self, slots: list[Slot], timeout_s: float) -> list[RankedWorker]:
+        """Start an actor on each slot; those not running within timeout_s are killed and left out."""
+        resources = self.spec.workers
         actors = [
             TrainWorker.options(
                 num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
                 num_gpus=resources.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.index),
             ).remote(resources.cpus_per_worker, resources.gpus_per_worker > 0)
-            for index in range(bundle_count)
+            for slot in slots
         ]
-        placements = ray.get([actor.placement.remote() for actor in actors])
-        order = order_ranks(placements)
-        workers = [
-            RankedWorker(rank=rank, actor=actors[index], node_id=placements[index]["node_id"],
-                         ip=placements[index]["ip"], port=placements[index]["port"])
-            for rank, index in enumerate(order)
-        ]
-        master = workers[0]
-        ray.get([
-            worker.actor.join.remote(worker.rank, len(workers), master.ip, master.port, collective_timeout_s)
-            for worker in workers
-        ])
-        return cls(workers)
+        pending = {actor.placement.remote(): (actor, slot) for actor, slot in zip(actors, slots)}
+        ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+        started = []
+        for ref in ready:
+            actor, slot = pending[ref]
+            try:
+                placement = ray.get(ref)
+            except RayActorError:
+                continue
+            started.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"]))
+        for ref in not_ready:
+            ray.kill(pending[ref][0], no_restart=True)
+        return started
 
-    def train(self, spec: JobSpec, job_id: str, storage_root: str) -> list[Any]:
-        spec_json, layout = spec.model_dump_json(), self.ranks_per_node
-        return [worker.actor.train.remote(spec_json, job_id, storage_root, layout) for worker in self.workers]
+    def form(self, members: list[RankedWorker]) -> None:
+        """Rank members node by node and join them all into a new generation of the process group."""
+        order = order_ranks([{"node_id": member.node_id} for member in members])
+        self.workers = [members[index] for index in order]
+        for rank, worker in enumerate(self.workers):
+            worker.rank = rank
+        self.generation += 1
+        master = self.workers[0]
+        port = ray.get(master.actor.rendezvous_port.remote())
+        ray.get([
+            worker.actor.join.remote(self.generation, worker.rank, self.world_size, master.ip, port, self.collective_timeout_s)
+            for worker in self.workers
+        ])
+
+    def train(self, job_id: str, storage_root: str) -> dict[Any, RankedWorker]:
+        spec_json, layout = self.spec.model_dump_json(), self.ranks_per_node
+        return {
+            worker.actor.train.remote(self.generation, spec_json, job_id, storage_root, layout): worker
+            for worker in self.workers
+        }
+
+    def unresponsive(self, timeout_s: float) -> list[RankedWorker]:
+        """Workers that do not answer a heartbeat within timeout_s (dead, or their node frozen)."""
+        beats = {worker.actor.heartbeat.remote(): worker for worker in self.workers}
+        answered, _ = ray.wait(list(beats), num_returns=len(beats), timeout=timeout_s)
+        lost = [worker for ref, worker in beats.items() if ref not in answered]
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                lost.append(beats[ref])
+        return lost
+
+    def remove(self, lost: list[RankedWorker]) -> None:
+        for worker in lost:
+            ray.kill(worker.actor, no_restart=True)
+        self.workers = [worker for worker in self.workers if worker not in lost]
+
+    def request_stop(self) -> None:
+        for worker in self.workers:
+            worker.actor.request_stop.remote()
 
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker.actor, no_restart=True)
+        self.workers = []
+
+
+class Heartbeats:
+    """Heartbeats sent every interval; a worker whose oldest unanswered beat is older than timeout is lost."""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._outstanding: dict[Any, tuple[RankedWorker, float]] = {}
+        self._last_sent = 0.0
+
+    def reset(self) -> None:
+        self._outstanding.clear()
+        self._last_sent = 0.0
+
+    def check(self, workers: list[RankedWorker]) -> list[RankedWorker]:
+        now = time.monotonic()
+        if self._outstanding:
+            answered, _ = ray.wait(list(self._outstanding), num_returns=len(self._outstanding), timeout=0)
+            for ref in answered:
+                worker, _sent = self._outstanding.pop(ref)
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    return [worker]
+        if now - self._last_sent >= self.interval_s:
+            self._outstanding.update({worker.actor.heartbeat.remote(): (worker, now) for worker in workers})
+            self._last_sent = now
+        return sorted({id(worker): worker for worker, sent in self._outstanding.values()
+                       if now - sent > self.timeout_s}.values(), key=lambda worker: worker.rank)
