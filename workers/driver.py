@@ -142,8 +142,10 @@ class JobDriver:
                 if self._spare_slots():
                     self.group.request_stop()  # every rank stops after this step and checkpoints
                     stopping = True
+        if errors and not lost:
+            # A broken collective: find out whether a peer is gone, or the error was the user's own.
+            lost = self.group.unresponsive(PROBE_TIMEOUT_S)
         if lost or errors:
-            lost += [worker for worker in self.group.unresponsive(PROBE_TIMEOUT_S) if worker not in lost]
             if lost:
                 nodes = sorted({worker.node_id[:12] for worker in lost})
                 return Outcome("lost", lost=lost, reason=f"lost rank(s) {sorted(w.rank for w in lost)} on node(s) {nodes}")
