@@ -1,0 +1,130 @@
+"""Time from a node's death to the first training step completed afterwards: ringmaster vs Ray Train.
+
+    python bench/recovery.py [--rounds 1]
+
+On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 workers):
+- replace: a replacement node joins, then a worker's node is killed;
+- shrink:  a worker's node is killed with no replacement (ringmaster workers {min: 1, max: 2},
+           Ray Train ScalingConfig(num_workers=(1, 2)));
+- frozen:  a worker's node is SIGSTOPped; ringmaster's time to notice (its RECOVERING event).
+Ray Train runs through bench/raytrain_recovery.py. Prints each measurement and the ratios; goals:
+ringmaster ≤ 1/5 of Ray Train's time, shrink ≤ 5 s, frozen node noticed ≤ 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ray.util.state import list_actors  # noqa: E402
+
+from bench.raytrain_recovery import measure_ray_train  # noqa: E402
+from service.client import RingmasterClient  # noqa: E402
+from tests.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
+
+KILL_AFTER_STEP = 30
+
+
+def job_spec(scenario: str) -> dict:
+    minimum = 1 if scenario in ("shrink", "frozen") else 2
+    return {
+        "name": f"recovery-{scenario}", "model": "tiny-gpt",
+        "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1},
+        "train": {"steps": 100_000, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.001, "seed": 0},
+        "checkpoint": {"every_steps": 10, "keep": 2},
+    }
+
+
+def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"job {job_id} never reached step {step}: {client.job(job_id)}")
+        time.sleep(0.05)
+
+
+def _a_worker_node(cluster: SimulatedCluster):
+    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    return cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1])
+
+
+def _first_step_after(client: RingmasterClient, job_id: str, moment: float, timeout_s: float = 300) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        later = [row["wall_time"] for row in client.metrics(job_id)["items"] if row["wall_time"] and row["wall_time"] > moment]
+        if later:
+            return min(later)
+        time.sleep(0.05)
+    raise SystemExit(f"job {job_id} did not train again within {timeout_s}s: {client.job(job_id)}")
+
+
+def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
+    job = client.submit(job_spec(scenario))
+    _wait_for_step(client, job["id"], KILL_AFTER_STEP)
+    if scenario == "replace":
+        cluster.add_node()
+    victim = _a_worker_node(cluster)
+    struck = time.time()
+    if scenario == "frozen":
+        cluster.freeze_node(victim)
+    else:
+        cluster.kill_node(victim)
+    trained_again = _first_step_after(client, job["id"], struck)
+    recovering = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RECOVERING")
+    noticed = datetime.fromisoformat(recovering["at"]).timestamp() - struck
+    client.cancel(job["id"])
+    resumed = next(e for e in reversed(client.events(job["id"])["items"]) if e["to_state"] == "RUNNING")
+    return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2),
+            "world_size_after": resumed["data"].get("world_size")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--skip-ray-train", action="store_true")
+    args = parser.parse_args()
+    results: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
+        cluster = SimulatedCluster(nodes=2)
+        try:
+            with control_plane_on(cluster, Path(scratch) / "ringmaster") as server:
+                client = RingmasterClient(server.url)
+                for _ in range(args.rounds):
+                    for scenario in ("replace", "shrink", "frozen"):
+                        while len(cluster.cluster.worker_nodes) < 2:
+                            cluster.add_node()
+                        measured = through_ringmaster(cluster, client, scenario)
+                        print(json.dumps({"system": "ringmaster", "scenario": scenario, **measured}), flush=True)
+                        results.setdefault(scenario, {}).setdefault("ringmaster", []).append(measured["recovery_s"])
+                        results[scenario].setdefault("noticed", []).append(measured["noticed_s"])
+                        if scenario == "frozen" or args.skip_ray_train:
+                            continue
+                        while len(cluster.cluster.worker_nodes) < 2:
+                            cluster.add_node()
+                        baseline = measure_ray_train(cluster, scenario, Path(scratch) / "raytrain")
+                        print(json.dumps({"system": "ray-train", "scenario": scenario, "recovery_s": baseline["recovery_s"]}), flush=True)
+                        if baseline["recovery_s"] is not None:
+                            results[scenario].setdefault("ray_train", []).append(baseline["recovery_s"])
+        finally:
+            cluster.shutdown()
+    summary = {}
+    for scenario, measured in results.items():
+        line = {f"{name}_s": round(statistics.median(values), 2) for name, values in measured.items() if values}
+        if "ray_train_s" in line:
+            line["ratio"] = round(line["ringmaster_s"] / line["ray_train_s"], 3)
+        summary[scenario] = line
+    summary["goals"] = {"ratio": 0.2, "shrink_s": 5.0, "frozen_noticed_s": 5.0}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
