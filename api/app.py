@@ -8,9 +8,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from prometheus_client import CollectorRegistry
 
 from api.errors import install_error_handlers
-from api.routes import health, internal, jobs, plan
+from api.routes import health, internal, jobs, metrics, plan
+from service import telemetry
 from service.db import Database, upgrade_schema
 from service.job_plan import ClusterShapeProvider
 from service.settings import Settings, get_settings
@@ -42,23 +44,31 @@ def create_app(
         url = settings.resolved_database_url()
         upgrade_schema(url)
         app.state.db = Database.connect(url)
+        detach_telemetry = telemetry.attach(app.state.db.engine, app.state.telemetry)
         stop = start_background(app) if start_background else None
         try:
             yield
         finally:
             if stop is not None:
                 stop()
+            detach_telemetry()
             app.state.db.dispose()
 
     app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan)
     app.state.settings = settings
     app.state.logs_provider = logs_provider
     app.state.cluster_shape_provider = cluster_shape_provider
+    # One registry per app, never prometheus_client's global one: several apps in a process must not clash.
+    app.state.metrics_registry = registry = CollectorRegistry()
+    app.state.telemetry = telemetry.Telemetry(registry)
+    registry.register(telemetry.DatabaseCollector(lambda: getattr(app.state, "db", None)))
+    app.state.stream_poll_s = 0.5
     install_error_handlers(app)
     app.include_router(jobs.router)
     app.include_router(plan.router)
     app.include_router(internal.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     _document_spec_schema(app)
     return app
 

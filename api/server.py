@@ -17,6 +17,7 @@ from api.app import create_app
 from service.dispatcher import Dispatcher
 from service.embedded_ray import RayHead, start_head, stop_head
 from service.errors import LogsUnavailable
+from service.logs import configure_logging
 from service.ray_cluster import RayCluster
 from service.settings import Settings
 
@@ -78,11 +79,12 @@ class ControlPlane:
 
 def run_server(settings: Settings) -> None:
     """Serve until interrupted; an embedded Ray head is stopped with the server."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     plane = ControlPlane(settings)
     log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
     try:
-        uvicorn.run(plane.app(), host=plane.settings.api_host, port=plane.settings.api_port, log_level="info")
+        # log_config=None: uvicorn keeps the JSON handlers configure_logging installed.
+        uvicorn.run(plane.app(), host=plane.settings.api_host, port=plane.settings.api_port, log_config=None)
     finally:
         plane.close()
 

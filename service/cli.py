@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import httpx
 import typer
 import yaml
 from rich.console import Console
@@ -90,17 +92,36 @@ def _watch(client: RingmasterClient, job_id: str) -> dict:
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} samples/s"), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=total, state="…", loss="-", speed="-")
-        for job, new_rows in client.follow(job_id):
-            update = {"state": job["state"]}
+        for state, new_rows in _progress(client, job_id):
+            update: dict[str, Any] = {"state": state} if state else {}
             for row in new_rows:
                 if row.get("loss") is not None:
                     update.update(completed=row["step"], loss=f"{row['loss']:.4f}", speed=f"{row.get('samples_per_s') or 0:.1f}")
             progress.update(task, **update)
+    job = client.job(job_id)
     style = _STATE_STYLE.get(job["state"], "white")
     console.print(f"job {job_id}: [{style}]{job['state']}[/{style}]")
     if job.get("error"):
         console.print(job["error"])
     return job
+
+
+def _progress(client: RingmasterClient, job_id: str) -> Iterator[tuple[str | None, list[dict]]]:
+    """(state or None, new metric rows) from the job's event stream; polling only if the stream cannot be opened."""
+    started = False
+    try:
+        for message in client.stream(job_id):
+            started = True
+            if message["event"] == "state":
+                yield message["data"]["to_state"], []
+            elif message["event"] == "metric":
+                yield None, [message["data"]]
+        return
+    except (ApiError, httpx.HTTPError):
+        if started:
+            raise
+    for job, rows in client.follow(job_id):  # a server without the stream endpoint, or a proxy that refuses it
+        yield job["state"], rows
 
 
 @app.command()

@@ -92,3 +92,39 @@ class RingmasterClient:
             if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
                 return
             time.sleep(interval_s)
+
+    def stream(self, job_id: str, last_event_id: str | None = None, reconnects: int = 5) -> Iterator[dict[str, Any]]:
+        """Server-sent events of GET /v1/jobs/{id}/stream as {"id", "event", "data"} dicts, until the job ends.
+
+        A dropped connection is resumed with Last-Event-ID (up to ``reconnects`` times in a row); an HTTP error
+        status raises ApiError before anything was yielded, so a caller can fall back to polling.
+        """
+        failures = 0
+        while True:
+            headers = {"Accept": "text/event-stream"}
+            if last_event_id is not None:
+                headers["Last-Event-ID"] = last_event_id
+            try:
+                with self._http.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers,
+                                       timeout=httpx.Timeout(self._http.timeout.connect, read=60.0)) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise ApiError(response.status_code, response.text)
+                    fields: dict[str, str] = {}
+                    for line in response.iter_lines():
+                        if line:
+                            if not line.startswith(":") and ":" in line:
+                                name, _, value = line.partition(":")
+                                fields[name] = value[1:] if value.startswith(" ") else value
+                            continue
+                        if "data" in fields:
+                            last_event_id = fields.get("id", last_event_id)
+                            failures = 0
+                            yield {"id": last_event_id, "event": fields.get("event", "message"), "data": json.loads(fields["data"])}
+                        fields = {}
+                return  # the server ends the stream once the job is terminal
+            except (httpx.TransportError, httpx.RemoteProtocolError):
+                failures += 1
+                if failures > reconnects:
+                    raise
+                time.sleep(min(0.5 * failures, 5.0))

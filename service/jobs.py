@@ -8,6 +8,7 @@ PostgreSQL, the BEGIN IMMEDIATE write lock on SQLite.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -16,6 +17,7 @@ from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.errors import JobConflict, JobNotFound
+from service import telemetry
 from service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
 from service.planner import StateMemory
@@ -24,6 +26,7 @@ from service.spec import JobSpec
 from service.states import ACTIVE, TERMINAL, JobState, check_transition
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,11 @@ def transition(session: Session, job: Job, target: JobState, message: str, data:
         job.finished_at = now
     if target == JobState.FAILED:
         job.error = message
+    telemetry.record_transition(session, job, current, target, now)  # counted once the transaction commits
     session.add(JobEvent(job_id=job.id, at=now, from_state=current, to_state=target, kind="transition", message=message, data=data))
     session.flush()
+    log.info("job %s: %s -> %s: %s", job.id, current.value, target.value, message,
+             extra={"job_id": job.id, "from_state": current.value, "to_state": target.value})
     return job
 
 
@@ -234,6 +240,7 @@ def _insert_checkpoints(session: Session, job: Job, report: DriverReport) -> Non
         if record.uri in known:
             continue
         known.add(record.uri)
+        telemetry.record_checkpoints(session, 1)
         session.add(
             Checkpoint(
                 job_id=job.id,

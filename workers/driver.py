@@ -23,9 +23,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util import get_placement_group
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 
-from service.ray_cluster import NAMESPACE
+from service.ray_cluster import NAMESPACE, worker_bundles
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.checkpoint import latest_committed
@@ -40,7 +40,7 @@ HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus on
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
 COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
 START_TIMEOUT_S = 120.0  # first start: worker processes import torch
-REPLACEMENT_WAIT_S = 5.0  # spare capacity exists: wait this long for Ray to move lost bundles onto it
+REPLACEMENT_WAIT_S = 5.0  # spare capacity exists: wait this long to reserve it for replacement workers
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
 GROW_CHECK_INTERVAL_S = 2.0
 _MAX_MESSAGE = 20_000
@@ -139,6 +139,9 @@ class JobDriver:
             self._forward_progress()
             if not stopping and time.monotonic() > next_grow_check and self.group.world_size < self.spec.workers.max:
                 next_grow_check = time.monotonic() + GROW_CHECK_INTERVAL_S
+                missing = self.spec.workers.max - self.group.world_size - len(self._spare_slots())
+                if missing > 0:
+                    self._reserve_spare_capacity(missing)
                 if self._spare_slots():
                     self.group.request_stop()  # every rank stops after this step and checkpoints
                     stopping = True
@@ -157,7 +160,7 @@ class JobDriver:
         return Outcome("grow" if any(result["stopped"] for result in results) else "finished", results=results)
 
     def _forward_progress(self) -> None:
-        """Forward rank 0's metrics and checkpoints, and each rank's one memory report."""
+        """Forward rank 0's metrics, checkpoints and events, and each rank's one memory report."""
         sources = [worker for worker in self.group.workers if worker.rank == 0 or worker.rank in self._memory_pending]
         try:
             drained = ray.get([worker.actor.drain.remote() for worker in sources], timeout=PROBE_TIMEOUT_S)
@@ -172,6 +175,8 @@ class JobDriver:
                 checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
                 memory=memory,
             )
+        for event in first.get("events", []):
+            self.reporter.report(message=event["message"], details=event["details"])
 
     # -- re-forming ---------------------------------------------------------------------------
 
@@ -190,11 +195,30 @@ class JobDriver:
         """Free bundles that sit on live nodes now (Ray moved them after a node died, or capacity returned)."""
         return placed_slots(self._free_slots(), self.lost_nodes)
 
-    def _spare_capacity(self) -> bool:
-        """Whether unreserved resources exist for one more worker, onto which Ray may move a lost bundle."""
+    def _spare_capacity(self) -> int:
+        """How many more workers unreserved resources could hold now."""
         available = ray.available_resources()
         need = self.spec.workers
-        return available.get("GPU", 0) >= need.gpus_per_worker if need.gpus_per_worker else available.get("CPU", 0) >= need.cpus_per_worker
+        if need.gpus_per_worker:
+            return int(available.get("GPU", 0) // need.gpus_per_worker)
+        return int(available.get("CPU", 0) // need.cpus_per_worker)
+
+    def _reserve_spare_capacity(self, wanted: int) -> None:
+        """Reserve free capacity for `wanted` more workers as a placement group of this driver's own,
+        rather than wait for Ray to declare a dead node dead and move its bundles (seconds)."""
+        count = min(wanted, self._spare_capacity())
+        if count <= 0:
+            return
+        extra = placement_group(worker_bundles(self.spec.workers.gpus_per_worker, self.spec.workers.cpus_per_worker, count),
+                                strategy="PACK")
+        deadline = time.monotonic() + REPLACEMENT_WAIT_S
+        while time.monotonic() < deadline:
+            if ray.wait([extra.ready()], timeout=0.2)[0]:
+                self.slots += [Slot(extra, index) for index in range(count)]
+                return
+            if len(self._spare_slots()) >= wanted:
+                break  # Ray moved the lost bundles onto the capacity first
+        remove_placement_group(extra)
 
     def _regroup(self, outcome: Outcome) -> bool:
         """Keep the survivors, add workers where bundles can be placed now, form the next generation."""
@@ -210,10 +234,8 @@ class JobDriver:
             })
             self.group.remove(outcome.lost)
         wanted = self.spec.workers.max - self.group.world_size
-        if wanted and len(self._spare_slots()) < wanted and self._spare_capacity():
-            deadline = time.monotonic() + REPLACEMENT_WAIT_S
-            while len(self._spare_slots()) < wanted and time.monotonic() < deadline:
-                time.sleep(0.2)
+        if wanted > len(self._spare_slots()):
+            self._reserve_spare_capacity(wanted - len(self._spare_slots()))
         give_up = time.monotonic() + CAPACITY_WAIT_S
         while True:
             added = self.group.launch(self._spare_slots()[:wanted], START_TIMEOUT_S) if wanted else []

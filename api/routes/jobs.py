@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 import yaml
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from api.deps import ClusterShapeDep, DatabaseDep, SessionDep, SettingsDep
 from api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
 from service import jobs
-from service.db import session_scope
+from service.db import Database, session_scope
 from service.errors import InvalidSpec, JobConflict, LogsUnavailable
 from service.spec import JobSpec, parse_spec_text
+from service.stream import Cursor, read_batch
 from service.states import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -129,3 +135,56 @@ def logs(job_id: str, request: Request, db: DatabaseDep) -> PlainTextResponse:
     if submission_id is None:
         raise JobConflict(f"job {job_id} has not been dispatched to Ray yet, so it has no logs")
     return PlainTextResponse(provider(submission_id))
+
+
+_KEEPALIVE_S = 15.0
+_STREAM_DOC = {"responses": {200: {"description": "Server-sent events: `state`, `event` and `metric`, each with a JSON `data` "
+                                                  "line and an `id` to resume from with Last-Event-ID.",
+                                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}}
+
+
+@router.get("/{job_id}/stream", response_class=StreamingResponse, openapi_extra=_STREAM_DOC)
+async def stream(job_id: str, request: Request, db: DatabaseDep) -> StreamingResponse:
+    """State changes, events and metric rows as they are written; ends once the job is terminal and all was sent.
+
+    The database is polled (no session is held between polls), so it works across replicas; reconnect with the
+    Last-Event-ID header to resume after the last event received.
+    """
+    cursor = Cursor.parse(request.headers.get("last-event-id"))
+    await run_in_threadpool(_check_exists, db, job_id)  # 404 before the 200 and the stream start
+    poll_s: float = request.app.state.stream_poll_s
+    return StreamingResponse(
+        _events(request, db, job_id, cursor, poll_s),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _check_exists(db: Database, job_id: str) -> None:
+    with session_scope(db.sessions) as session:
+        jobs.get_job(session, job_id)
+
+
+async def _events(request: Request, db: Database, job_id: str, cursor: Cursor, poll_s: float) -> AsyncIterator[str]:
+    def read(after: Cursor) -> Any:
+        with session_scope(db.sessions) as session:
+            return read_batch(session, job_id, after)
+
+    last_sent = time.monotonic()
+    while True:
+        batch = await run_in_threadpool(read, cursor)
+        for item in batch.items:
+            yield f"id: {item.cursor}\nevent: {item.type}\ndata: {json.dumps(item.data, separators=(',', ':'))}\n\n"
+        cursor = batch.cursor
+        if batch.items:
+            last_sent = time.monotonic()
+        if batch.finished:
+            return
+        if batch.more:
+            continue
+        if time.monotonic() - last_sent >= _KEEPALIVE_S:
+            yield ": keepalive\n\n"
+            last_sent = time.monotonic()
+        if await request.is_disconnected():
+            return
+        await anyio.sleep(poll_s)

@@ -1,0 +1,83 @@
+"""What a job's event stream sends next: events by id, metric rows by (attempt, step), read in one short transaction.
+
+The cursor is what the client has seen; it travels as the SSE event id ("<event id>:<attempt>:<step>") so a
+client that reconnects with Last-Event-ID resumes exactly where it left off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from service.jobs import get_job
+from service.models import JobEvent, Metric
+from service.states import TERMINAL, JobState
+
+
+@dataclass(frozen=True)
+class Cursor:
+    event_id: int = 0
+    attempt: int = 0
+    step: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.event_id}:{self.attempt}:{self.step}"
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Cursor":
+        """A Last-Event-ID; anything unreadable starts from the beginning rather than failing the stream."""
+        try:
+            event_id, attempt, step = (int(part) for part in (text or "").split(":"))
+        except ValueError:
+            return cls()
+        return cls(event_id, attempt, step)
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    type: str  # "state", "event" or "metric"
+    cursor: Cursor
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Batch:
+    items: list[StreamItem]
+    cursor: Cursor
+    finished: bool  # the job is terminal and everything up to its end is in items
+    more: bool  # a limit was hit: read again at once
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) -> Batch:
+    """Raises JobNotFound. The job's state is read first, so a terminal state implies its events are visible too."""
+    state = JobState(get_job(session, job_id).state)
+    events = list(
+        session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > cursor.event_id).order_by(JobEvent.id).limit(limit)
+        )
+    )
+    after = or_(Metric.attempt > cursor.attempt, and_(Metric.attempt == cursor.attempt, Metric.step > cursor.step))
+    metrics = list(
+        session.scalars(select(Metric).where(Metric.job_id == job_id, after).order_by(Metric.attempt, Metric.step).limit(limit))
+    )
+    items: list[StreamItem] = []
+    for row in events:
+        cursor = Cursor(row.id, cursor.attempt, cursor.step)
+        data = {"id": row.id, "at": _iso(row.at), "kind": row.kind, "from_state": row.from_state, "to_state": row.to_state,
+                "message": row.message, "data": row.data}
+        items.append(StreamItem("state" if row.kind == "transition" else "event", cursor, data))
+    for metric in metrics:
+        cursor = Cursor(cursor.event_id, metric.attempt, metric.step)
+        data = {field: getattr(metric, field) for field in
+                ("attempt", "step", "loss", "val_loss", "samples_per_s", "step_time_s", "wall_time", "lr", "world_size")}
+        data["recorded_at"] = _iso(metric.recorded_at)
+        items.append(StreamItem("metric", cursor, data))
+    more = len(events) == limit or len(metrics) == limit
+    return Batch(items, cursor, finished=state in TERMINAL and not more, more=more)

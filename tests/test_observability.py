@@ -1,0 +1,222 @@
+"""GET /metrics (exact sample values after driving jobs) and the job event stream (SSE), on both databases."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import create_app
+from service.db import Database, session_scope
+from service.jobs import apply_driver_report, get_job, mark_admitted, transition
+from service.reports import DriverReport
+from service.settings import Settings
+from service.states import JobState
+
+SPEC = {"name": "observed", "model": "mlp", "workers": {"min": 1, "max": 2}, "train": {"global_batch_size": 16, "micro_batch_size": 4}}
+
+
+@pytest.fixture
+def client(db_url: str, tmp_path: Path) -> Iterator[TestClient]:
+    app = create_app(Settings(database_url=db_url, data_dir=tmp_path))
+    app.state.stream_poll_s = 0.05
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def _db(client: TestClient) -> Database:
+    app: FastAPI = client.app  # type: ignore[assignment]
+    return app.state.db
+
+
+def _submit(client: TestClient, name: str = "observed") -> str:
+    response = client.post("/v1/jobs", json={**SPEC, "name": name})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def _admit(client: TestClient, job_id: str, number: int = 1) -> None:
+    with session_scope(_db(client).sessions) as session:
+        mark_admitted(session, get_job(session, job_id), number, f"ringmaster-{job_id}-{number}", None, 2)
+
+
+def _report(client: TestClient, job_id: str, attempt: int = 1, **body: Any) -> None:
+    with session_scope(_db(client).sessions) as session:
+        apply_driver_report(session, job_id, attempt, DriverReport.model_validate(body))
+
+
+def _samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def _value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], metric: str, /, **labels: str) -> float:
+    return samples[(metric, tuple(sorted(labels.items())))]
+
+
+def test_metrics_count_queue_transitions_recoveries_and_running_jobs(client: TestClient) -> None:
+    first = _submit(client, "first")
+    second = _submit(client, "second")
+    _submit(client, "third")
+    _admit(client, first)
+    _report(client, first, state="RUNNING", metrics=[{"step": 1, "loss": 2.0, "samples_per_s": 50.0, "step_time_s": 0.5}])
+    _report(client, first, state="RECOVERING", checkpoints=[{"step": 1, "uri": "file:///c/1", "world_size": 2}])
+    _report(client, first, state="RUNNING", metrics=[{"step": 2, "loss": 1.5, "samples_per_s": 80.0, "step_time_s": 0.25}],
+            checkpoints=[{"step": 1, "uri": "file:///c/1", "world_size": 2}, {"step": 2, "uri": "file:///c/2", "world_size": 1}])
+    client.post(f"/v1/jobs/{second}/cancel")
+
+    samples = _samples(client)
+    depth = {state.value: _value(samples, "ringmaster_jobs", state=state.value) for state in JobState}
+    assert depth == {"QUEUED": 1, "ADMITTED": 0, "RUNNING": 1, "RECOVERING": 0, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 1}
+    transitions = {state.value: _value(samples, "ringmaster_job_transitions_total", to_state=state.value) for state in JobState}
+    assert transitions == {"QUEUED": 0, "ADMITTED": 1, "RUNNING": 2, "RECOVERING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 1}
+    assert _value(samples, "ringmaster_recoveries_total") == 1
+    assert _value(samples, "ringmaster_recovery_duration_seconds_count") == 1
+    assert _value(samples, "ringmaster_dispatch_latency_seconds_count") == 1
+    assert 0 <= _value(samples, "ringmaster_dispatch_latency_seconds_sum") < 60
+    assert _value(samples, "ringmaster_checkpoints_total") == 2  # the replayed URI counts once
+    running = {"job_id": first, "name": "first"}
+    assert _value(samples, "ringmaster_job_step", **running) == 2
+    assert _value(samples, "ringmaster_job_loss", **running) == 1.5
+    assert _value(samples, "ringmaster_job_steps_per_second", **running) == 4.0
+    assert _value(samples, "ringmaster_job_samples_per_second", **running) == 80.0
+    assert not [key for key in samples if key[0] == "ringmaster_job_loss" and dict(key[1])["job_id"] != first]
+
+
+def test_rolled_back_transitions_count_nothing(client: TestClient) -> None:
+    job_id = _submit(client)
+    with pytest.raises(RuntimeError), session_scope(_db(client).sessions) as session:
+        transition(session, get_job(session, job_id), JobState.FAILED, "doomed")
+        raise RuntimeError("roll back")
+    assert _value(_samples(client), "ringmaster_job_transitions_total", to_state="FAILED") == 0
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "QUEUED"
+
+
+def test_requeued_job_dispatch_latency_counts_from_its_requeue(client: TestClient) -> None:
+    job_id = _submit(client)
+    _admit(client, job_id)
+    with session_scope(_db(client).sessions) as session:
+        transition(session, get_job(session, job_id), JobState.QUEUED, "lost")
+    time.sleep(0.2)
+    _admit(client, job_id, number=2)
+    samples = _samples(client)
+    assert _value(samples, "ringmaster_dispatch_latency_seconds_count") == 2
+    assert _value(samples, "ringmaster_job_transitions_total", to_state="QUEUED") == 1
+    assert _value(samples, "ringmaster_dispatch_latency_seconds_bucket", le="0.1") == 1  # the first admission, at once
+
+
+def test_apps_keep_their_own_registries(db_url: str, tmp_path: Path) -> None:
+    with TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path))) as one, \
+            TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'other.db'}", data_dir=tmp_path))) as other:
+        job_id = _submit(one)
+        _admit(one, job_id)
+        assert _value(_samples(one), "ringmaster_job_transitions_total", to_state="ADMITTED") == 1
+        assert _value(_samples(other), "ringmaster_job_transitions_total", to_state="ADMITTED") == 0
+        assert _value(_samples(other), "ringmaster_jobs", state="ADMITTED") == 0
+
+
+def _parse_sse(text: str) -> list[dict[str, Any]]:
+    messages = []
+    for block in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if line and not line.startswith(":"))
+        if fields:
+            messages.append({"id": fields["id"], "event": fields["event"], "data": json.loads(fields["data"])})
+    return messages
+
+
+def _drive(client: TestClient, job_id: str) -> None:
+    time.sleep(0.2)
+    _admit(client, job_id)
+    time.sleep(0.1)
+    _report(client, job_id, state="RUNNING", metrics=[{"step": 1, "loss": 2.0}])
+    time.sleep(0.1)
+    _report(client, job_id, metrics=[{"step": 2, "loss": 1.0}], checkpoints=[{"step": 2, "uri": "file:///c/2", "world_size": 2}])
+    time.sleep(0.1)
+    _report(client, job_id, state="SUCCEEDED", metrics=[{"step": 3, "loss": 0.5}])
+
+
+def test_stream_sends_states_metrics_and_events_until_the_job_ends(client: TestClient) -> None:
+    job_id = _submit(client)
+    driver = threading.Thread(target=_drive, args=(client, job_id))
+    driver.start()
+    started = time.monotonic()
+    with client.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        text = response.read().decode()
+    driver.join()
+    assert time.monotonic() - started < 30
+    messages = _parse_sse(text)
+    states = [m["data"]["to_state"] for m in messages if m["event"] == "state"]
+    assert states == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
+    assert [(m["data"]["attempt"], m["data"]["step"], m["data"]["loss"]) for m in messages if m["event"] == "metric"] == [
+        (1, 1, 2.0), (1, 2, 1.0), (1, 3, 0.5)]
+    assert [m["data"]["kind"] for m in messages if m["event"] == "event"] == ["checkpoint"]
+    assert messages[-1]["event"] in ("state", "metric")
+
+    # Resuming from any message's id sends exactly the messages that followed it (all at once: the job is over).
+    for index in (0, len(messages) // 2, len(messages) - 1):
+        response = client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": messages[index]["id"]})
+        resumed = _parse_sse(response.text)
+        key = lambda m: (m["event"], json.dumps(m["data"], sort_keys=True))  # noqa: E731
+        assert sorted(map(key, resumed)) == sorted(map(key, messages[index + 1:]))
+    assert _parse_sse(client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "garbage"}).text) != []
+
+
+def test_stream_of_unknown_job_is_404(client: TestClient) -> None:
+    assert client.get("/v1/jobs/nope/stream").status_code == 404
+
+
+def test_client_stream_and_watch_progress(client: TestClient) -> None:
+    from service.cli import _progress
+    from service.client import ApiError, RingmasterClient
+
+    job_id = _submit(client)
+    _drive(client, job_id)
+    api = RingmasterClient("http://testserver")
+    api._http = client  # the TestClient is an httpx.Client on the app
+    messages = list(api.stream(job_id))
+    assert [m["data"]["to_state"] for m in messages if m["event"] == "state"] == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
+    assert list(api.stream(job_id, last_event_id=messages[-1]["id"])) == []
+    progress = list(_progress(api, job_id))
+    assert [state for state, _ in progress if state] == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
+    assert [row["step"] for _, rows in progress for row in rows] == [1, 2, 3]
+    with pytest.raises(ApiError):
+        list(api.stream("nope"))
+
+
+def test_json_logs_carry_the_job_id(client: TestClient) -> None:
+    import io
+    import logging
+
+    from service.logs import JsonFormatter
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("service.jobs")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        job_id = _submit(client)
+        _admit(client, job_id)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    admitted = [r for r in records if r.get("to_state") == "ADMITTED"]
+    assert len(admitted) == 1 and admitted[0]["job_id"] == job_id and admitted[0]["level"] == "INFO"
+    assert admitted[0]["logger"] == "service.jobs" and job_id in admitted[0]["message"] and admitted[0]["ts"].endswith("Z")
