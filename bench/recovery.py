@@ -91,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-ray-train", action="store_true")
+    parser.add_argument("--scenarios", nargs="+", choices=("replace", "shrink", "frozen"), default=["replace", "shrink", "frozen"])
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
@@ -99,7 +100,7 @@ def main() -> None:
             with control_plane_on(cluster, Path(scratch) / "ringmaster") as server:
                 client = RingmasterClient(server.url)
                 for _ in range(args.rounds):
-                    for scenario in ("replace", "shrink", "frozen"):
+                    for scenario in args.scenarios:
                         while len(cluster.cluster.worker_nodes) < 2:
                             cluster.add_node()
                         measured = through_ringmaster(cluster, client, scenario)
