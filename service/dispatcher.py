@@ -73,7 +73,7 @@ class Dispatcher:
                 queue.release(self.sessions, job.id, self.owner)
 
     def _admit(self, job: Job) -> bool:
-        """Reserve the gang, record the attempt, submit the Ray job; False when it cannot be placed now."""
+        """Reserve the gang, record the attempt, submit the Ray job; False when it cannot start now."""
         spec = JobSpec.model_validate(job.spec)
         attempt = job.attempt + 1
         group_name = placement_group_name(job.id, attempt)
@@ -91,11 +91,14 @@ class Dispatcher:
             env_vars = {"PYTHONPATH": self.settings.code_path} if self.settings.code_path else {}
             self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, spec), env_vars)
         except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
+            log.warning("Ray refused job %s attempt %d: %s", job.id, attempt, error, extra={"job_id": job.id})
             self.cluster.release(group_name)
             with self.sessions() as session, session.begin():
                 current = session.get(Job, job.id, with_for_update=True)
                 if current is not None and current.state == JobState.ADMITTED:
-                    jobs.transition(session, current, JobState.FAILED, f"Ray refused the job: {error}")
+                    # Often transient (the Jobs API agent still starting): retry, counted against max_failures.
+                    jobs.requeue(session, current, f"Ray refused the job: {error}", failure=True)
+            return False  # retried at the next pass, not in this one
         return True
 
     def _reserve(self, spec: JobSpec, group_name: str) -> int | None:

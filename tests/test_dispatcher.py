@@ -123,14 +123,19 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
         assert (job.attempt, job.submission_id) == (1, submission_id)
 
 
-def test_refused_submission_fails_the_job_and_frees_the_gang(db, dispatcher):
+def test_refused_submission_is_retried_then_fails_after_max_failures(db, dispatcher):
     dispatcher, cluster = dispatcher
     cluster.refuse_submit = True
-    job_id = _submit(db, _spec("refused", workers=2))
+    job_id = _submit(db, _spec("refused", workers=2).model_copy(update={"max_failures": 1}))
     dispatcher.run_once()
     with db.sessions() as session:
         job = session.get(Job, job_id)
-        assert job.state == JobState.FAILED and "Jobs API unavailable" in job.error
+        assert (job.state, job.failures) == (JobState.QUEUED, 1)
+    assert cluster.free_cpus == 4, "a refused attempt holds no resources"
+    dispatcher.run_once()
+    with db.sessions() as session:
+        job = session.get(Job, job_id)
+        assert job.state == JobState.FAILED and "Jobs API unavailable" in job.error and "max_failures 1" in job.error
     assert cluster.free_cpus == 4
 
 

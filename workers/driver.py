@@ -78,6 +78,8 @@ class JobDriver:
         self.job_id = job_id
         self.placement_group_name = placement_group_name
         self.storage_root = f"{storage_uri.rstrip('/')}/{job_id}"
+        # JobSpec.resume_from: the other job's storage, resumed from while this job has no checkpoint of its own.
+        self.resume_from_root = f"{storage_uri.rstrip('/')}/{spec.resume_from}" if spec.resume_from else None
         self.reporter = reporter
         self.failure_budget = spec.max_failures - failures_so_far
         self.group = WorkerGroup(spec, COLLECTIVE_TIMEOUT_S)
@@ -120,7 +122,7 @@ class JobDriver:
 
     def _supervise(self) -> Outcome:
         """Run the group until it finishes, loses workers, or stops at a checkpoint to grow."""
-        futures = self.group.train(self.job_id, self.storage_root)
+        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root)
         pending = list(futures)
         heartbeats = Heartbeats(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
         lost: list[RankedWorker] = []
@@ -215,6 +217,7 @@ class JobDriver:
         while time.monotonic() < deadline:
             if ray.wait([extra.ready()], timeout=0.2)[0]:
                 self.slots += [Slot(extra, index) for index in range(count)]
+                log.info("reserved spare capacity for %d worker(s)", count)
                 return
             if len(self._spare_slots()) >= wanted:
                 break  # Ray moved the lost bundles onto the capacity first
@@ -238,8 +241,11 @@ class JobDriver:
             self._reserve_spare_capacity(wanted - len(self._spare_slots()))
         give_up = time.monotonic() + CAPACITY_WAIT_S
         while True:
-            added = self.group.launch(self._spare_slots()[:wanted], START_TIMEOUT_S) if wanted else []
+            spare = self._spare_slots()[:wanted]
+            added = self.group.launch(spare, START_TIMEOUT_S) if wanted else []
             members = self.group.workers + added
+            log.info("regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
+                     time.monotonic() - started, self.group.world_size, len(added), len(spare))
             if len(members) >= self.spec.workers.min:
                 break
             for worker in added:
@@ -249,7 +255,9 @@ class JobDriver:
                 return False
             time.sleep(1.0)
         self._form(members)
-        checkpoint = latest_committed(self.storage_root)
+        log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
+                 time.monotonic() - started)
+        checkpoint = latest_committed(self.storage_root) or (latest_committed(self.resume_from_root) if self.resume_from_root else None)
         resumed = checkpoint.step if checkpoint else 0
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
                    "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}
