@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session
 
-from service.errors import JobConflict, JobNotFound
+from service.errors import InvalidSpec, JobConflict, JobNotFound
 from service import telemetry
 from service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
@@ -88,6 +88,9 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
     The planner runs first: ``auto`` is stored as the strategy it resolves to (with a "plan" event saying
     why), and a job that cannot fit its GPUs or nodes raises InvalidSpec before anything is written.
     """
+    if spec.resume_from is not None and session.get(Job, spec.resume_from) is None:
+        raise InvalidSpec([{"type": "value_error", "loc": ["resume_from"],
+                            "msg": f"resume_from: no job with id {spec.resume_from!r}", "input": spec.resume_from}])
     planned = plan_submission(spec, cluster)
     spec = planned.spec
     now = utcnow()

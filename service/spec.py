@@ -84,6 +84,8 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: int = Field(default=3, ge=0, le=100)
     priority: int = Field(default=0, ge=-1000, le=1000)
+    resume_from: str | None = Field(default=None, description="Id of another job: this job starts from that job's newest usable "
+                                    "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.")
 
     @field_validator("name")
     @classmethod
@@ -166,7 +168,10 @@ class JobSpec(_Strict):
         return self.train.lr * self.data_parallel_size(world_size) if self.train.lr_scaling == "linear" else self.train.lr
 
     def spec_hash(self) -> str:
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        fields = self.model_dump(mode="json")
+        if fields["resume_from"] is None:
+            del fields["resume_from"]  # specs without it hash as they did before the field existed
+        canonical = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from process_group import run_on_ranks
+import workers.checkpoint as checkpoint_module
 from service.spec import JobSpec
 from workers.checkpoint import (
     MANIFEST_NAME,
@@ -19,10 +22,12 @@ from workers.checkpoint import (
     apply_retention,
     checkpoint_dir,
     committed_checkpoints,
+    find_resume_point,
     latest_committed,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
+    usable_checkpoints,
 )
 from workers.data.stream import DataPosition
 from workers.models import build_bundle
@@ -139,3 +144,114 @@ def test_load_restores_rng_states_and_progress(tmp_path: Path, single_rank_group
     assert progress == TrainingProgress(9, DataPosition(2, 5))
     assert torch.equal(torch.rand(3), expected[0])
     assert (random.random(), np.random.rand()) == expected[1:]
+
+
+CORRUPT_STOP = 4
+
+
+def _corrupt_newest_then_resume(rank: int, world_size: int, root: str) -> None:
+    """Straight run; a run stopped at step 4 (checkpoints 2 and 4), its step-4 shard truncated, then resumed."""
+    straight, before, after, events = [], [], [], []
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/straight", on_metric=straight.append))
+    calls = itertools.count(1)
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", on_metric=before.append,
+                                    should_stop=lambda: next(calls) >= CORRUPT_STOP))
+    shard = checkpoint_dir(f"{root}/corrupt", CORRUPT_STOP) / "__0_0.distcp"
+    if rank == 0:
+        shard.write_bytes(shard.read_bytes()[:100])
+    dist.barrier()
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", on_metric=after.append,
+                                    on_event=lambda message, details: events.append([message, details])))
+    if rank == 0:
+        Path(f"{root}/summary.json").write_text(json.dumps({
+            "straight": [p.loss for p in straight if p.loss is not None],
+            "before": [p.step for p in before if p.loss is not None],
+            "after": [[p.step, p.loss] for p in after if p.loss is not None],
+            "events": events,
+        }))
+
+
+def test_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path: Path) -> None:
+    run_on_ranks(_corrupt_newest_then_resume, 2, str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+
+    assert summary["before"] == list(range(1, CORRUPT_STOP + 1))
+    resumed_steps = [step for step, _ in summary["after"]]
+    assert resumed_steps == list(range(3, STEPS + 1)), "resume must use step 2, the newest checkpoint that verifies"
+    assert [loss for _, loss in summary["after"]] == summary["straight"][2:]
+    [[message, details]] = summary["events"]
+    assert message.startswith(f"checkpoint step {CORRUPT_STOP} is corrupt (step-00000004/__0_0.distcp: 100 bytes, manifest says ")
+    assert message.endswith("); resumed from step 2")
+    assert details["resumed_from_step"] == 2 and details["corrupt_checkpoints"][0]["step"] == CORRUPT_STOP
+
+
+def test_manifest_lists_files_and_detects_changed_metadata(tmp_path: Path, single_rank_group: None) -> None:
+    spec = SPEC.model_copy(update={"workers": SPEC.workers.model_copy(update={"min": 1, "max": 1})})
+    bundle = build_bundle(spec)
+    optimizer = torch.optim.AdamW(bundle.model.parameters())
+    for step in (1, 2):
+        save_checkpoint(tmp_path, spec, step=step, position=DataPosition(), model_parts=[bundle.model], optimizers=[optimizer])
+    manifest = json.loads((checkpoint_dir(tmp_path, 2) / MANIFEST_NAME).read_text())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"} and all(size > 0 for size in manifest["files"].values())
+    assert [c.step for c in usable_checkpoints(tmp_path)] == [2, 1]
+
+    metadata = checkpoint_dir(tmp_path, 2) / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    metadata.write_bytes(bytes(data))
+
+    assert [c.step for c in usable_checkpoints(tmp_path)] == [1]
+    assert latest_committed(tmp_path).step == 1
+    newest, skipped = find_resume_point(tmp_path)
+    assert newest.step == 1 and [(c.step, problem) for c, problem in skipped] == [
+        (2, "step-00000002/.metadata: sha256 differs from the manifest's")]
+
+
+class _HeldWriter(dcp.FileSystemWriter):
+    """Writes nothing until ``release`` exists (or 60 s pass): a save that takes as long as the test wants."""
+
+    def __init__(self, path: Path, release: Path) -> None:
+        super().__init__(path)
+        self.release = release
+
+    def write_data(self, plan, planner):
+        deadline = time.monotonic() + 60
+        while not self.release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return super().write_data(plan, planner)
+
+
+def _train_while_save_is_held(rank: int, world_size: int, root: str) -> None:
+    """Every rank's step-2 save is held until rank 0 has seen step 4's metric: training must go on meanwhile."""
+    release = Path(root, "release")
+    storage = Path(root, "held")
+    checkpoint_module._storage_writer = lambda path: _HeldWriter(path, release) if path.name == "step-00000002" else dcp.FileSystemWriter(path)
+    log: list[list] = []
+
+    def on_metric(point) -> None:
+        if point.loss is None:
+            return
+        log.append(["metric", point.step, (checkpoint_dir(storage, 2) / MANIFEST_NAME).exists()])
+        if point.step == 4:
+            release.touch()
+
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "held", str(storage), on_metric=on_metric,
+                                    on_checkpoint=lambda record: log.append(["checkpoint", record.step, record.final])))
+    if rank == 0:
+        Path(root, "log.json").write_text(json.dumps(log))
+
+
+def test_async_save_does_not_block_training(tmp_path: Path) -> None:
+    run_on_ranks(_train_while_save_is_held, 2, str(tmp_path))
+    log = json.loads((tmp_path / "log.json").read_text())
+
+    # Steps 3 and 4 ran while step 2's shards could not be written, and nothing was committed or
+    # reported before the write finished; step 4's save waited for step 2's (one in flight at a time).
+    assert log[:6] == [
+        ["metric", 1, False], ["metric", 2, False], ["metric", 3, False], ["metric", 4, False],
+        ["checkpoint", 2, False], ["metric", 5, True],
+    ]
+    # Step 4's save commits whenever its write completes (seen at a step boundary), before the final one.
+    assert sorted(log[6:]) == [["checkpoint", 4, False], ["checkpoint", 6, True], ["metric", 6, True]]
+    assert log[-1] == ["checkpoint", 6, True]
+    assert [c.step for c in usable_checkpoints(tmp_path / "held")] == [6, 4]

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
-from workers.checkpoint import latest_committed, load_checkpoint, save_checkpoint
+from workers.checkpoint import PendingSave, begin_save, commit_save, find_resume_point, load_checkpoint
 from workers.data.audit import SampleAudit
 from workers.data.stream import DataPosition, GlobalBatchStream
 from workers.models import build_bundle
@@ -40,6 +40,10 @@ def _ignore(_: Any) -> None:
 
 def _never() -> bool:
     return False
+
+
+def _ignore_event(message: str, details: dict[str, Any]) -> None:
+    """Default event callback for a context that has nobody to report to."""
 
 
 @dataclass
@@ -60,6 +64,10 @@ class TrainContext:
     ranks_per_node: tuple[int, ...] | None = None
     # Which formation of the group this is (the driver re-forms it after failures and to grow).
     generation: int = 0
+    # Another job's storage root (JobSpec.resume_from): resumed from while this job has no usable checkpoint.
+    resume_from_root: str | None = None
+    # Rank 0 only: something the job's event log should say (message, details), e.g. a corrupt checkpoint skipped.
+    on_event: Callable[[str, dict[str, Any]], None] = _ignore_event
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,20 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     lr_factor = linear_warmup(spec.train.warmup_steps)
 
     step, position, checkpoint_uri = 0, DataPosition(), None
-    latest = latest_committed(ctx.storage_root)
+    latest, corrupt = find_resume_point(ctx.storage_root)
+    if latest is None and ctx.resume_from_root is not None:
+        latest, corrupt_there = find_resume_point(ctx.resume_from_root)
+        corrupt += corrupt_there
     if latest is not None:
         progress = load_checkpoint(latest.path, model_parts=parallel.parts, optimizers=parallel.optimizers)
         step, position, checkpoint_uri = progress.step, progress.position, str(latest.path)
+    if corrupt and ctx.rank == 0:
+        resumed = f"resumed from step {latest.step}" if latest is not None else "started from scratch"
+        problems = "; ".join(f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt)
+        ctx.on_event(f"{problems}; {resumed}", {
+            "corrupt_checkpoints": [{"step": skipped.step, "uri": str(skipped.path), "problem": problem} for skipped, problem in corrupt],
+            "resumed_from_step": latest.step if latest is not None else 0,
+        })
     saved_step = step
 
     # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
@@ -110,13 +128,33 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     )
     audit = SampleAudit(ctx.storage_root, ctx.rank, dims.dp_rank(mesh), ctx.generation) if spec.train.record_sample_ids else None
 
-    def checkpoint(final: bool) -> str:
-        path = save_checkpoint(
-            ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts, optimizers=parallel.optimizers
-        )
+    # Asynchronous saves write over their own gloo group: the training group's collectives must not
+    # interleave with the background thread's. At most one save is in flight.
+    save_group = dist.new_group(backend="gloo")
+    in_flight: PendingSave | None = None
+
+    def settle(block: bool) -> None:
+        """Commit the save in flight once written (rank 0 reports it then); ``block``: wait for it."""
+        nonlocal in_flight
+        if in_flight is None or not (block or in_flight.done()):
+            return
+        pending, in_flight = in_flight, None
+        pending.wait()
         if ctx.rank == 0:
-            ctx.on_checkpoint(CheckpointRecord(step=step, uri=str(path), world_size=ctx.world_size, final=final))
-        return str(path)
+            commit_save(pending)
+            ctx.on_checkpoint(CheckpointRecord(step=pending.step, uri=str(pending.path), world_size=ctx.world_size, final=False))
+
+    def checkpoint(final: bool, asynchronous: bool) -> str:
+        nonlocal in_flight
+        settle(block=True)
+        pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
+                             optimizers=parallel.optimizers, process_group=save_group if asynchronous else None)
+        if asynchronous:
+            in_flight = pending
+        elif ctx.rank == 0:
+            commit_save(pending)
+            ctx.on_checkpoint(CheckpointRecord(step=step, uri=str(pending.path), world_size=ctx.world_size, final=final))
+        return str(pending.path)
 
     # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
     bf16 = spec.train.precision == "bf16" and not isinstance(parallel.parts[0], FSDPModule)
@@ -131,6 +169,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     for part in parallel.parts:
         part.train()
     while step < spec.train.steps and not stopped:
+        settle(block=False)
         started = time.perf_counter()
         step_stats.zero_()
         step_sample_ids: list[int] = []
@@ -178,14 +217,17 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
                 )
             )
         if stopped or (every and step % every == 0 and step < spec.train.steps):
-            checkpoint_uri, saved_step = checkpoint(final=False), step
+            # Periodic saves run in the background; the one a stop asks for is written before returning.
+            checkpoint_uri, saved_step = checkpoint(final=False, asynchronous=not stopped), step
 
     if audit is not None:
         audit.close()
+    settle(block=True)
+    if saved_step != step:
+        checkpoint_uri = checkpoint(final=True, asynchronous=False)
+    dist.destroy_process_group(save_group)
     if stopped:
         return TrainResult(step, loss, None, checkpoint_uri, stopped=True)
-    if saved_step != step:
-        checkpoint_uri = checkpoint(final=True)
     val_loss = None
     if bundle.val_dataset is not None:
         val_loss = evaluate(parallel, bundle.loss_fn, bundle.val_dataset, ctx, autocast,

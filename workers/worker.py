@@ -43,6 +43,7 @@ class TrainWorker:
         self._metrics: list[dict[str, Any]] = []
         self._checkpoints: list[dict[str, Any]] = []
         self._memory: list[dict[str, Any]] = []
+        self._events: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self.generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
@@ -79,7 +80,8 @@ class TrainWorker:
             dist.init_process_group("nccl" if self._uses_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
-    def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int]) -> dict[str, Any]:
+    def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],
+              resume_from_root: str | None = None) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
@@ -92,7 +94,7 @@ class TrainWorker:
             rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
             storage_root=storage_root, on_metric=self._record_metric, on_checkpoint=self._record_checkpoint,
             should_stop=self._stop.is_set, on_memory=self._record_memory, ranks_per_node=tuple(ranks_per_node),
-            generation=generation,
+            generation=generation, on_event=self._record_event, resume_from_root=resume_from_root,
         )
         try:
             result = run_training(spec, context)
@@ -114,14 +116,19 @@ class TrainWorker:
         with self._lock:
             self._memory.append(measured.model_dump())
 
+    def _record_event(self, message: str, details: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append({"message": message, "details": details})
+
     def drain(self) -> dict[str, list[dict[str, Any]]]:
-        """Hand over what this rank recorded since the last drain (metrics and checkpoints come from
-        rank 0 only, memory from every rank)."""
+        """Hand over what this rank recorded since the last drain (metrics, checkpoints and events come
+        from rank 0 only, memory from every rank)."""
         with self._lock:
             metrics, self._metrics = self._metrics, []
             checkpoints, self._checkpoints = self._checkpoints, []
             memory, self._memory = self._memory, []
-        return {"metrics": metrics, "checkpoints": checkpoints, "memory": memory}
+            events, self._events = self._events, []
+        return {"metrics": metrics, "checkpoints": checkpoints, "memory": memory, "events": events}
 
     def request_stop(self) -> None:
         """Stop after the current step with a checkpoint: the boundary at which the group regrows."""
