@@ -237,8 +237,11 @@ class JobDriver:
             })
             self.group.remove(outcome.lost)
         wanted = self.spec.workers.max - self.group.world_size
-        if wanted > len(self._spare_slots()):
-            self._reserve_spare_capacity(wanted - len(self._spare_slots()))
+        if wanted and len(self._spare_slots()) < wanted and self._spare_capacity():
+            # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
+            deadline = time.monotonic() + REPLACEMENT_WAIT_S
+            while len(self._spare_slots()) < wanted and time.monotonic() < deadline:
+                time.sleep(0.2)
         give_up = time.monotonic() + CAPACITY_WAIT_S
         while True:
             spare = self._spare_slots()[:wanted]
