@@ -80,5 +80,7 @@ def test_hybrid_never_falls_back_on_one_node_or_uneven_nodes() -> None:
 
 
 def test_worker_group_passes_the_node_layout_of_its_ranks() -> None:
-    workers = [RankedWorker(rank, None, node, "127.0.0.1", 0) for rank, node in enumerate(["node-a", "node-a", "node-a", "node-b"])]
-    assert WorkerGroup(workers).ranks_per_node == [3, 1]
+    group = WorkerGroup(_spec("ddp", 4), collective_timeout_s=60)
+    group.workers = [RankedWorker(None, None, node, "127.0.0.1", 0, rank)
+                     for rank, node in enumerate(["node-a", "node-a", "node-a", "node-b"])]
+    assert group.ranks_per_node == [3, 1]
