@@ -128,6 +128,3 @@ class RayCluster:
     def logs(self, submission_id: str) -> str:
         _, jobs = self._connect()
         return jobs.get_job_logs(submission_id)
-
-    def job_page_url(self, submission_id: str) -> str:
-        return f"{self.dashboard_url}/#/jobs/{submission_id}"

@@ -12,7 +12,7 @@ from itertools import groupby
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -157,10 +157,6 @@ class Heartbeats:
     def __init__(self, interval_s: float, timeout_s: float) -> None:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._outstanding: dict[Any, tuple[RankedWorker, float]] = {}
-        self._last_sent = 0.0
-
-    def reset(self) -> None:
-        self._outstanding.clear()
         self._last_sent = 0.0
 
     def check(self, workers: list[RankedWorker]) -> list[RankedWorker]:
