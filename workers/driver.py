@@ -28,7 +28,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from service.ray_cluster import NAMESPACE, worker_bundles
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
-from workers.checkpoint import latest_committed
 from workers.reporter import Reporter
 from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
 
@@ -260,6 +259,10 @@ class JobDriver:
         self._form(members)
         log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
                  time.monotonic() - started)
+        # Imported here: workers.checkpoint pulls in torch (~2-3 s), which the driver needs only after a failure,
+        # never on the way to the first step.
+        from workers.checkpoint import latest_committed
+
         checkpoint = latest_committed(self.storage_root) or (latest_committed(self.resume_from_root) if self.resume_from_root else None)
         resumed = checkpoint.step if checkpoint else 0
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,

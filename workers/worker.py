@@ -69,7 +69,6 @@ class TrainWorker:
         from torch.distributed.distributed_c10d import _abort_process_group
 
         torch.set_num_threads(max(1, int(self._cpus)))  # one intra-op thread per CPU granted
-        self._warm.join()
         with self._group_lock:
             if dist.is_initialized():
                 _abort_process_group()
@@ -85,6 +84,8 @@ class TrainWorker:
         import torch
         import torch.distributed as dist
 
+        # The group formed while the warm-up thread imported the rest; training needs all of it.
+        self._warm.join()
         from service.spec import JobSpec
         from workers.training import TrainContext, run_training
 
