@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+REPORT_TOKEN_ENV = "RINGMASTER_REPORT_TOKEN"
+"""Carries an attempt's report secret to its job driver, which sends it as a bearer token with every report."""
+
 
 class MetricPoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -27,6 +30,10 @@ class CheckpointRecord(BaseModel):
     uri: str
     world_size: int = Field(ge=1)
     final: bool = False
+    metric: str | None = Field(default=None, max_length=32, description="checkpoint.keep_best's metric, when the job sets one.")
+    metric_value: float | None = Field(default=None, description="This checkpoint's value of that metric.")
+    best_uri: str | None = Field(default=None, description="The checkpoint retention keeps as the best by the metric, after this commit.")
+    deleted_uris: list[str] = Field(default_factory=list, max_length=10_000, description="Checkpoints retention deleted right after this commit.")
 
 
 class RankMemory(BaseModel):

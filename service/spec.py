@@ -65,9 +65,24 @@ class ParallelSpec(_Strict):
     stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks (virtual stages) per pipeline rank.")
 
 
+class KeepBestSpec(_Strict):
+    """Keep the checkpoint with the best value of a metric besides the newest ``keep``."""
+
+    metric: Literal["val_loss", "loss"] = Field(description="val_loss: the validation set evaluated at each checkpoint; "
+                                                "loss: the training loss of the step the checkpoint is taken at.")
+    mode: Literal["min", "max"] = Field(default="min", description="Whether the lowest or the highest value is best.")
+
+
 class CheckpointSpec(_Strict):
     every_steps: int = Field(default=0, ge=0, description="0 writes only the final checkpoint.")
-    keep: int = Field(default=2, ge=1, le=1000)
+    keep: int = Field(default=2, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
+    keep_best: KeepBestSpec | None = Field(default=None, description="Also keep the best checkpoint by a metric.")
+
+    @model_validator(mode="after")
+    def _best_needs_periodic_checkpoints(self) -> "CheckpointSpec":
+        if self.keep_best is not None and self.every_steps == 0:
+            raise ValueError("checkpoint.keep_best needs periodic checkpoints to choose from: set checkpoint.every_steps > 0")
+        return self
 
 
 class JobSpec(_Strict):
@@ -169,8 +184,11 @@ class JobSpec(_Strict):
 
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
+        # Specs without these optional fields hash as they did before the fields existed.
         if fields["resume_from"] is None:
-            del fields["resume_from"]  # specs without it hash as they did before the field existed
+            del fields["resume_from"]
+        if fields["checkpoint"]["keep_best"] is None:
+            del fields["checkpoint"]["keep_best"]
         canonical = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

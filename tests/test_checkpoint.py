@@ -57,7 +57,7 @@ def _uninterrupted_then_interrupted_and_resumed(rank: int, world_size: int, root
     calls = itertools.count(1)
     stopped = run_training(SPEC, context("resumed", runs["before_stop"], should_stop=lambda: next(calls) >= STOP_AFTER))
     if rank == 0:
-        crashed = checkpoint_dir(f"{root}/resumed", STOP_AFTER + 2)
+        crashed = Path(checkpoint_dir(f"{root}/resumed", STOP_AFTER + 2))
         crashed.mkdir()
         (crashed / "__0_0.distcp").write_bytes(b"half-written")
     dist.barrier()
@@ -65,7 +65,7 @@ def _uninterrupted_then_interrupted_and_resumed(rank: int, world_size: int, root
     if rank == 0:
         losses = {name: [p.loss for p in runs[name] if p.loss is not None] for name in ("straight", "before_stop", "after_resume")}
         first_resumed_step = next(p.step for p in runs["after_resume"])
-        records = [record.model_dump() for record in runs["checkpoints"]]
+        records = [record.model_dump(include={"step", "uri", "world_size", "final"}) for record in runs["checkpoints"]]
         summary = {"losses": losses, "stopped": [stopped.stopped, stopped.step], "first_resumed_step": first_resumed_step}
         summary.update(records=records, resumed_step=resumed.step, resumed_uri=resumed.checkpoint_uri)
         Path(f"{root}/summary.json").write_text(json.dumps(summary))
@@ -81,10 +81,10 @@ def test_resume_reproduces_uninterrupted_run_and_ignores_uncommitted_directory(t
     assert len(losses["straight"]) == STEPS
     assert losses["before_stop"] + losses["after_resume"] == losses["straight"]
     assert summary["records"] == [
-        {"step": 4, "uri": str(checkpoint_dir(tmp_path / "resumed", 4)), "world_size": 2, "final": False},
-        {"step": 6, "uri": str(checkpoint_dir(tmp_path / "resumed", 6)), "world_size": 2, "final": True},
+        {"step": 4, "uri": checkpoint_dir(tmp_path / "resumed", 4), "world_size": 2, "final": False},
+        {"step": 6, "uri": checkpoint_dir(tmp_path / "resumed", 6), "world_size": 2, "final": True},
     ]
-    assert summary["resumed_uri"] == str(checkpoint_dir(tmp_path / "resumed", STEPS))
+    assert summary["resumed_uri"] == checkpoint_dir(tmp_path / "resumed", STEPS)
 
     straight, resumed = build_bundle(SPEC).model, build_bundle(SPEC).model
     load_model_weights(latest_committed(tmp_path / "straight").path, straight)
@@ -94,13 +94,13 @@ def test_resume_reproduces_uninterrupted_run_and_ignores_uncommitted_directory(t
 
     for storage in ("straight", "resumed"):
         assert sorted(p.name for p in (tmp_path / storage).iterdir()) == ["step-00000004", "step-00000006"]
-        manifest = json.loads((checkpoint_dir(tmp_path / storage, STEPS) / MANIFEST_NAME).read_text())
+        manifest = json.loads((Path(checkpoint_dir(tmp_path / storage, STEPS)) / MANIFEST_NAME).read_text())
         assert manifest["step"] == STEPS and manifest["world_size"] == 2
         assert manifest["strategy"] == "ddp" and manifest["spec_hash"] == SPEC.spec_hash()
 
 
 def _commit(storage_root: Path, step: int) -> Path:
-    path = checkpoint_dir(storage_root, step)
+    path = Path(checkpoint_dir(storage_root, step))
     path.mkdir(parents=True)
     (path / MANIFEST_NAME).write_text(json.dumps({"step": step, "world_size": 1}))
     return path
@@ -108,7 +108,7 @@ def _commit(storage_root: Path, step: int) -> Path:
 
 def test_directory_without_valid_manifest_is_ignored(tmp_path: Path) -> None:
     _commit(tmp_path, 2)
-    checkpoint_dir(tmp_path, 3).mkdir()
+    Path(checkpoint_dir(tmp_path, 3)).mkdir()
     (_commit(tmp_path, 4) / MANIFEST_NAME).write_text('{"step": 4, "world')
     (_commit(tmp_path, 5) / MANIFEST_NAME).write_text(json.dumps({"step": 9}))
     (tmp_path / "notes").mkdir()
@@ -120,8 +120,8 @@ def test_directory_without_valid_manifest_is_ignored(tmp_path: Path) -> None:
 def test_retention_keeps_newest_committed_and_drops_older_uncommitted(tmp_path: Path) -> None:
     for step in (1, 3, 5, 7):
         _commit(tmp_path, step)
-    checkpoint_dir(tmp_path, 6).mkdir()
-    checkpoint_dir(tmp_path, 8).mkdir()  # newer than every commit: may be a save in progress
+    Path(checkpoint_dir(tmp_path, 6)).mkdir()
+    Path(checkpoint_dir(tmp_path, 8)).mkdir()  # newer than every commit: may be a save in progress
 
     apply_retention(tmp_path, keep=2)
 
@@ -156,7 +156,7 @@ def _corrupt_newest_then_resume(rank: int, world_size: int, root: str) -> None:
     calls = itertools.count(1)
     run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", on_metric=before.append,
                                     should_stop=lambda: next(calls) >= CORRUPT_STOP))
-    shard = checkpoint_dir(f"{root}/corrupt", CORRUPT_STOP) / "__0_0.distcp"
+    shard = Path(checkpoint_dir(f"{root}/corrupt", CORRUPT_STOP)) / "__0_0.distcp"
     if rank == 0:
         shard.write_bytes(shard.read_bytes()[:100])
     dist.barrier()
@@ -191,11 +191,11 @@ def test_manifest_lists_files_and_detects_changed_metadata(tmp_path: Path, singl
     optimizer = torch.optim.AdamW(bundle.model.parameters())
     for step in (1, 2):
         save_checkpoint(tmp_path, spec, step=step, position=DataPosition(), model_parts=[bundle.model], optimizers=[optimizer])
-    manifest = json.loads((checkpoint_dir(tmp_path, 2) / MANIFEST_NAME).read_text())
+    manifest = json.loads((Path(checkpoint_dir(tmp_path, 2)) / MANIFEST_NAME).read_text())
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"} and all(size > 0 for size in manifest["files"].values())
     assert [c.step for c in usable_checkpoints(tmp_path)] == [2, 1]
 
-    metadata = checkpoint_dir(tmp_path, 2) / ".metadata"
+    metadata = Path(checkpoint_dir(tmp_path, 2)) / ".metadata"
     data = bytearray(metadata.read_bytes())
     data[-1] ^= 0xFF  # same size, different content
     metadata.write_bytes(bytes(data))
@@ -225,13 +225,13 @@ def _train_while_save_is_held(rank: int, world_size: int, root: str) -> None:
     """Every rank's step-2 save is held until rank 0 has seen step 4's metric: training must go on meanwhile."""
     release = Path(root, "release")
     storage = Path(root, "held")
-    checkpoint_module._storage_writer = lambda path: _HeldWriter(path, release) if path.name == "step-00000002" else dcp.FileSystemWriter(path)
+    checkpoint_module._storage_writer = lambda path: _HeldWriter(path, release) if path.endswith("step-00000002") else dcp.FileSystemWriter(path)
     log: list[list] = []
 
     def on_metric(point) -> None:
         if point.loss is None:
             return
-        log.append(["metric", point.step, (checkpoint_dir(storage, 2) / MANIFEST_NAME).exists()])
+        log.append(["metric", point.step, (Path(checkpoint_dir(storage, 2)) / MANIFEST_NAME).exists()])
         if point.step == 4:
             release.touch()
 

@@ -1,14 +1,17 @@
 """Sharded, atomically committed checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards plus ``manifest.json``, which rank 0
-writes last, after every rank's shards are on disk. A directory without a valid manifest is an
-interrupted save and is never resumed from. The manifest lists every file of the checkpoint with its
-size (and the sha256 of DCP's small ``.metadata``); a checkpoint whose files no longer match is
-corrupt and skipped in favour of the next older one that verifies.
+writes last, after every rank's shards are written. The storage root is a local directory or any
+fsspec URI (workers/checkpoint_storage.py). A directory without a valid manifest is an interrupted
+save and is never resumed from. The manifest lists every file of the checkpoint with its size (and
+the sha256 of DCP's small ``.metadata``); a checkpoint whose files no longer match is corrupt and
+skipped in favour of the next older one that verifies.
 
 Saves may be asynchronous (``begin_save(..., process_group=...)``): DCP stages a copy of the state
 in memory and writes it from a background thread over a dedicated gloo group, while training goes
-on; ``commit_save`` (rank 0, once the save's future is done) writes the manifest and applies retention.
+on; ``commit_save`` (rank 0, once the save's future is done) writes the manifest and applies
+retention: the newest ``checkpoint.keep``, plus the best by ``checkpoint.keep_best``'s metric, whose
+value each manifest records.
 
 Every key is the unsplit model's FQN (optimizer state flattened per parameter), whatever the strategy:
 each rank saves only what it holds (FSDP/TP shards, its pipeline stages, ZeRO-1's owned state), so a
@@ -20,14 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import math
 import random
 import re
-import shutil
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,10 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from service.spec import JobSpec
+from service.spec import JobSpec, KeepBestSpec
+from workers.checkpoint_storage import CheckpointStorage, storage_for
 from workers.data.stream import DataPosition
 from workers.strategies.zero1 import local_optimizer
 
@@ -53,7 +57,7 @@ _LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     step: int
-    path: Path
+    path: str  # a local path or a URI, as the storage root was given
     manifest: dict[str, Any]
 
 
@@ -65,24 +69,41 @@ class TrainingProgress:
     position: DataPosition
 
 
-def checkpoint_dir(storage_root: str | Path, step: int) -> Path:
-    return Path(storage_root) / f"step-{step:08d}"
+@dataclass(frozen=True)
+class Retention:
+    """What retention did: the committed checkpoints it deleted, and the one it keeps as the best by
+    ``checkpoint.keep_best``'s metric (None without keep_best or without a recorded value)."""
+
+    deleted: list[str] = field(default_factory=list)
+    best: str | None = None
+
+
+@dataclass(frozen=True)
+class CommittedSave:
+    """A save made visible: where it is, and what retention did right after."""
+
+    path: str
+    retention: Retention
+
+
+def checkpoint_dir(storage_root: str | Path, step: int) -> str:
+    storage, root = storage_for(storage_root)
+    return storage.join(root, f"step-{step:08d}")
 
 
 def committed_checkpoints(storage_root: str | Path) -> list[CommittedCheckpoint]:
     """Checkpoints with a valid manifest, oldest first."""
-    root = Path(storage_root)
-    if not root.is_dir():
-        return []
+    storage, root = storage_for(storage_root)
     found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
+    for name in storage.entries(root):
+        match = _STEP_DIR.match(name)
         if match is None:
             continue
         step = int(match.group(1))
-        manifest = _read_manifest(entry / MANIFEST_NAME)
+        location = storage.join(root, name)
+        manifest = _read_manifest(storage, storage.join(location, MANIFEST_NAME))
         if manifest is not None and manifest.get("step") == step:
-            found.append(CommittedCheckpoint(step, entry, manifest))
+            found.append(CommittedCheckpoint(step, location, manifest))
     return sorted(found, key=lambda checkpoint: checkpoint.step)
 
 
@@ -92,16 +113,19 @@ def verify_checkpoint(checkpoint: CommittedCheckpoint) -> str | None:
     files = checkpoint.manifest.get("files")
     if files is None:
         return None
-    where = checkpoint.path.name
+    storage, location = storage_for(checkpoint.path)
+    where = f"step-{checkpoint.step:08d}"
+    try:
+        present = storage.files(location)
+    except OSError:
+        present = {}
     for name, size in sorted(files.items()):
-        try:
-            actual = (checkpoint.path / name).stat().st_size
-        except OSError:
+        if name not in present:
             return f"{where}/{name} is missing"
-        if actual != size:
-            return f"{where}/{name}: {actual} bytes, manifest says {size}"
+        if present[name] != size:
+            return f"{where}/{name}: {present[name]} bytes, manifest says {size}"
     expected_sha = checkpoint.manifest.get("metadata_sha256")
-    if expected_sha is not None and _sha256(checkpoint.path / DCP_METADATA_NAME) != expected_sha:
+    if expected_sha is not None and _sha256(storage.read_bytes(storage.join(location, DCP_METADATA_NAME))) != expected_sha:
         return f"{where}/{DCP_METADATA_NAME}: sha256 differs from the manifest's"
     return None
 
@@ -128,20 +152,21 @@ def latest_committed(storage_root: str | Path) -> CommittedCheckpoint | None:
     return find_resume_point(storage_root)[0]
 
 
-def _storage_writer(path: Path) -> dcp.FileSystemWriter:
+def _storage_writer(location: str) -> StorageWriter:
     """Where DCP writes a checkpoint's shards (a seam for tests that slow writes down)."""
-    return dcp.FileSystemWriter(path)
+    return storage_for(location)[0].writer(location)
 
 
 @dataclass
 class PendingSave:
     """A save whose shards are being (or have been) written; committed by ``commit_save``."""
 
-    storage_root: Path
+    storage_root: str
     step: int
-    path: Path
+    path: str
     manifest: dict[str, Any]
     keep: int
+    keep_best: KeepBestSpec | None = None
     future: Future | None = None  # None: written synchronously
 
     def done(self) -> bool:
@@ -161,16 +186,19 @@ def begin_save(
     model_parts: list[nn.Module],
     optimizers: list[Optimizer],
     process_group: dist.ProcessGroup | None = None,
+    metric_value: float | None = None,
 ) -> PendingSave:
     """Collective: start writing this rank's shards. With ``process_group`` (a gloo group used for
     nothing else) the write is asynchronous: the state is staged into a copy and written by a
-    background thread; otherwise it is written before returning. Nothing is committed yet."""
+    background thread; otherwise it is written before returning. Nothing is committed yet.
+    ``metric_value``: this checkpoint's value of ``checkpoint.keep_best``'s metric."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    path = checkpoint_dir(storage_root, step)
+    storage, root = storage_for(storage_root)
+    path = storage.join(root, f"step-{step:08d}")
     if rank == 0:
         # Leftovers of an interrupted save of this same step must not mix with the new shards.
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
+        storage.remove_tree(path)
+        storage.make_dirs(path)
     dist.barrier()
     model_state, optimizer_state = _merged_state(model_parts, optimizers)
     state = {
@@ -179,8 +207,11 @@ def begin_save(
         "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
         "rng": {f"rank{rank}": _rng_state()},
     }
-    manifest = {"step": step, "world_size": world_size, "strategy": spec.strategy, "spec_hash": spec.spec_hash()}
-    pending = PendingSave(Path(storage_root), step, path, manifest, spec.checkpoint.keep)
+    manifest: dict[str, Any] = {"step": step, "world_size": world_size, "strategy": spec.strategy, "spec_hash": spec.spec_hash()}
+    keep_best = spec.checkpoint.keep_best
+    if keep_best is not None:
+        manifest.update(metric=keep_best.metric, metric_value=metric_value)
+    pending = PendingSave(root, step, path, manifest, spec.checkpoint.keep, keep_best)
     if process_group is None:
         dcp.save(state, storage_writer=_storage_writer(path))
         dist.barrier()
@@ -189,19 +220,20 @@ def begin_save(
     return pending
 
 
-def commit_save(pending: PendingSave) -> Path:
+def commit_save(pending: PendingSave) -> CommittedSave:
     """Rank 0, once ``pending`` is done (its future done on rank 0 means every rank's shards and DCP's
     metadata are written): write the manifest last, then apply retention."""
     pending.wait()
+    storage, _ = storage_for(pending.path)
     files = {
-        entry.name: entry.stat().st_size
-        for entry in sorted(pending.path.iterdir())
-        if entry.is_file() and entry.name != MANIFEST_NAME and not entry.name.endswith(".partial")
+        name: size
+        for name, size in sorted(storage.files(pending.path).items())
+        if name != MANIFEST_NAME and not name.endswith(".partial")
     }
-    manifest = dict(pending.manifest, time=time.time(), files=files, metadata_sha256=_sha256(pending.path / DCP_METADATA_NAME))
-    _write_atomically(pending.path / MANIFEST_NAME, json.dumps(manifest, indent=2))
-    apply_retention(pending.storage_root, pending.keep)
-    return pending.path
+    metadata_sha256 = _sha256(storage.read_bytes(storage.join(pending.path, DCP_METADATA_NAME)))
+    manifest = dict(pending.manifest, time=time.time(), files=files, metadata_sha256=metadata_sha256)
+    storage.write_text_atomically(storage.join(pending.path, MANIFEST_NAME), json.dumps(manifest, indent=2))
+    return CommittedSave(pending.path, apply_retention(pending.storage_root, pending.keep, pending.keep_best))
 
 
 def save_checkpoint(
@@ -212,10 +244,12 @@ def save_checkpoint(
     position: DataPosition,
     model_parts: list[nn.Module],
     optimizers: list[Optimizer],
-) -> Path:
+    metric_value: float | None = None,
+) -> str:
     """Collective and synchronous: every rank writes its shards, then rank 0 commits and applies retention.
     ``optimizers[i]`` steps ``model_parts[i]`` (several parts only under interleaved pipelining)."""
-    pending = begin_save(storage_root, spec, step=step, position=position, model_parts=model_parts, optimizers=optimizers)
+    pending = begin_save(storage_root, spec, step=step, position=position, model_parts=model_parts, optimizers=optimizers,
+                         metric_value=metric_value)
     if dist.get_rank() == 0:
         commit_save(pending)
     return pending.path
@@ -224,7 +258,8 @@ def save_checkpoint(
 def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> TrainingProgress:
     """Collective: restore this rank's model parts, their optimizers and its RNG states from ``path``."""
     rank = dist.get_rank()
-    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    storage, location = storage_for(path)
+    saved_keys = storage.reader(location).read_metadata().state_dict_metadata
     model_state, optimizer_state = _merged_state(model_parts, optimizers)
     # A rank that did not exist when the checkpoint was written keeps its freshly seeded RNG.
     rng_state = {name: value for name, value in _rng_state().items() if f"rng.rank{rank}.{name}" in saved_keys}
@@ -234,7 +269,7 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
         "progress": {"step": 0, "epoch": 0, "samples_in_epoch": 0},
         "rng": {f"rank{rank}": rng_state},
     }
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=storage.reader(location))
     for part, optimizer in zip(model_parts, optimizers, strict=True):
         set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)
@@ -257,48 +292,66 @@ def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Load only the model's weights into a plain (unwrapped) module, e.g. to evaluate it; collective
     when a process group exists, a local read otherwise."""
+    storage, location = storage_for(path)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=storage.reader(location))
     model.load_state_dict(state["model"])
 
 
-def apply_retention(storage_root: str | Path, keep: int) -> None:
-    """Keep the newest ``keep`` committed checkpoints; drop older ones and interrupted saves older than the newest."""
-    committed = committed_checkpoints(storage_root)
+def best_checkpoint(checkpoints: list[CommittedCheckpoint], keep_best: KeepBestSpec | None) -> CommittedCheckpoint | None:
+    """The checkpoint whose manifest records the best finite value of ``keep_best``'s metric (the
+    newest among equals); None without keep_best or without any such value."""
+    if keep_best is None:
+        return None
+    scored = [
+        checkpoint for checkpoint in checkpoints
+        if checkpoint.manifest.get("metric") == keep_best.metric and _finite(checkpoint.manifest.get("metric_value"))
+    ]
+    if not scored:
+        return None
+    sign = 1.0 if keep_best.mode == "min" else -1.0
+    return min(sorted(scored, key=lambda checkpoint: -checkpoint.step), key=lambda checkpoint: sign * checkpoint.manifest["metric_value"])
+
+
+def apply_retention(storage_root: str | Path, keep: int, keep_best: KeepBestSpec | None = None) -> Retention:
+    """Keep the newest ``keep`` committed checkpoints and the best by ``keep_best``; delete the other
+    committed ones and interrupted saves older than the newest (a newer one may be a save in progress)."""
+    storage, root = storage_for(storage_root)
+    committed = committed_checkpoints(root)
     if not committed:
-        return
-    for checkpoint in committed[:-keep]:
-        shutil.rmtree(checkpoint.path)
+        return Retention()
+    best = best_checkpoint(committed, keep_best)
+    kept = {checkpoint.path for checkpoint in committed[-keep:]} | ({best.path} if best is not None else set())
+    deleted = [checkpoint.path for checkpoint in committed if checkpoint.path not in kept]
+    for location in deleted:
+        storage.remove_tree(location)
     committed_paths = {checkpoint.path for checkpoint in committed}
     newest = committed[-1].step
-    for entry in Path(storage_root).iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and int(match.group(1)) < newest and entry not in committed_paths:
-            shutil.rmtree(entry)
+    for name in storage.entries(root):
+        match = _STEP_DIR.match(name)
+        location = storage.join(root, name)
+        if match and int(match.group(1)) < newest and location not in committed_paths:
+            storage.remove_tree(location)
+    return Retention(deleted, best.path if best is not None else None)
 
 
-def _read_manifest(path: Path) -> dict[str, Any] | None:
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_manifest(storage: CheckpointStorage, location: str) -> dict[str, Any] | None:
+    content = storage.read_bytes(location)
+    if content is None:
+        return None
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
+        manifest = json.loads(content)
+    except ValueError:
         return None
     return manifest if isinstance(manifest, dict) else None
 
 
-def _sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
+def _sha256(content: bytes | None) -> str | None:
+    return None if content is None else hashlib.sha256(content).hexdigest()
 
 
 def _rng_state() -> dict[str, Any]:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
-from workers.checkpoint import PendingSave, begin_save, commit_save, find_resume_point, load_checkpoint
+from workers.checkpoint import CommittedCheckpoint, CommittedSave, PendingSave, begin_save, commit_save, find_resume_point, load_checkpoint
 from workers.data.audit import SampleAudit
 from workers.data.stream import DataPosition, GlobalBatchStream
 from workers.models import build_bundle
@@ -96,20 +96,23 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     setup = ParallelSetup(spec, dims, mesh, ctx.device, OptimizerConfig(lr=base_lr, weight_decay=spec.train.weight_decay))
     parallel = parallelize(bundle, setup)
     lr_factor = linear_warmup(spec.train.warmup_steps)
+    keep_best = spec.checkpoint.keep_best
+    if keep_best is not None and keep_best.metric == "val_loss" and bundle.val_dataset is None:
+        raise ValueError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none")
 
+    # Asynchronous saves write over their own gloo group: the training group's collectives must not
+    # interleave with the background thread's. It also carries rank 0's choice of resume point.
+    save_group = dist.new_group(backend="gloo")
     step, position, checkpoint_uri = 0, DataPosition(), None
-    latest, corrupt = find_resume_point(ctx.storage_root)
-    if latest is None and ctx.resume_from_root is not None:
-        latest, corrupt_there = find_resume_point(ctx.resume_from_root)
-        corrupt += corrupt_there
+    latest, corrupt = _agreed_resume_point(ctx, save_group)
     if latest is not None:
         progress = load_checkpoint(latest.path, model_parts=parallel.parts, optimizers=parallel.optimizers)
-        step, position, checkpoint_uri = progress.step, progress.position, str(latest.path)
+        step, position, checkpoint_uri = progress.step, progress.position, latest.path
     if corrupt and ctx.rank == 0:
         resumed = f"resumed from step {latest.step}" if latest is not None else "started from scratch"
         problems = "; ".join(f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt)
         ctx.on_event(f"{problems}; {resumed}", {
-            "corrupt_checkpoints": [{"step": skipped.step, "uri": str(skipped.path), "problem": problem} for skipped, problem in corrupt],
+            "corrupt_checkpoints": [{"step": skipped.step, "uri": skipped.path, "problem": problem} for skipped, problem in corrupt],
             "resumed_from_step": latest.step if latest is not None else 0,
         })
     saved_step = step
@@ -128,10 +131,30 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     )
     audit = SampleAudit(ctx.storage_root, ctx.rank, dims.dp_rank(mesh), ctx.generation) if spec.train.record_sample_ids else None
 
-    # Asynchronous saves write over their own gloo group: the training group's collectives must not
-    # interleave with the background thread's. At most one save is in flight.
-    save_group = dist.new_group(backend="gloo")
-    in_flight: PendingSave | None = None
+    in_flight: PendingSave | None = None  # at most one save is in flight
+    # The validation loss evaluated at a checkpoint, as (step, value): the end of training reuses it.
+    validated_at: tuple[int, float] | None = None
+
+    def validate() -> float:
+        """Collective: the validation loss now; rank 0 reports it as the step's val_loss."""
+        nonlocal validated_at
+        val_loss = evaluate(parallel, bundle.loss_fn, bundle.val_dataset, ctx, autocast,
+                            dp_rank=dims.dp_rank(mesh), dp=dims.dp, pipeline_batch_size=batch_size)
+        validated_at = (step, val_loss)
+        if ctx.rank == 0:
+            ctx.on_metric(MetricPoint(step=step, val_loss=val_loss, world_size=ctx.world_size))
+        return val_loss
+
+    def checkpoint_metric() -> float | None:
+        """This checkpoint's value of checkpoint.keep_best's metric (collective for val_loss)."""
+        if keep_best is None:
+            return None
+        return loss if keep_best.metric == "loss" else validate()
+
+    def commit(pending: PendingSave, final: bool) -> None:
+        """Rank 0: make a written save visible, then report it with what retention did."""
+        committed = commit_save(pending)
+        ctx.on_checkpoint(_checkpoint_record(pending, committed, ctx.world_size, final))
 
     def settle(block: bool) -> None:
         """Commit the save in flight once written (rank 0 reports it then); ``block``: wait for it."""
@@ -141,20 +164,20 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         pending, in_flight = in_flight, None
         pending.wait()
         if ctx.rank == 0:
-            commit_save(pending)
-            ctx.on_checkpoint(CheckpointRecord(step=pending.step, uri=str(pending.path), world_size=ctx.world_size, final=False))
+            commit(pending, final=False)
 
     def checkpoint(final: bool, asynchronous: bool) -> str:
         nonlocal in_flight
         settle(block=True)
+        metric_value = checkpoint_metric()
         pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
-                             optimizers=parallel.optimizers, process_group=save_group if asynchronous else None)
+                             optimizers=parallel.optimizers, process_group=save_group if asynchronous else None,
+                             metric_value=metric_value)
         if asynchronous:
             in_flight = pending
         elif ctx.rank == 0:
-            commit_save(pending)
-            ctx.on_checkpoint(CheckpointRecord(step=step, uri=str(pending.path), world_size=ctx.world_size, final=final))
-        return str(pending.path)
+            commit(pending, final)
+        return pending.path
 
     # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
     bf16 = spec.train.precision == "bf16" and not isinstance(parallel.parts[0], FSDPModule)
@@ -230,11 +253,30 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         return TrainResult(step, loss, None, checkpoint_uri, stopped=True)
     val_loss = None
     if bundle.val_dataset is not None:
-        val_loss = evaluate(parallel, bundle.loss_fn, bundle.val_dataset, ctx, autocast,
-                            dp_rank=dims.dp_rank(mesh), dp=dims.dp, pipeline_batch_size=batch_size)
-        if ctx.rank == 0:
-            ctx.on_metric(MetricPoint(step=step, val_loss=val_loss, world_size=ctx.world_size))
+        val_loss = validated_at[1] if validated_at is not None and validated_at[0] == step else validate()
     return TrainResult(step, loss, val_loss, checkpoint_uri, stopped=False)
+
+
+def _agreed_resume_point(ctx: TrainContext, group: dist.ProcessGroup) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
+    """Rank 0 chooses the checkpoint to resume from (this job's storage first, then resume_from's) and
+    the corrupt ones it skipped, and tells every rank, so all load the same one and storage is read once."""
+    choice: list[Any] = [None]
+    if ctx.rank == 0:
+        latest, corrupt = find_resume_point(ctx.storage_root)
+        if latest is None and ctx.resume_from_root is not None:
+            latest, corrupt_there = find_resume_point(ctx.resume_from_root)
+            corrupt += corrupt_there
+        choice = [(latest, corrupt)]
+    dist.broadcast_object_list(choice, src=0, group=group)
+    return choice[0]
+
+
+def _checkpoint_record(pending: PendingSave, committed: CommittedSave, world_size: int, final: bool) -> CheckpointRecord:
+    return CheckpointRecord(
+        step=pending.step, uri=committed.path, world_size=world_size, final=final,
+        metric=pending.manifest.get("metric"), metric_value=pending.manifest.get("metric_value"),
+        best_uri=committed.retention.best, deleted_uris=committed.retention.deleted,
+    )
 
 
 def _forward_backward(
@@ -269,7 +311,8 @@ def evaluate(
     pipelined = parallel.schedule is not None
     batch_size = pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=False, drop_last=True)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=pipelined)
+    # A private generator: evaluating between training steps must not draw from the training RNG.
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=pipelined, generator=torch.Generator())
     batch_sizes = (min(batch_size, len(sampler) - start) for start in range(0, len(sampler), batch_size))
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # [sum of per-sample losses, samples]
     for part in parallel.parts:
