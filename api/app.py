@@ -1,4 +1,9 @@
-"""The FastAPI application: schema upgrade at startup, routers, error mapping, optional background work."""
+"""The FastAPI application: schema upgrade at startup, routers, error mapping, limits, optional background work.
+
+Every /v1 route needs a bearer token (api.deps). /healthz and /metrics stay open: liveness probes and
+Prometheus scrapers carry no token, and neither answers with anything a token would guard beyond job counts and
+rates. /docs and /openapi.json stay open too: the schema is public.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 
 from api.errors import install_error_handlers
-from api.routes import health, internal, jobs, metrics, plan
+from api.limits import BodySizeLimit
+from api.routes import health, internal, jobs, metrics, plan, tenants
 from service import telemetry
+from service.auth import ensure_local_admin_token
 from service.db import Database, upgrade_schema
 from service.job_plan import ClusterShapeProvider
 from service.settings import Settings, get_settings
@@ -44,6 +51,9 @@ def create_app(
         url = settings.resolved_database_url()
         upgrade_schema(url)
         app.state.db = Database.connect(url)
+        if settings.database_url is None:
+            # Embedded defaults: one local admin token in the data directory, which the CLI picks up.
+            ensure_local_admin_token(app.state.db.sessions, settings.local_token_path())
         detach_telemetry = telemetry.attach(app.state.db.engine, app.state.telemetry)
         stop = start_background(app) if start_background else None
         try:
@@ -64,7 +74,9 @@ def create_app(
     registry.register(telemetry.DatabaseCollector(lambda: getattr(app.state, "db", None)))
     app.state.stream_poll_s = 0.5
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.include_router(jobs.router)
+    app.include_router(tenants.router)
     app.include_router(plan.router)
     app.include_router(internal.router)
     app.include_router(health.router)

@@ -1,4 +1,5 @@
-"""Request-scoped dependencies: the database session, the settings and the cluster-shape provider live on app.state."""
+"""Request-scoped dependencies: the caller (from its bearer token), the database session, the settings and the
+cluster-shape provider (the last three live on app.state)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,19 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from service import auth
+from service.auth import Principal
 from service.db import Database, session_scope
 from service.job_plan import ClusterShape
 from service.settings import Settings
+
+_user_token = HTTPBearer(auto_error=False, scheme_name="token",
+                         description="An API token (`ringmaster token create`) as `Authorization: Bearer <token>`.")
+_report_token = HTTPBearer(auto_error=False, scheme_name="reportToken",
+                           description="The job driver's per-attempt secret, which the dispatcher hands it at submission.")
 
 
 def get_database(request: Request) -> Database:
@@ -40,3 +49,30 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_database)]
 ClusterShapeDep = Annotated[ClusterShape | None, Depends(get_cluster_shape)]
+
+
+def get_principal(request: Request,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_user_token)]) -> Principal:
+    """The caller behind the bearer token, looked up in a short transaction of its own before the route's."""
+    if credentials is None:
+        if request.headers.get("authorization"):
+            raise auth.Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+        raise auth.Unauthorized("missing API token: send 'Authorization: Bearer <token>' (`ringmaster token create` makes one)")
+    with session_scope(get_database(request).sessions) as session:
+        return auth.authenticate(session, credentials.credentials)
+
+
+def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    auth.require_admin(principal)
+    return principal
+
+
+def check_report_token(request: Request, job_id: str, attempt: int,
+                       credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_report_token)]) -> None:
+    """Only the driver of this very attempt may report for it (path: /jobs/{job_id}/attempts/{attempt}/...)."""
+    with session_scope(get_database(request).sessions) as session:
+        auth.check_report_token(session, job_id, attempt, credentials.credentials if credentials else None)
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+AdminPrincipal = Annotated[Principal, Depends(get_admin)]

@@ -14,12 +14,25 @@ from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy.exc import DataError
 
+from service.auth import Forbidden, TokenNotFound, Unauthorized
 from service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable, PlanError
 from service.states import IllegalTransition
+from service.tenants import InvalidTenant, TenantNotFound
 
 _SOURCES = ("body", "query", "path", "header", "cookie")
 _PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+class ErrorOut(BaseModel):
+    detail: str
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the plain {"detail": message} errors a route may answer."""
+    return {code: {"model": ErrorOut} for code in codes}
 
 
 def readable_errors(errors: Iterable[Any], prefix: Sequence[str | int] = ()) -> list[dict[str, Any]]:
@@ -51,6 +64,27 @@ async def _conflict(_request: Request, exc: Exception) -> JSONResponse:
     return _detail(status.HTTP_409_CONFLICT, exc)
 
 
+async def _unauthorized(_request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(status_code=status.HTTP_401_UNAUTHORIZED, content={"detail": str(exc)},
+                        headers={"WWW-Authenticate": 'Bearer realm="ringmaster"'})
+
+
+async def _forbidden(_request: Request, exc: Exception) -> JSONResponse:
+    return _detail(status.HTTP_403_FORBIDDEN, exc)
+
+
+async def _invalid_tenant(_request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"detail": [{"type": "tenant_invalid", "loc": [], "field": None, "msg": str(exc)}]})
+
+
+async def _data_error(_request: Request, exc: Exception) -> JSONResponse:
+    """A value the database refused (out of its column's range, a NUL in text): the input's fault, not the server's."""
+    assert isinstance(exc, DataError)
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value rejected"
+    error = {"type": "database_value", "loc": [], "field": None, "msg": f"a value does not fit the database: {reason}"}
+    return JSONResponse(status_code=422, content={"detail": [error]})
+
+
 async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
     return _detail(status.HTTP_503_SERVICE_UNAVAILABLE, exc)
 
@@ -72,7 +106,13 @@ async def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(Unauthorized, _unauthorized)
+    app.add_exception_handler(Forbidden, _forbidden)
     app.add_exception_handler(JobNotFound, _not_found)
+    app.add_exception_handler(TenantNotFound, _not_found)
+    app.add_exception_handler(TokenNotFound, _not_found)
+    app.add_exception_handler(InvalidTenant, _invalid_tenant)
+    app.add_exception_handler(DataError, _data_error)
     app.add_exception_handler(JobConflict, _conflict)
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(LogsUnavailable, _unavailable)

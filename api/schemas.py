@@ -6,10 +6,12 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service import jobs, planner
-from service.models import Checkpoint, Job, JobEvent, Metric
+from api.limits import check_document
+from service import jobs, planner, tenants
+from service.errors import InvalidSpec
+from service.models import ApiToken, Checkpoint, Job, JobEvent, Metric, Tenant
 from service.settings import Settings
 from service.states import JobState
 
@@ -20,7 +22,10 @@ Item = TypeVar("Item", bound=BaseModel)
 class JobOut(BaseModel):
     id: str
     name: str
+    tenant: str = Field(description="The tenant whose token submitted the job; only it (and admins) can see the job.")
     state: JobState
+    waiting_reason: str | None = Field(description="Why a QUEUED job was not admitted at the dispatcher's last pass "
+                                       "(over its tenant's quota, no room on the cluster); null otherwise.")
     attempt: int = Field(description="Current attempt number; 0 before the first dispatch.")
     failures: int
     priority: int
@@ -41,7 +46,9 @@ class JobOut(BaseModel):
         return cls(
             id=job.id,
             name=job.name,
+            tenant=job.tenant,
             state=JobState(job.state),
+            waiting_reason=job.waiting_reason if job.state == JobState.QUEUED else None,
             attempt=job.attempt,
             failures=job.failures,
             priority=job.priority,
@@ -213,24 +220,33 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    parameters: int | None = Field(default=None, ge=1, description="Parameter count of the model; or name a built-in in model.")
-    model: str | None = Field(default=None, description="Built-in model (tiny-gpt, mlp), sized from model_options.")
+    parameters: int | None = Field(default=None, ge=1, le=10**15, description="Parameter count of the model; or name a built-in in model.")
+    model: str | None = Field(default=None, max_length=64, description="Built-in model (tiny-gpt, mlp), sized from model_options.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="The built-in's options, as in a JobSpec.")
-    layers: int | None = Field(default=None, ge=1, description="Transformer blocks, for activations and TP/PP traffic.")
-    hidden: int | None = Field(default=None, ge=1, description="Hidden size h.")
-    heads: int | None = Field(default=None, ge=1, description="Attention heads a.")
-    seq_len: int | None = Field(default=None, ge=1, description="Sequence length s.")
+    layers: int | None = Field(default=None, ge=1, le=100_000, description="Transformer blocks, for activations and TP/PP traffic.")
+    hidden: int | None = Field(default=None, ge=1, le=10**7, description="Hidden size h.")
+    heads: int | None = Field(default=None, ge=1, le=100_000, description="Attention heads a.")
+    seq_len: int | None = Field(default=None, ge=1, le=10**8, description="Sequence length s.")
     gpu_memory_gb: float = Field(gt=0, le=4096, description="Memory of each GPU, GB (10⁹ bytes).")
     gpus_per_node: int = Field(default=8, ge=1, le=64)
     nodes: int = Field(default=1, ge=1, le=4096)
     precision: Literal["fp32", "bf16", "mixed"] = Field(
         default="mixed", description="mixed: the seeds' 2+2+4+8 (bf16 parameters, fp32 master); bf16: ringmaster's autocast "
         "over fp32 state (4+4+8); fp32: 4+4+8.")
-    micro_batch_size: int | None = Field(default=None, ge=1, description="Sequences per micro-batch; with the shape it "
-                                         "gives activations and tensor/pipeline traffic.")
+    micro_batch_size: int | None = Field(default=None, ge=1, le=10**7, description="Sequences per micro-batch; with the "
+                                         "shape it gives activations and tensor/pipeline traffic.")
     microbatches: int = Field(default=8, ge=1, le=4096, description="Pipeline micro-batches per step.")
     schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
     stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks per pipeline rank.")
+
+    @field_validator("model_options")
+    @classmethod
+    def _bounded_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            check_document(value)
+        except InvalidSpec as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
@@ -353,3 +369,73 @@ class PlanOut(BaseModel):
             recommendation=None if plan.recommendation is None else PlanOptionOut.from_option(plan.recommendation),
             reasons=list(plan.reasons),
         )
+
+
+class QuotaIn(BaseModel):
+    """A tenant's quotas; a null (or absent) one is unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int | None = Field(default=None, ge=0, le=1_000_000, description="GPUs its admitted jobs may hold at once.")
+    cpus: float | None = Field(default=None, ge=0, le=1_000_000, allow_inf_nan=False, description="CPUs its admitted jobs may hold at once.")
+    jobs: int | None = Field(default=None, ge=0, le=1_000_000, description="Jobs it may have admitted or running at once.")
+
+    def quota(self) -> tenants.Quota:
+        return tenants.Quota(self.gpus, self.cpus, self.jobs)
+
+
+class QuotaOut(BaseModel):
+    gpus: int | None
+    cpus: float | None
+    jobs: int | None
+
+
+class UsageOut(BaseModel):
+    gpus: int
+    cpus: float
+    jobs: int
+
+
+class TenantOut(BaseModel):
+    name: str
+    quota: QuotaOut = Field(description="Null is unlimited.")
+    usage: UsageOut = Field(description="What its ADMITTED, RUNNING and RECOVERING jobs hold, each at its granted size.")
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, tenant: Tenant, usage: tenants.Usage) -> "TenantOut":
+        return cls(name=tenant.name, quota=QuotaOut(gpus=tenant.quota_gpus, cpus=tenant.quota_cpus, jobs=tenant.quota_jobs),
+                   usage=UsageOut(gpus=usage.gpus, cpus=usage.cpus, jobs=usage.jobs), created_at=tenant.created_at)
+
+
+class PrincipalOut(BaseModel):
+    tenant: TenantOut
+    admin: bool
+    token_id: int | None
+
+
+class TokenIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(pattern=tenants.NAME_PATTERN, max_length=64, description="Created without quotas when missing.")
+    admin: bool = Field(default=False, description="An admin token sees and manages every tenant's jobs, tenants and tokens.")
+    description: str | None = Field(default=None, max_length=255, description="Who or what holds it.")
+
+
+class TokenOut(BaseModel):
+    id: int
+    tenant: str
+    admin: bool
+    description: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def from_row(cls, token: ApiToken) -> "TokenOut":
+        return cls(id=token.id, tenant=token.tenant, admin=token.admin, description=token.description,
+                   created_at=token.created_at, revoked_at=token.revoked_at)
+
+
+class TokenCreatedOut(TokenOut):
+    token: str = Field(description="The secret, shown this once: only its hash is stored.")
+    tenant_created: bool

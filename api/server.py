@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import create_app
+from service.client import RingmasterClient
 from service.dispatcher import Dispatcher
 from service.embedded_ray import RayHead, start_head, stop_head
 from service.errors import LogsUnavailable
@@ -106,6 +107,15 @@ class BackgroundServer:
     @property
     def dashboard_url(self) -> str | None:
         return self.plane.settings.ray_dashboard_url
+
+    @property
+    def token(self) -> str | None:
+        """RINGMASTER_TOKEN, else the local admin token this server wrote to its data directory (embedded database)."""
+        return self.plane.settings.client_token()
+
+    def client(self) -> RingmasterClient:
+        """A REST client of this server with its token."""
+        return RingmasterClient(self.url, token=self.token)
 
     def __enter__(self) -> "BackgroundServer":
         self._thread.start()

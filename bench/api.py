@@ -1,7 +1,8 @@
 """Submission throughput and latency of the REST API (issue 5's benchmark; not a timed test).
 
 Starts api.app.create_app on uvicorn in a thread on 127.0.0.1 (no Ray: the API only queues jobs), then N
-concurrent httpx clients POST /v1/jobs for a bounded count and time. Reports submissions/s and p50/p99/max.
+concurrent httpx clients POST /v1/jobs, each with a tenant's bearer token, for a bounded count and time.
+Reports submissions/s and p50/p99/max.
 
     .venv/bin/python bench/api.py                       # SQLite in a temporary directory
     .venv/bin/python bench/api.py --postgres-url URL    # also PostgreSQL (a fresh schema, dropped afterwards)
@@ -30,6 +31,8 @@ from sqlalchemy import create_engine
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.app import create_app  # noqa: E402
+from service import auth  # noqa: E402
+from service.db import session_scope  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 SPEC = {"name": "bench", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"steps": 10}}
@@ -44,7 +47,8 @@ def _free_port() -> int:
 class Server:
     def __init__(self, database_url: str, data_dir: Path) -> None:
         self.port = _free_port()
-        app = create_app(Settings(database_url=database_url, data_dir=data_dir))
+        self.app = app = create_app(Settings(database_url=database_url, data_dir=data_dir))
+        self.token = ""
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -56,6 +60,8 @@ class Server:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.05)
+        with session_scope(self.app.state.db.sessions) as session:  # the schema exists once the server started
+            self.token = auth.create_token(session, "bench").secret
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -67,7 +73,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
-def run(url: str, clients: int, count: int, max_s: float) -> dict[str, float]:
+def run(url: str, token: str, clients: int, count: int, max_s: float) -> dict[str, float]:
     latencies: list[float] = []
     errors = 0
     lock = threading.Lock()
@@ -76,7 +82,7 @@ def run(url: str, clients: int, count: int, max_s: float) -> dict[str, float]:
 
     def worker() -> None:
         nonlocal errors
-        with httpx.Client(base_url=url, timeout=30.0) as http:
+        with httpx.Client(base_url=url, headers=headers, timeout=30.0) as http:
             while time.monotonic() < deadline:
                 with lock:
                     if remaining[0] <= 0:
@@ -91,7 +97,8 @@ def run(url: str, clients: int, count: int, max_s: float) -> dict[str, float]:
                     else:
                         errors += 1
 
-    with httpx.Client(base_url=url) as http:  # warm-up: connections, first-request imports, the planner's caches
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, headers=headers) as http:  # warm-up: connections, first-request imports, the planner's caches
         for _ in range(20):
             http.post("/v1/jobs", json=SPEC).raise_for_status()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -110,11 +117,11 @@ def run(url: str, clients: int, count: int, max_s: float) -> dict[str, float]:
             "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": latencies[-1] * 1000, "mean_ms": statistics.fmean(latencies) * 1000}
 
 
-def run_elsewhere(url: str, clients: int, count: int, max_s: float) -> dict[str, float]:
+def run_elsewhere(server: Server, clients: int, count: int, max_s: float) -> dict[str, float]:
     """The load from a child process: in the server's process the clients would share its GIL and halve its CPU."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(run, url, clients, count, max_s).result()
+        return pool.submit(run, server.url, server.token, clients, count, max_s).result()
 
 
 def _report(label: str, result: dict[str, float]) -> None:
@@ -134,7 +141,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_sqlite:
             with Server(f"sqlite:///{tmp}/bench.db", Path(tmp)) as server:
-                _report("sqlite", run_elsewhere(server.url, args.clients, args.count, args.max_seconds))
+                _report("sqlite", run_elsewhere(server, args.clients, args.count, args.max_seconds))
         if args.postgres_url:
             admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
             schema = f"bench_{uuid.uuid4().hex[:12]}"
@@ -143,7 +150,7 @@ def main() -> None:
             try:
                 url = admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
                 with Server(url, Path(tmp)) as server:
-                    _report("postgres", run_elsewhere(server.url, args.clients, args.count, args.max_seconds))
+                    _report("postgres", run_elsewhere(server, args.clients, args.count, args.max_seconds))
             finally:
                 with admin.connect() as connection:
                     connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')

@@ -73,7 +73,7 @@ def main() -> None:
     bare, managed, first_step = [], [], []
     with tempfile.TemporaryDirectory() as data_dir:
         for server in running_control_plane(Path(data_dir)):
-            client = RingmasterClient(server.url)
+            client = server.client()
             through_ringmaster(client, args, "warm-up")  # a warm cluster: worker processes exist, imports cached
             for round_index in range(args.rounds):
                 bare.append(bare_torchrun(args))

@@ -98,7 +98,7 @@ def main() -> None:
         cluster = SimulatedCluster(nodes=2)
         try:
             with control_plane_on(cluster, Path(scratch) / "ringmaster") as server:
-                client = RingmasterClient(server.url)
+                client = server.client()
                 for _ in range(args.rounds):
                     for scenario in args.scenarios:
                         while len(cluster.cluster.worker_nodes) < 2:

@@ -1,4 +1,4 @@
-"""The `ringmaster` command line: serve, submit, status, watch, logs, cancel, plan, demo, db upgrade."""
+"""The `ringmaster` command line: serve, submit, status, watch, logs, cancel, plan, demo; db, token and tenant administration."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import httpx
 import typer
@@ -20,9 +21,16 @@ from service.client import ApiError, RingmasterClient
 from service.planner import GB, format_bytes
 from service.settings import get_settings
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
 app = typer.Typer(help="ringmaster: elastic distributed training as a service.", no_args_is_help=True)
 db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens, made and revoked directly in the database (RINGMASTER_DATABASE_URL).", no_args_is_help=True)
+tenant_app = typer.Typer(help="Tenants and their quotas, directly in the database (RINGMASTER_DATABASE_URL).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+app.add_typer(tenant_app, name="tenant")
 console = Console()
 
 ApiOption = Annotated[Optional[str], typer.Option("--api", help="API URL; default from RINGMASTER_API_URL / host and port.")]
@@ -30,7 +38,8 @@ _STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "R
 
 
 def _client(api: str | None) -> RingmasterClient:
-    return RingmasterClient(api or get_settings().resolved_api_url())
+    """A client with RINGMASTER_TOKEN, else the local admin token an embedded server wrote to the data directory."""
+    return RingmasterClient.from_settings(get_settings(), api)
 
 
 def _fail(message: str) -> None:
@@ -241,7 +250,7 @@ def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] 
     settings = get_settings()
     console.print("starting the API server, the dispatcher and a local Ray head …")
     with BackgroundServer(settings) as server:
-        client = RingmasterClient(server.url)
+        client = server.client()
         console.print(f"API: {server.url}/docs   Ray dashboard: {server.dashboard_url}")
         job = client.submit_yaml(spec_path.read_text())
         console.print(f"submitted {spec_path.name} as job {job['id']}")
@@ -272,7 +281,148 @@ def db_upgrade() -> None:
     console.print(f"schema is up to date at {url}")
 
 
+@contextmanager
+def _database_session() -> Iterator[Session]:
+    """One transaction on the settings' database, its schema brought up to date first."""
+    from service.db import Database, session_scope, upgrade_schema
+
+    url = get_settings().resolved_database_url()
+    upgrade_schema(url)
+    database = Database.connect(url)
+    try:
+        with session_scope(database.sessions) as session:
+            yield session
+    finally:
+        database.dispose()
+
+
+@token_app.command("create")
+def token_create(
+    tenant: Annotated[str, typer.Option("--tenant", help="The tenant the token speaks for; created without quotas when missing.")],
+    admin: Annotated[bool, typer.Option("--admin", help="See and manage every tenant's jobs, tenants and tokens.")] = False,
+    description: Annotated[Optional[str], typer.Option(help="Who or what holds it.")] = None,
+) -> None:
+    """Make a token and print it once: only its hash is stored."""
+    from service import auth, tenants
+
+    try:
+        with _database_session() as session:
+            issued = auth.create_token(session, tenant, admin=admin, description=description)
+            token_id = issued.row.id
+    except (tenants.InvalidTenant, ValueError) as error:
+        _fail(str(error))
+    if issued.tenant_created:
+        console.print(f"created tenant {tenant!r} without quotas (set them with `ringmaster tenant quota {tenant}`)", soft_wrap=True)
+    console.print(f"token {token_id} for tenant {tenant!r}{' (admin)' if admin else ''}; it is shown only now:", soft_wrap=True)
+    print(issued.secret)
+
+
+@token_app.command("list")
+def token_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's tokens.")] = None) -> None:
+    """Every token (never its secret)."""
+    from service import auth
+
+    with _database_session() as session:
+        rows = [(str(t.id), t.tenant, "yes" if t.admin else "", t.description or "", f"{t.created_at:%Y-%m-%d %H:%M:%S}",
+                 f"{t.revoked_at:%Y-%m-%d %H:%M:%S}" if t.revoked_at else "") for t in auth.list_tokens(session, tenant)]
+    table = Table("id", "tenant", "admin", "description", "created", "revoked")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: Annotated[int, typer.Argument(help="The token's id, from `ringmaster token list`.")]) -> None:
+    """Refuse the token from the next request on."""
+    from service import auth
+
+    try:
+        with _database_session() as session:
+            auth.revoke_token(session, token_id)
+    except auth.TokenNotFound as error:
+        _fail(str(error))
+    console.print(f"token {token_id} revoked")
+
+
+def _quota_value(text: str | None, kind: type[int] | type[float], flag: str) -> int | float | None:
+    """A quota option: a number >= 0, or 'unlimited'."""
+    if text is None or text.strip().lower() in ("unlimited", "none"):
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes a number >= 0 or 'unlimited', got {text!r}") from None
+    if value < 0:
+        raise typer.BadParameter(f"{flag} takes a number >= 0 or 'unlimited', got {text!r}")
+    return value
+
+
+GpusOption = Annotated[Optional[str], typer.Option("--gpus", help="GPUs its admitted jobs may hold at once, or 'unlimited'.")]
+CpusOption = Annotated[Optional[str], typer.Option("--cpus", help="CPUs its admitted jobs may hold at once, or 'unlimited'.")]
+JobsOption = Annotated[Optional[str], typer.Option("--jobs", help="Jobs it may have admitted or running at once, or 'unlimited'.")]
+
+
+@tenant_app.command("create")
+def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
+    """Add a tenant; an omitted quota is unlimited."""
+    from service import tenants
+
+    quota = tenants.Quota(_quota_value(gpus, int, "--gpus"), _quota_value(cpus, float, "--cpus"), _quota_value(jobs, int, "--jobs"))
+    try:
+        with _database_session() as session:
+            if session.get(tenants.Tenant, name) is not None:
+                _fail(f"tenant {name!r} exists; change its quotas with `ringmaster tenant quota {name}`")
+            tenants.put_tenant(session, name, quota)
+    except tenants.InvalidTenant as error:
+        _fail(str(error))
+    console.print(f"tenant {name!r}: {_quota_text(quota)}")
+
+
+@tenant_app.command("quota")
+def tenant_quota(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
+    """Change the quotas given (a number, or 'unlimited'); the others stay as they are."""
+    from service import tenants
+
+    try:
+        with _database_session() as session:
+            current = tenants.Quota.of(tenants.get_tenant(session, name))
+            quota = tenants.Quota(
+                current.gpus if gpus is None else _quota_value(gpus, int, "--gpus"),
+                current.cpus if cpus is None else _quota_value(cpus, float, "--cpus"),
+                current.jobs if jobs is None else _quota_value(jobs, int, "--jobs"),
+            )
+            tenants.put_tenant(session, name, quota)
+    except (tenants.TenantNotFound, tenants.InvalidTenant) as error:
+        _fail(str(error))
+    console.print(f"tenant {name!r}: {_quota_text(quota)}")
+
+
+@tenant_app.command("list")
+def tenant_list() -> None:
+    """Every tenant with its quotas and what its jobs hold now."""
+    from service import tenants
+
+    table = Table("tenant", "GPUs", "CPUs", "jobs")
+    with _database_session() as session:
+        for tenant in tenants.list_tenants(session):
+            quota, used = tenants.Quota.of(tenant), tenants.usage(session, tenant.name)
+            table.add_row(tenant.name, _held(used.gpus, quota.gpus), _held(used.cpus, quota.cpus), _held(used.jobs, quota.jobs))
+    console.print(table)
+
+
+def _held(used: float, limit: float | None) -> str:
+    return f"{used:g} / {'unlimited' if limit is None else f'{limit:g}'}"
+
+
+def _quota_text(quota: Any) -> str:
+    return ", ".join(f"{resource} {'unlimited' if value is None else f'{value:g}'}"
+                     for resource, value in (("GPUs", quota.gpus), ("CPUs", quota.cpus), ("jobs", quota.jobs)))
+
+
 def _describe(error: ApiError, subject: str = "job spec") -> str:
+    if error.status == 401:
+        return (f"{error.detail}\nset RINGMASTER_TOKEN to a token from `ringmaster token create`, or run the server on "
+                "embedded defaults, which writes a local admin token this command picks up")
     if error.status == 422 and isinstance(error.detail, list):
         return f"invalid {subject}:\n" + "\n".join(
             f"  {'.'.join(str(part) for part in item.get('loc', [])[1:]) or '(spec)'}: {item.get('msg')}" for item in error.detail)

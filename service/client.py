@@ -9,6 +9,8 @@ from typing import Any
 
 import httpx
 
+from service.settings import Settings
+
 
 class ApiError(RuntimeError):
     def __init__(self, status: int, detail: Any) -> None:
@@ -20,6 +22,11 @@ class RingmasterClient:
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, api_url: str | None = None) -> "RingmasterClient":
+        """A client of api_url (default: the settings' API URL) with the settings' token (Settings.client_token)."""
+        return cls(api_url or settings.resolved_api_url(), token=settings.client_token())
 
     def close(self) -> None:
         self._http.close()
@@ -73,6 +80,10 @@ class RingmasterClient:
 
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    def me(self) -> dict[str, Any]:
+        """GET /v1/me: the token's tenant (quotas and usage) and whether it is an admin's."""
+        return self._call("GET", "/v1/me")
 
     def plan(self, request: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/plan: the options table and the recommendation for a model on a cluster."""

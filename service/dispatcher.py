@@ -18,9 +18,10 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import jobs, queue
+from service import auth, jobs, queue, tenants
 from service.models import Job, utcnow
 from service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
+from service.reports import REPORT_TOKEN_ENV
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import ACTIVE, JobState
@@ -64,32 +65,55 @@ class Dispatcher:
     # -- admission ---------------------------------------------------------------------------
 
     def dispatch_queued(self) -> None:
-        unplaceable: set[str] = set()
-        while (job := queue.claim_next(self.sessions, self.owner, self.settings.lease_s, skip_ids=unplaceable)) is not None:
+        """Admit queued jobs in priority order; one that must wait (quota, capacity) is passed over with its reason."""
+        waiting: set[str] = set()
+        while (job := queue.claim_next(self.sessions, self.owner, self.settings.lease_s, skip_ids=waiting)) is not None:
+            reason: str | None = None
             try:
-                if not self._admit(job):
-                    unplaceable.add(job.id)
+                reason = self._admit(job)
             finally:
-                queue.release(self.sessions, job.id, self.owner)
+                if reason is not None:
+                    waiting.add(job.id)
+                queue.release(self.sessions, job.id, self.owner, reason)
 
-    def _admit(self, job: Job) -> bool:
-        """Reserve the gang, record the attempt, submit the Ray job; False when it cannot start now."""
+    def _admit(self, job: Job) -> str | None:
+        """Grant the tenant's quota, reserve the gang, record the attempt, submit the Ray job.
+
+        None when the job was admitted (or was cancelled meanwhile); otherwise why it cannot start now.
+        """
         spec = JobSpec.model_validate(job.spec)
+        with self.sessions() as session:
+            granted = tenants.grant(session, job, spec)
+        if granted.max_workers is None:
+            return granted.reason  # checked before reserving: a job over quota takes no cluster capacity
         attempt = job.attempt + 1
         group_name = placement_group_name(job.id, attempt)
-        world_size = self._reserve(spec, group_name)
+        world_size = self._reserve(spec, group_name, granted.max_workers)
         if world_size is None:
-            return False
+            workers = spec.workers
+            return (f"waiting for cluster capacity: no room now for {workers.min} worker(s) of "
+                    f"{workers.cpus_per_worker:g} CPU and {workers.gpus_per_worker} GPU each")
         submission_id = submission_id_for(job.id, attempt)
+        report_token, report_token_hash = auth.new_report_token()
         with self.sessions() as session, session.begin():
             current = session.get(Job, job.id, with_for_update=True)
             if current is None or current.state != JobState.QUEUED or current.lease_owner != self.owner:
                 self.cluster.release(group_name)  # cancelled or taken over while we reserved
-                return True
-            jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size)
+                return None
+            # Again under the tenant's row lock: another dispatcher may have granted part of its quota meanwhile.
+            granted = tenants.grant(session, current, spec, lock=True)
+            if granted.max_workers is None or granted.max_workers < world_size:
+                self.cluster.release(group_name)
+                return granted.reason or f"over quota: {world_size} workers no longer fit the tenant's quota"
+            jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size,
+                               max_workers=granted.max_workers, report_token_hash=report_token_hash)
         try:
-            env_vars = {"PYTHONPATH": self.settings.code_path} if self.settings.code_path else {}
-            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, spec), env_vars)
+            # The secret travels in the Ray job's environment, never on its command line (shown in the dashboard).
+            env_vars = {REPORT_TOKEN_ENV: report_token}
+            if self.settings.code_path:
+                env_vars["PYTHONPATH"] = self.settings.code_path
+            driver_spec = _capped(spec, granted.max_workers)
+            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, driver_spec), env_vars)
         except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
             log.warning("Ray refused job %s attempt %d: %s", job.id, attempt, error, extra={"job_id": job.id})
             self.cluster.release(group_name)
@@ -98,12 +122,12 @@ class Dispatcher:
                 if current is not None and current.state == JobState.ADMITTED:
                     # Often transient (the Jobs API agent still starting): retry, counted against max_failures.
                     jobs.requeue(session, current, f"Ray refused the job: {error}", failure=True)
-            return False  # retried at the next pass, not in this one
-        return True
+            return f"Ray refused the job: {error}"  # retried at the next pass, not in this one
+        return None
 
-    def _reserve(self, spec: JobSpec, group_name: str) -> int | None:
-        """The largest world size in [min, max] whose placement group is ready now (tries max, then min)."""
-        sizes = [spec.workers.max] if spec.workers.max == spec.workers.min else [spec.workers.max, spec.workers.min]
+    def _reserve(self, spec: JobSpec, group_name: str, max_workers: int) -> int | None:
+        """The largest world size in [min, max_workers] whose placement group is ready now (tries that, then min)."""
+        sizes = [max_workers] if max_workers == spec.workers.min else [max_workers, spec.workers.min]
         for size in sizes:
             bundles = worker_bundles(spec.workers.gpus_per_worker, spec.workers.cpus_per_worker, size)
             if self.cluster.reserve(group_name, bundles, self.settings.admission_wait_s):
@@ -173,3 +197,10 @@ class Dispatcher:
                 self.cluster.release(attempt.placement_group)
             with self.sessions() as session, session.begin():
                 jobs.close_attempt(session, attempt, outcome=str(job.state))
+
+
+def _capped(spec: JobSpec, max_workers: int) -> JobSpec:
+    """The spec the driver runs: workers.max lowered to the quota's grant, so it never grows past it."""
+    if max_workers >= spec.workers.max:
+        return spec
+    return spec.model_copy(update={"workers": spec.workers.model_copy(update={"max": max_workers})})

@@ -16,8 +16,9 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session
 
+from service.auth import SYSTEM, Principal
 from service.errors import InvalidSpec, JobConflict, JobNotFound
-from service import telemetry
+from service import telemetry, tenants
 from service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
 from service.planner import StateMemory
@@ -67,30 +68,43 @@ class ReportResult:
     accepted: bool
 
 
-def get_job(session: Session, job_id: str) -> Job:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise JobNotFound(job_id)
+def _plausible_id(job_id: str) -> bool:
+    """Job ids are 32 hex digits; anything else (too long, NUL, non-ASCII) is unknown without asking the database."""
+    return len(job_id) <= 32 and job_id.isascii() and job_id.isalnum()
+
+
+def get_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
+    """The job; with tenant, another tenant's job is not found, exactly like an unknown id."""
+    job = session.get(Job, job_id) if _plausible_id(job_id) else None
+    if job is None or (tenant is not None and job.tenant != tenant):
+        raise JobNotFound(job_id[:64])
     return job
 
 
-def lock_job(session: Session, job_id: str) -> Job:
+def lock_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
     """Re-read the job under a row lock so a read-modify-write cannot interleave with another writer."""
-    job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
-    if job is None:
-        raise JobNotFound(job_id)
+    job = session.get(Job, job_id, with_for_update=True, populate_existing=True) if _plausible_id(job_id) else None
+    if job is None or (tenant is not None and job.tenant != tenant):
+        raise JobNotFound(job_id[:64])
     return job
 
 
-def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = None) -> Job:
-    """Record a validated spec as a QUEUED job with its first event; the queue takes it from there.
+def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = None, principal: Principal = SYSTEM) -> Job:
+    """Record a validated spec as a QUEUED job of the principal's tenant, with its first event.
 
     The planner runs first: ``auto`` is stored as the strategy it resolves to (with a "plan" event saying
-    why), and a job that cannot fit its GPUs or nodes raises InvalidSpec before anything is written.
+    why), and a job that cannot fit its GPUs or nodes, or the tenant's quota even alone, raises InvalidSpec
+    before anything is written. resume_from must name a job the principal may read.
     """
-    if spec.resume_from is not None and session.get(Job, spec.resume_from) is None:
-        raise InvalidSpec([{"type": "value_error", "loc": ["resume_from"],
-                            "msg": f"resume_from: no job with id {spec.resume_from!r}", "input": spec.resume_from}])
+    if spec.resume_from is not None:
+        try:
+            get_job(session, spec.resume_from, principal.scope)
+        except JobNotFound:
+            raise InvalidSpec([{"type": "value_error", "loc": ["resume_from"],
+                                "msg": f"resume_from: no job with id {spec.resume_from[:64]!r}", "input": spec.resume_from}]) from None
+    rejections = tenants.submit_rejections(spec, tenants.get_tenant(session, principal.tenant))
+    if rejections:
+        raise InvalidSpec(rejections)
     planned = plan_submission(spec, cluster)
     spec = planned.spec
     now = utcnow()
@@ -104,6 +118,7 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
         failures=0,
         created_at=now,
         cancel_requested=False,
+        tenant=principal.tenant,
     )
     session.add(job)
     session.flush()
@@ -137,43 +152,48 @@ def transition(session: Session, job: Job, target: JobState, message: str, data:
     return job
 
 
-def cancel_job(session: Session, job_id: str) -> Job:
+def cancel_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
     """Cancel at once in the database; the dispatcher then stops the Ray job (see attempts_to_close)."""
-    job = lock_job(session, job_id)
+    job = lock_job(session, job_id, tenant)
     if job.state in TERMINAL:
         raise JobConflict(f"job {job_id} already finished as {job.state}; there is nothing to cancel")
     job.cancel_requested = True
     return transition(session, job, JobState.CANCELLED, "cancelled on request")
 
 
-def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, offset: int = 0) -> Page[Job]:
+def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, offset: int = 0,
+              tenant: str | None = None) -> Page[Job]:
+    """Newest first; with tenant, only that tenant's jobs."""
     query = select(Job)
     if state is not None:
         query = query.where(Job.state == state)
+    if tenant is not None:
+        query = query.where(Job.tenant == tenant)
     return _page(session, query.order_by(Job.created_at.desc(), Job.id), limit, offset)
 
 
-def list_events(session: Session, job_id: str, limit: int = 1000, offset: int = 0) -> Page[JobEvent]:
-    get_job(session, job_id)
+def list_events(session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None) -> Page[JobEvent]:
+    get_job(session, job_id, tenant)
     query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
     return _page(session, query, limit, offset)
 
 
-def list_metrics(session: Session, job_id: str, limit: int = 1000, offset: int = 0) -> Page[Metric]:
-    get_job(session, job_id)
+def list_metrics(session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None) -> Page[Metric]:
+    get_job(session, job_id, tenant)
     query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.attempt, Metric.step)
     return _page(session, query, limit, offset)
 
 
-def list_checkpoints(session: Session, job_id: str, limit: int = 1000, offset: int = 0) -> Page[Checkpoint]:
-    get_job(session, job_id)
+def list_checkpoints(session: Session, job_id: str, limit: int = 1000, offset: int = 0,
+                     tenant: str | None = None) -> Page[Checkpoint]:
+    get_job(session, job_id, tenant)
     query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.attempt, Checkpoint.step, Checkpoint.id)
     return _page(session, query, limit, offset)
 
 
-def list_memory(session: Session, job_id: str) -> list[RankMemoryComparison]:
+def list_memory(session: Session, job_id: str, tenant: str | None = None) -> list[RankMemoryComparison]:
     """Every rank's measured state memory, by attempt and rank, beside the planner's prediction from the job's spec."""
-    job = get_job(session, job_id)
+    job = get_job(session, job_id, tenant)
     spec = JobSpec.model_validate(job.spec)
     query = select(MemoryMeasurement).where(MemoryMeasurement.job_id == job_id)
     rows = session.scalars(query.order_by(MemoryMeasurement.attempt, MemoryMeasurement.rank))
@@ -290,9 +310,14 @@ def _upsert_memory(session: Session, job: Job, report: DriverReport) -> None:
 
 
 def mark_admitted(
-    session: Session, job: Job, attempt_number: int, submission_id: str, placement_group: str | None, world_size: int | None
+    session: Session, job: Job, attempt_number: int, submission_id: str, placement_group: str | None, world_size: int | None,
+    *, max_workers: int | None = None, report_token_hash: str | None = None,
 ) -> Job:
-    """Record a new attempt the dispatcher has placed on Ray and move the job to ADMITTED."""
+    """Record a new attempt the dispatcher has placed on Ray and move the job to ADMITTED.
+
+    max_workers is what the tenant's quota granted (the driver grows no further); report_token_hash is the hash
+    of the secret the attempt's driver reports with.
+    """
     job = lock_job(session, job.id)
     if attempt_number <= job.attempt:
         raise JobConflict(f"attempt {attempt_number} of job {job.id} is not newer than its attempt {job.attempt}")
@@ -311,11 +336,14 @@ def mark_admitted(
             placement_group=placement_group,
             world_size=world_size,
             started_at=utcnow(),
+            max_workers=max_workers,
+            report_token_hash=report_token_hash,
         )
     )
     job.attempt = attempt_number
     job.submission_id = submission_id
     job.lease_owner = job.lease_expires_at = None
+    job.waiting_reason = None
     session.flush()
     return job
 

@@ -61,6 +61,36 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
 
 
+DEFAULT_TENANT = "default"
+"""Owns the jobs from before tenants existed and the local admin token of an embedded server."""
+
+
+class Tenant(Base):
+    """A team: its jobs are visible only to it (and admins); null quotas are unlimited."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    quota_gpus: Mapped[int | None] = mapped_column(Integer)
+    quota_cpus: Mapped[float | None] = mapped_column(Float)
+    quota_jobs: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiToken(Base):
+    """A bearer token, stored only as the SHA-256 of its secret; revoking keeps the row for the record."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), index=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    description: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -80,8 +110,16 @@ class Job(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(255))
     lease_expires_at: Mapped[datetime | None]
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # No foreign key to tenants: SQLite cannot add one to an existing table inside the upgrade's transaction.
+    # Tenants are never deleted, and a job is only ever created for the tenant of an authenticated token.
+    tenant: Mapped[str] = mapped_column(String(64), server_default=DEFAULT_TENANT)
+    # Why the dispatcher left it QUEUED at its last pass (over quota, no capacity); cleared on admission.
+    waiting_reason: Mapped[str | None] = mapped_column(Text)
 
-    __table_args__ = (Index("ix_jobs_created_at", "created_at"),)
+    __table_args__ = (
+        Index("ix_jobs_created_at", "created_at"),
+        Index("ix_jobs_tenant", "tenant", "created_at"),  # a tenant's listing, newest first
+    )
 
 
 # Serves claim_next: WHERE state = 'QUEUED' ORDER BY priority DESC, created_at.
@@ -115,6 +153,10 @@ class Attempt(Base):
     outcome: Mapped[str | None] = mapped_column(String(32))
     # The driver numbers its reports; one at or below this was applied already (a replay).
     last_report_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # SHA-256 of the secret the driver reports with; only this attempt's driver holds the secret.
+    report_token_hash: Mapped[str | None] = mapped_column(String(64))
+    # The most workers the tenant's quota granted at admission: the driver never grows past it.
+    max_workers: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (UniqueConstraint("job_id", "number"),)
 

@@ -41,11 +41,16 @@ def claim_next(sessions: sessionmaker[Session], owner: str, lease_s: float, skip
     return job
 
 
-def release(sessions: sessionmaker[Session], job_id: str, owner: str) -> bool:
-    """Give a claimed job back at once (e.g. no room on the cluster yet); False when owner no longer holds it."""
+def release(sessions: sessionmaker[Session], job_id: str, owner: str, waiting_reason: str | None = None) -> bool:
+    """Give a claimed job back at once; False when owner no longer holds it.
+
+    waiting_reason says why it stays queued (over its tenant's quota, no room on the cluster yet), for GET /v1/jobs/{id}.
+    """
     with session_scope(sessions) as session:
         job = session.get(Job, job_id, with_for_update=True)
         if job is None or job.lease_owner != owner:
             return False
         job.lease_owner = job.lease_expires_at = None
+        if job.state == JobState.QUEUED and job.waiting_reason != waiting_reason:
+            job.waiting_reason = waiting_reason
         return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     nodes: int | None = Field(default=None, ge=1, description="Nodes in the cluster, when fixed.")
     code_path: str | None = Field(default=None, description="PYTHONPATH for job drivers and workers, where user models "
                                   "('package.module:function') are imported from; embedded default: the current directory.")
+    token: SecretStr | None = Field(default=None, description="API token the CLI and client send; default: the local "
+                                    "admin token an embedded server writes to data_dir/admin.token.")
+    max_request_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body the API reads; "
+                                   "a larger one is refused with 413 before it is read.")
 
     def resolved_database_url(self) -> str:
         if self.database_url:
@@ -40,6 +44,19 @@ class Settings(BaseSettings):
         if self.storage_uri:
             return self.storage_uri
         return str((self.data_dir / "checkpoints").resolve())
+
+    def local_token_path(self) -> Path:
+        """Where a server on the embedded database keeps its local admin token (mode 0600)."""
+        return self.data_dir / "admin.token"
+
+    def client_token(self) -> str | None:
+        """The token to call the API with: RINGMASTER_TOKEN, else the local admin token file if there is one."""
+        if self.token is not None:
+            return self.token.get_secret_value()
+        try:
+            return self.local_token_path().read_text().strip() or None
+        except OSError:
+            return None
 
     def resolved_api_url(self) -> str:
         if self.api_url:

@@ -80,6 +80,4 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def client(ray_server):
-    from service.client import RingmasterClient
-
-    return RingmasterClient(ray_server.url)
+    return ray_server.client()

@@ -11,9 +11,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api_tokens import authorize
+from service.auth import new_report_token
 from service.db import Database, session_scope
 from service.errors import LogsUnavailable
-from service.jobs import get_job, mark_admitted
+from service.jobs import get_job, mark_admitted, requeue
 from service.settings import Settings
 
 DASHBOARD = "http://ray-head:8265"
@@ -24,6 +26,7 @@ SPEC = {"name": "mnist-ish", "model": "mlp", "workers": {"min": 1, "max": 2}, "t
 def client(db_url: str, tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(database_url=db_url, data_dir=tmp_path, ray_dashboard_url=DASHBOARD + "/")
     with TestClient(create_app(settings)) as test_client:
+        authorize(test_client)
         yield test_client
 
 
@@ -38,15 +41,22 @@ def _submit(client: TestClient, **overrides: Any) -> dict[str, Any]:
     return response.json()
 
 
+_report_tokens: dict[tuple[str, int], str] = {}  # (job id, attempt) -> the secret its driver would hold
+
+
 def _admit(client: TestClient, job_id: str, number: int = 1) -> str:
     submission_id = f"ringmaster-{job_id}-{number}"
+    secret, secret_hash = new_report_token()
     with session_scope(_db(client).sessions) as session:
-        mark_admitted(session, get_job(session, job_id), number, submission_id, f"pg-{job_id}", 2)
+        mark_admitted(session, get_job(session, job_id), number, submission_id, f"pg-{job_id}", 2, report_token_hash=secret_hash)
+    _report_tokens[(job_id, number)] = secret
     return submission_id
 
 
 def _report(client: TestClient, job_id: str, body: dict[str, Any], attempt: int = 1) -> Any:
-    return client.post(f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body)
+    token = _report_tokens.get((job_id, attempt), "no-such-token")
+    return client.post(f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body,
+                       headers={"Authorization": f"Bearer {token}"})
 
 
 def _total_jobs(client: TestClient) -> int:
@@ -56,7 +66,9 @@ def _total_jobs(client: TestClient) -> int:
 def test_submit_json_returns_the_queued_job(client: TestClient) -> None:
     job = _submit(client, priority=7)
     assert job["state"] == "QUEUED" and job["attempt"] == 0 and job["priority"] == 7
-    assert job["spec"]["data"] == "synthetic" and job["spec"]["workers"] == {"min": 1, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1.0, "gpu_memory_gb": None}
+    defaults = {"min": 1, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1.0, "gpu_memory_gb": None}
+    assert job["spec"]["data"] == "synthetic" and job["spec"]["workers"].items() >= defaults.items()
+    assert job["tenant"] == "default" and job["waiting_reason"] is None
     assert job["ray_job_id"] is None and job["dashboard_url"] is None
     assert job["created_at"].endswith("Z") and job["started_at"] is None
     assert client.get(f"/v1/jobs/{job['id']}").json() == job
@@ -134,8 +146,26 @@ def test_unknown_job_is_404(client: TestClient, method: str, path: str) -> None:
     assert "0123456789abcdef" in response.json()["detail"]
 
 
-def test_unknown_job_report_is_404(client: TestClient) -> None:
-    assert _report(client, "nope", {"state": "RUNNING"}).status_code == 404
+def test_report_without_its_attempts_secret_is_401(client: TestClient) -> None:
+    assert _report(client, "nope", {"state": "RUNNING"}).status_code == 401
+    job_id = _submit(client)["id"]
+    _admit(client, job_id)
+    url = f"/v1/internal/jobs/{job_id}/attempts/1/report"
+    user_token = client.post(url, json={"state": "RUNNING"})  # the client's admin token is not a report token
+    missing = client.post(url, json={"state": "RUNNING"}, headers={"Authorization": ""})
+    assert (user_token.status_code, missing.status_code) == (401, 401)
+    assert user_token.headers["www-authenticate"].startswith("Bearer")
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "ADMITTED"
+
+
+def test_one_attempts_secret_cannot_report_for_another(client: TestClient) -> None:
+    first, second = _submit(client)["id"], _submit(client)["id"]
+    _admit(client, first)
+    _admit(client, second)
+    forged = client.post(f"/v1/internal/jobs/{second}/attempts/1/report", json={"state": "RUNNING"},
+                         headers={"Authorization": f"Bearer {_report_tokens[(first, 1)]}"})
+    assert forged.status_code == 401 and "attempt 1 of job" in forged.json()["detail"]
+    assert client.get(f"/v1/jobs/{second}").json()["state"] == "ADMITTED"
 
 
 def test_cancel_queued_job_then_cancel_again_is_409(client: TestClient) -> None:
@@ -216,6 +246,9 @@ def test_later_report_merges_val_loss_into_the_existing_step(client: TestClient)
 
 def test_reports_from_stale_attempts_or_finished_jobs_are_ignored(client: TestClient) -> None:
     job_id = _submit(client)["id"]
+    _admit(client, job_id, number=1)
+    with session_scope(_db(client).sessions) as session:
+        requeue(session, get_job(session, job_id), "driver lost")
     _admit(client, job_id, number=2)
     stale = _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 1, "loss": 1.0}]}, attempt=1)
     assert stale.json() == {"state": "ADMITTED", "accepted": False}

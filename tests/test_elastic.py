@@ -37,7 +37,7 @@ def cluster(tmp_path_factory):
     simulated = SimulatedCluster(nodes=2)
     try:
         with control_plane_on(simulated, tmp_path_factory.mktemp("elastic")) as server:
-            simulated.client = RingmasterClient(server.url)
+            simulated.client = server.client()
             simulated.storage = Path(server.plane.settings.resolved_storage_uri())
             yield simulated
     finally:

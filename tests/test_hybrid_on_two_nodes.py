@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from service.client import RingmasterClient
 from strategy_reference import strategy_spec, train_reference
 from tests.ray_cluster import wait_for_state
 from tests.simulated_cluster import SimulatedCluster, control_plane_on
@@ -19,7 +18,7 @@ def test_fsdp_hybrid_on_two_nodes_matches_single_process(tmp_path):
     cluster = SimulatedCluster(nodes=2, cpus_per_node=2)
     try:
         with control_plane_on(cluster, tmp_path) as server:
-            client = RingmasterClient(server.url)
+            client = server.client()
             job = client.submit(strategy_spec("strategy-hybrid-two-nodes", "fsdp", 4, STEPS, 4, shard="hybrid"))
             done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
             assert done["state"] == "SUCCEEDED", done["error"]

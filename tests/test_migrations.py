@@ -11,7 +11,7 @@ from sqlalchemy import inspect
 from service.db import alembic_config, make_engine, upgrade_schema
 from service.models import Base
 
-TABLES = {"jobs", "job_events", "attempts", "metrics", "checkpoints", "memory_measurements"}
+TABLES = {"jobs", "job_events", "attempts", "metrics", "checkpoints", "memory_measurements", "tenants", "api_tokens"}
 
 
 def test_upgrade_matches_the_models_exactly(db_url: str) -> None:

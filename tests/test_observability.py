@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
+from api_tokens import authorize
 from service.db import Database, session_scope
 from service.jobs import apply_driver_report, get_job, mark_admitted, transition
 from service.reports import DriverReport
@@ -29,6 +30,7 @@ def client(db_url: str, tmp_path: Path) -> Iterator[TestClient]:
     app = create_app(Settings(database_url=db_url, data_dir=tmp_path))
     app.state.stream_poll_s = 0.05
     with TestClient(app) as test_client:
+        authorize(test_client)
         yield test_client
 
 
@@ -121,6 +123,7 @@ def test_requeued_job_dispatch_latency_counts_from_its_requeue(client: TestClien
 def test_apps_keep_their_own_registries(db_url: str, tmp_path: Path) -> None:
     with TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path))) as one, \
             TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'other.db'}", data_dir=tmp_path))) as other:
+        authorize(one)
         job_id = _submit(one)
         _admit(one, job_id)
         assert _value(_samples(one), "ringmaster_job_transitions_total", to_state="ADMITTED") == 1

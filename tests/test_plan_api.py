@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
+from api_tokens import authorize
 from service import cli
 from service.client import RingmasterClient
 from service.planner import builtin_model_size
@@ -22,6 +23,7 @@ from service.settings import Settings
 def client(tmp_path: Path) -> Iterator[TestClient]:
     # The planner touches no table, so one database (SQLite) is enough here.
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", data_dir=tmp_path))) as test_client:
+        authorize(test_client, admin=False)
         yield test_client
 
 

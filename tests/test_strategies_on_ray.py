@@ -57,7 +57,7 @@ def _spec(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def submitted(ray_server) -> dict[str, str]:
-    client = RingmasterClient(ray_server.url)
+    client = ray_server.client()
     return {name: client.submit(_spec(name))["id"] for name in CASES}
 
 

@@ -11,9 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api_tokens import authorize
+from service.auth import new_report_token
 from service.db import session_scope
 from service.job_plan import ClusterShape
-from service.jobs import get_job, mark_admitted
+from service.jobs import apply_driver_report, get_job, mark_admitted
+from service.reports import DriverReport
 from service.settings import Settings
 
 USER_7B = {
@@ -26,6 +29,7 @@ USER_7B = {
 @pytest.fixture
 def client(db_url: str, tmp_path: Path) -> Iterator[TestClient]:
     with TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path))) as test_client:
+        authorize(test_client)
         yield test_client
 
 
@@ -170,6 +174,7 @@ def test_unknown_cluster_shape_skips_the_node_check(client: TestClient) -> None:
 def test_settings_give_the_cluster_shape_when_no_provider_does(db_url: str, tmp_path: Path) -> None:
     settings = Settings(database_url=db_url, data_dir=tmp_path, gpus_per_node=8)
     with TestClient(create_app(settings, cluster_shape_provider=lambda: None)) as client:
+        authorize(client)
         assert _rejected(client, TENSOR_4)["field"] == "parallel.tp"
 
 
@@ -179,10 +184,15 @@ FSDP_JOB = {"name": "sharded", "model": "examples.user_model:build", "model_para
             "parallel": {"shard": "zero3"}, "workers": {"min": 2, "max": 2}, "train": {"global_batch_size": 8, "micro_batch_size": 4}}
 
 
+_report_tokens: dict[str, str] = {}  # job id -> its first attempt's report secret
+
+
 def _admitted(client: TestClient, spec: dict[str, Any]) -> str:
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    secret, secret_hash = new_report_token()
     with session_scope(client.app.state.db.sessions) as session:  # type: ignore[attr-defined]
-        mark_admitted(session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", None, 2)
+        mark_admitted(session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", None, 2, report_token_hash=secret_hash)
+    _report_tokens[job_id] = secret
     return job_id
 
 
@@ -192,7 +202,8 @@ def _memory(rank: int, parameters: int, gradients: int, optimizer: int, dp: int 
 
 
 def _report(client: TestClient, job_id: str, body: dict[str, Any], attempt: int = 1) -> dict[str, Any]:
-    response = client.post(f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body)
+    response = client.post(f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body,
+                           headers={"Authorization": f"Bearer {_report_tokens[job_id]}"})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -213,7 +224,9 @@ def test_later_measurement_of_a_rank_replaces_it_and_stale_attempts_are_ignored(
     job_id = _admitted(client, FSDP_JOB)
     _report(client, job_id, {"state": "RUNNING", "memory": [_memory(0, 1, 1, 1)]})
     _report(client, job_id, {"memory": [_memory(0, 2000, 2000, 4000)]})
-    assert _report(client, job_id, {"memory": [_memory(1, 5, 5, 5)]}, attempt=7)["accepted"] is False
+    with session_scope(client.app.state.db.sessions) as session:  # type: ignore[attr-defined]
+        stale = apply_driver_report(session, job_id, 7, DriverReport.model_validate({"memory": [_memory(1, 5, 5, 5)]}))
+    assert stale.accepted is False
     [rank] = client.get(f"/v1/jobs/{job_id}").json()["memory"]
     assert rank["rank"] == 0 and rank["measured"]["total_bytes"] == 8000 and rank["ratio"] == 1.0
 

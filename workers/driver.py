@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import os
 import re
 import signal
 import sys
@@ -26,7 +27,7 @@ from ray.util import get_placement_group
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from service.ray_cluster import NAMESPACE, worker_bundles
-from service.reports import CheckpointRecord, MetricPoint, RankMemory
+from service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.reporter import Reporter
 from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
@@ -302,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
-    reporter = Reporter(args.api_url, args.job_id, args.attempt)
+    # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
+    reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
     try:
         code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter, args.failures).run()
     finally:

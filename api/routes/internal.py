@@ -1,20 +1,29 @@
-"""Routes the job driver calls on the cluster; not part of the user-facing API."""
+"""Routes the job driver calls on the cluster; not part of the user-facing API.
+
+They take no user token: each attempt's driver holds a secret of its own (see service.auth.check_report_token),
+so a driver can report only for its attempt, and a tenant's token cannot forge reports.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Depends, Path
 
-from api.deps import SessionDep
+from api.deps import SessionDep, check_report_token
+from api.errors import error_responses
+from api.limits import check_document
 from api.schemas import ReportAck
 from service import jobs
 from service.reports import DriverReport
 
-router = APIRouter(prefix="/v1/internal", tags=["internal"])
+router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(401, 404, 409))
 
 
-@router.post("/jobs/{job_id}/attempts/{attempt}/report")
+@router.post("/jobs/{job_id}/attempts/{attempt}/report", dependencies=[Depends(check_report_token)])
 def report(job_id: str, attempt: Annotated[int, Path(ge=1)], body: DriverReport, session: SessionDep) -> ReportAck:
+    # Metric values may be NaN or infinite (a diverging loss); the free-form details are stored as JSON, which may not.
+    check_document(body.details, loc=("details",))
+    check_document(body.model_dump(exclude={"details"}), finite=False)
     result = jobs.apply_driver_report(session, job_id, attempt, body)
     return ReportAck(state=result.state, accepted=result.accepted)

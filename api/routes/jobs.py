@@ -8,26 +8,27 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-import yaml
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from api.deps import ClusterShapeDep, DatabaseDep, SessionDep, SettingsDep
+from api.deps import ClusterShapeDep, CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep
+from api.errors import error_responses
+from api.limits import check_document, load_json, load_yaml
 from api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
 from service import jobs
 from service.db import Database, session_scope
 from service.errors import InvalidSpec, JobConflict, LogsUnavailable
-from service.spec import JobSpec, parse_spec_text
+from service.spec import JobSpec
 from service.stream import Cursor, read_batch
 from service.states import JobState
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 404))
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
 ListLimit = Annotated[int, Query(ge=1, le=10_000)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:
@@ -35,24 +36,23 @@ def _errors(exc: ValidationError) -> list[dict[str, Any]]:
 
 
 async def spec_from_body(request: Request) -> JobSpec:
-    """The JobSpec from a JSON or YAML body; FastAPI's own body parsing only speaks JSON."""
+    """The JobSpec from a JSON or YAML body (FastAPI's own body parsing only speaks JSON), within api.limits' bounds."""
     media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    body = await request.body()
     if media_type in YAML_TYPES:
-        try:
-            return parse_spec_text(body.decode("utf-8"))
-        except ValidationError as exc:
-            raise InvalidSpec(_errors(exc)) from exc
-        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
-            raise InvalidSpec([{"type": "yaml_invalid", "loc": (), "msg": f"not a YAML job spec: {exc}"}]) from exc
-    if media_type == "application/json" or media_type.endswith("+json"):
-        try:
-            return JobSpec.model_validate_json(body)
-        except ValidationError as exc:
-            raise InvalidSpec(_errors(exc)) from exc
-    raise HTTPException(
-        status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"send the job spec as application/json or application/yaml, not {media_type!r}"
-    )
+        document = load_yaml(await request.body())
+    elif media_type == "application/json" or media_type.endswith("+json"):
+        document = load_json(await request.body())
+    else:
+        raise HTTPException(
+            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"send the job spec as application/json or application/yaml, not {media_type!r}"
+        )
+    if not isinstance(document, dict):
+        raise InvalidSpec([{"type": "model_type", "loc": [], "msg": "a job spec must be a mapping of fields"}])
+    check_document(document)
+    try:
+        return JobSpec.model_validate(document)
+    except ValidationError as exc:
+        raise InvalidSpec(_errors(exc)) from exc
 
 
 _SPEC_BODY = {
@@ -66,37 +66,42 @@ _SPEC_BODY = {
 }
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, openapi_extra=_SPEC_BODY)
-def submit(request: Request, spec: Annotated[JobSpec, Depends(spec_from_body)], cluster: ClusterShapeDep, db: DatabaseDep,
-           settings: SettingsDep) -> JobDetailOut:
+@router.post("", status_code=status.HTTP_201_CREATED, openapi_extra=_SPEC_BODY, responses=error_responses(413, 415))
+def submit(request: Request, principal: CurrentPrincipal, spec: Annotated[JobSpec, Depends(spec_from_body)],
+           cluster: ClusterShapeDep, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
+    """Queue a job for the caller's tenant; 422 when the spec is invalid or larger than the tenant's quota allows."""
     # The cluster's shape (a dependency) is read before the transaction opens: a provider may ask Ray, which is slow.
     with session_scope(db.sessions) as session:
-        created = JobDetailOut.from_job(jobs.submit_job(session, spec, cluster), settings, [])
+        created = JobDetailOut.from_job(jobs.submit_job(session, spec, cluster, principal), settings, [])
     _wake_dispatcher(request)
     return created
 
 
 @router.get("")
 def list_jobs(
+    principal: CurrentPrincipal,
     session: SessionDep,
     settings: SettingsDep,
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Offset = 0,
 ) -> Page[JobOut]:
-    page = jobs.list_jobs(session, state, limit, offset)
+    """The caller's tenant's jobs, newest first; an admin's token lists every tenant's."""
+    page = jobs.list_jobs(session, state, limit, offset, tenant=principal.scope)
     return Page[JobOut].convert(page, lambda job: JobOut.from_row(job, settings))
 
 
 @router.get("/{job_id}")
-def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> JobDetailOut:
-    return JobDetailOut.from_job(jobs.get_job(session, job_id), settings, jobs.list_memory(session, job_id))
+def get_job(job_id: str, principal: CurrentPrincipal, session: SessionDep, settings: SettingsDep) -> JobDetailOut:
+    job = jobs.get_job(session, job_id, principal.scope)
+    return JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id))
 
 
-@router.post("/{job_id}/cancel")
-def cancel(request: Request, job_id: str, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
+@router.post("/{job_id}/cancel", responses=error_responses(409))
+def cancel(request: Request, job_id: str, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
     with session_scope(db.sessions) as session:
-        cancelled = JobDetailOut.from_job(jobs.cancel_job(session, job_id), settings, jobs.list_memory(session, job_id))
+        job = jobs.cancel_job(session, job_id, principal.scope)
+        cancelled = JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id))
     _wake_dispatcher(request)  # after the commit, so it sees the cancellation and stops the Ray job now
     return cancelled
 
@@ -109,27 +114,35 @@ def _wake_dispatcher(request: Request) -> None:
 
 
 @router.get("/{job_id}/events")
-def events(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> Page[EventOut]:
-    return Page[EventOut].convert(jobs.list_events(session, job_id, limit, offset), EventOut.from_row)
+def events(job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000,
+           offset: Offset = 0) -> Page[EventOut]:
+    return Page[EventOut].convert(jobs.list_events(session, job_id, limit, offset, principal.scope), EventOut.from_row)
 
 
 @router.get("/{job_id}/metrics")
-def metrics(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> MetricsPage:
+def metrics(job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000,
+            offset: Offset = 0) -> MetricsPage:
     """Metric rows by attempt and step; ``memory`` (not paged) holds each rank's state memory, measured and predicted."""
-    return MetricsPage.build(jobs.list_metrics(session, job_id, limit, offset), jobs.list_memory(session, job_id))
+    page = jobs.list_metrics(session, job_id, limit, offset, principal.scope)
+    return MetricsPage.build(page, jobs.list_memory(session, job_id))
 
 
 @router.get("/{job_id}/checkpoints")
-def checkpoints(job_id: str, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0) -> Page[CheckpointOut]:
-    return Page[CheckpointOut].convert(jobs.list_checkpoints(session, job_id, limit, offset), CheckpointOut.from_row)
+def checkpoints(job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000,
+                offset: Offset = 0) -> Page[CheckpointOut]:
+    page = jobs.list_checkpoints(session, job_id, limit, offset, principal.scope)
+    return Page[CheckpointOut].convert(page, CheckpointOut.from_row)
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse)
-def logs(job_id: str, request: Request, db: DatabaseDep) -> PlainTextResponse:
+_LOGS_DOC = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(409, 503)}
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=_LOGS_DOC)
+def logs(job_id: str, principal: CurrentPrincipal, request: Request, db: DatabaseDep) -> PlainTextResponse:
     """The current attempt's driver log; the transaction ends before the (slow) provider is called."""
     provider = request.app.state.logs_provider
     with session_scope(db.sessions) as session:
-        submission_id = jobs.get_job(session, job_id).submission_id
+        submission_id = jobs.get_job(session, job_id, principal.scope).submission_id
     if provider is None:
         raise LogsUnavailable("this server has no logs provider configured; job logs are served when it runs with a Ray cluster")
     if submission_id is None:
@@ -144,14 +157,14 @@ _STREAM_DOC = {"responses": {200: {"description": "Server-sent events: `state`, 
 
 
 @router.get("/{job_id}/stream", response_class=StreamingResponse, openapi_extra=_STREAM_DOC)
-async def stream(job_id: str, request: Request, db: DatabaseDep) -> StreamingResponse:
+async def stream(job_id: str, principal: CurrentPrincipal, request: Request, db: DatabaseDep) -> StreamingResponse:
     """State changes, events and metric rows as they are written; ends once the job is terminal and all was sent.
 
     The database is polled (no session is held between polls), so it works across replicas; reconnect with the
     Last-Event-ID header to resume after the last event received.
     """
-    cursor = Cursor.parse(request.headers.get("last-event-id"))
-    await run_in_threadpool(_check_exists, db, job_id)  # 404 before the 200 and the stream start
+    cursor = _cursor(request.headers.get("last-event-id"))
+    await run_in_threadpool(_check_exists, db, job_id, principal.scope)  # 404 before the 200 and the stream start
     poll_s: float = request.app.state.stream_poll_s
     return StreamingResponse(
         _events(request, db, job_id, cursor, poll_s),
@@ -160,9 +173,17 @@ async def stream(job_id: str, request: Request, db: DatabaseDep) -> StreamingRes
     )
 
 
-def _check_exists(db: Database, job_id: str) -> None:
+def _cursor(last_event_id: str | None) -> Cursor:
+    """The client's Last-Event-ID; one with numbers no database column holds starts from the beginning."""
+    cursor = Cursor.parse(last_event_id)
+    if not all(-1 <= part < 2**31 for part in (cursor.event_id, cursor.attempt, cursor.step)):
+        return Cursor()
+    return cursor
+
+
+def _check_exists(db: Database, job_id: str, tenant: str | None) -> None:
     with session_scope(db.sessions) as session:
-        jobs.get_job(session, job_id)
+        jobs.get_job(session, job_id, tenant)
 
 
 async def _events(request: Request, db: Database, job_id: str, cursor: Cursor, poll_s: float) -> AsyncIterator[str]:

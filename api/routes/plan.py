@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from api.deps import CurrentPrincipal
+from api.errors import error_responses
 from api.schemas import PlanOut, PlanRequest
 from service import planner
 
-router = APIRouter(prefix="/v1", tags=["plan"])
+router = APIRouter(prefix="/v1", tags=["plan"], responses=error_responses(401, 413))
 
 
 @router.post("/plan")
-def plan(body: PlanRequest) -> PlanOut:
+def plan(body: PlanRequest, _principal: CurrentPrincipal) -> PlanOut:
     """Predicted memory per GPU, communication per step and bubble for each strategy, and the recommendation."""
     return PlanOut.from_plan(planner.plan(body.model_size(), body.cluster(), body.workload()), body)

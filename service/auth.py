@@ -1,0 +1,164 @@
+"""API tokens: who a bearer token speaks for, and the per-attempt secrets job drivers report with.
+
+Only the SHA-256 of a secret is stored; the secret itself is shown once, when it is made. Secrets are 256
+random bits, so a plain hash (not a slow password hash) is enough to make a stolen table useless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import session_scope
+from service.errors import RingmasterError
+from service.models import DEFAULT_TENANT, ApiToken, Attempt, utcnow
+from service.tenants import ensure_tenant
+
+TOKEN_PREFIX = "rm_"
+
+
+class Unauthorized(RingmasterError):
+    """No usable credentials: missing, malformed, unknown or revoked (HTTP 401)."""
+
+
+class Forbidden(RingmasterError):
+    """Valid credentials that may not do this (HTTP 403): a tenant's token on an admin route."""
+
+
+class TokenNotFound(RingmasterError):
+    def __init__(self, token_id: int) -> None:
+        super().__init__(f"no API token with id {token_id}")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller behind a token: its tenant, and whether it administers every tenant."""
+
+    tenant: str
+    admin: bool
+    token_id: int | None = None
+
+    @property
+    def scope(self) -> str | None:
+        """The only tenant whose jobs this caller may see; None for an admin, who sees all."""
+        return None if self.admin else self.tenant
+
+
+SYSTEM = Principal(DEFAULT_TENANT, admin=True)
+"""In-process callers that hold no token (the CLI's database commands, tests)."""
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    row: ApiToken
+    secret: str = ""  # shown once; only its hash is stored
+    tenant_created: bool = False
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def create_token(session: Session, tenant: str, *, admin: bool = False, description: str | None = None) -> IssuedToken:
+    """A new token for the tenant (created without quotas when missing); the secret is in the result only."""
+    if description is not None and len(description) > 255:
+        raise ValueError("a token's description is at most 255 characters")
+    _, created = ensure_tenant(session, tenant)
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row = ApiToken(token_hash=hash_secret(secret), tenant=tenant, admin=admin, description=description, created_at=utcnow())
+    session.add(row)
+    session.flush()
+    return IssuedToken(row, secret, created)
+
+
+def list_tokens(session: Session, tenant: str | None = None) -> list[ApiToken]:
+    query = select(ApiToken).order_by(ApiToken.id)
+    if tenant is not None:
+        query = query.where(ApiToken.tenant == tenant)
+    return list(session.scalars(query))
+
+
+def revoke_token(session: Session, token_id: int) -> ApiToken:
+    """Revoke at once (the next request with it is refused); revoking again keeps the first time."""
+    row = session.get(ApiToken, token_id, with_for_update=True) if 0 < token_id < 2**31 else None
+    if row is None:
+        raise TokenNotFound(token_id)
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        session.flush()
+    return row
+
+
+def authenticate(session: Session, secret: str) -> Principal:
+    """The principal a bearer secret speaks for; Unauthorized for an unknown or revoked one."""
+    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_secret(secret))).first()
+    if row is None:
+        raise Unauthorized("invalid API token")
+    if row.revoked_at is not None:
+        raise Unauthorized(f"API token {row.id} was revoked at {row.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
+    return Principal(row.tenant, row.admin, row.id)
+
+
+def require_admin(principal: Principal) -> None:
+    if not principal.admin:
+        raise Forbidden(f"this needs an admin token; the token of tenant {principal.tenant!r} is not one")
+
+
+def new_report_token() -> tuple[str, str]:
+    """A fresh secret for one attempt's driver and the hash to store on the attempt."""
+    secret = secrets.token_urlsafe(32)
+    return secret, hash_secret(secret)
+
+
+def check_report_token(session: Session, job_id: str, attempt: int, secret: str | None) -> None:
+    """Unauthorized unless secret is the one minted for this very attempt of this job."""
+    if not secret:
+        raise Unauthorized("missing report token: the job driver sends its attempt's secret as a bearer token")
+    row = None
+    if len(job_id) <= 32 and 0 < attempt < 2**31:
+        row = session.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
+    if row is None or row.report_token_hash is None or not hmac.compare_digest(row.report_token_hash, hash_secret(secret)):
+        raise Unauthorized(f"this report token does not belong to attempt {attempt} of job {job_id[:32]!r}")
+
+
+def ensure_local_admin_token(sessions: sessionmaker[Session], path: Path) -> str:
+    """The admin token in path, minted and written (mode 0600) unless the file holds one that still works."""
+    existing = _read(path)
+    if existing:
+        with session_scope(sessions) as session:
+            try:
+                if authenticate(session, existing).admin:
+                    return existing
+            except Unauthorized:
+                pass
+    with session_scope(sessions) as session:
+        issued = create_token(session, DEFAULT_TENANT, admin=True, description=f"local admin token in {path}")
+    _write_private(path, issued.secret + "\n")
+    return issued.secret
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace path atomically with a file only its owner can read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(descriptor, text.encode())
+    finally:
+        os.close(descriptor)
+    os.chmod(partial, 0o600)
+    os.replace(partial, path)
