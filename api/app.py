@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 
-from api.errors import install_error_handlers
+from api.errors import FiniteJSONResponse, install_error_handlers
 from api.limits import BodySizeLimit
 from api.routes import health, internal, jobs, metrics, plan, tenants
 from service import telemetry
@@ -64,7 +64,8 @@ def create_app(
             detach_telemetry()
             app.state.db.dispose()
 
-    app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan)
+    app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan,
+                  default_response_class=FiniteJSONResponse)
     app.state.settings = settings
     app.state.logs_provider = logs_provider
     app.state.cluster_shape_provider = cluster_shape_provider

@@ -7,6 +7,8 @@ so JobSpec's own messages read as written.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,6 +26,27 @@ from service.tenants import InvalidTenant, TenantNotFound
 
 _SOURCES = ("body", "query", "path", "header", "cookie")
 _PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+class FiniteJSONResponse(JSONResponse):
+    """JSON with NaN and infinities as null: JSON has no such numbers, yet a diverged loss or an echoed input holds them."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:  # "Out of range float values are not JSON compliant"
+            return json.dumps(finite_values(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def finite_values(value: Any) -> Any:
+    """The value with every NaN or infinite float replaced by None, as JSON can carry it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_values(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_values(item) for item in value]
+    return value
 
 
 class ErrorOut(BaseModel):
@@ -52,57 +75,57 @@ def readable_errors(errors: Iterable[Any], prefix: Sequence[str | int] = ()) -> 
     return encoded
 
 
-def _detail(status_code: int, exc: Exception) -> JSONResponse:
-    return JSONResponse(status_code=status_code, content={"detail": str(exc)})
+def _detail(status_code: int, exc: Exception) -> FiniteJSONResponse:
+    return FiniteJSONResponse(status_code=status_code, content={"detail": str(exc)})
 
 
-async def _not_found(_request: Request, exc: Exception) -> JSONResponse:
+async def _not_found(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return _detail(status.HTTP_404_NOT_FOUND, exc)
 
 
-async def _conflict(_request: Request, exc: Exception) -> JSONResponse:
+async def _conflict(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return _detail(status.HTTP_409_CONFLICT, exc)
 
 
-async def _unauthorized(_request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(status_code=status.HTTP_401_UNAUTHORIZED, content={"detail": str(exc)},
+async def _unauthorized(_request: Request, exc: Exception) -> FiniteJSONResponse:
+    return FiniteJSONResponse(status_code=status.HTTP_401_UNAUTHORIZED, content={"detail": str(exc)},
                         headers={"WWW-Authenticate": 'Bearer realm="ringmaster"'})
 
 
-async def _forbidden(_request: Request, exc: Exception) -> JSONResponse:
+async def _forbidden(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return _detail(status.HTTP_403_FORBIDDEN, exc)
 
 
-async def _invalid_tenant(_request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"detail": [{"type": "tenant_invalid", "loc": [], "field": None, "msg": str(exc)}]})
+async def _invalid_tenant(_request: Request, exc: Exception) -> FiniteJSONResponse:
+    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "tenant_invalid", "loc": [], "field": None, "msg": str(exc)}]})
 
 
-async def _data_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _data_error(_request: Request, exc: Exception) -> FiniteJSONResponse:
     """A value the database refused (out of its column's range, a NUL in text): the input's fault, not the server's."""
     assert isinstance(exc, DataError)
     reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value rejected"
     error = {"type": "database_value", "loc": [], "field": None, "msg": f"a value does not fit the database: {reason}"}
-    return JSONResponse(status_code=422, content={"detail": [error]})
+    return FiniteJSONResponse(status_code=422, content={"detail": [error]})
 
 
-async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
+async def _unavailable(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return _detail(status.HTTP_503_SERVICE_UNAVAILABLE, exc)
 
 
-async def _invalid_spec(_request: Request, exc: Exception) -> JSONResponse:
+async def _invalid_spec(_request: Request, exc: Exception) -> FiniteJSONResponse:
     assert isinstance(exc, InvalidSpec)
-    return JSONResponse(status_code=422, content={"detail": readable_errors(exc.errors, prefix=("body",))})
+    return FiniteJSONResponse(status_code=422, content={"detail": readable_errors(exc.errors, prefix=("body",))})
 
 
-async def _plan_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _plan_error(_request: Request, exc: Exception) -> FiniteJSONResponse:
     assert isinstance(exc, PlanError)
     error = {"type": "plan_invalid", "loc": tuple(exc.field.split(".")) if exc.field else (), "msg": str(exc)}
-    return JSONResponse(status_code=422, content={"detail": readable_errors([error], prefix=("body",))})
+    return FiniteJSONResponse(status_code=422, content={"detail": readable_errors([error], prefix=("body",))})
 
 
-async def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
+async def _invalid_request(_request: Request, exc: Exception) -> FiniteJSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(status_code=422, content={"detail": readable_errors(exc.errors())})
+    return FiniteJSONResponse(status_code=422, content={"detail": readable_errors(exc.errors())})
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -15,9 +15,27 @@ from api.errors import error_responses
 from api.limits import check_document
 from api.schemas import ReportAck
 from service import jobs
+from service.errors import InvalidSpec
 from service.reports import DriverReport
 
 router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(401, 404, 409))
+
+# Report fields stored in 32-bit INTEGER columns (PostgreSQL's limit; SQLite would take more and differ).
+_INT32_FIELDS = {"metrics": ("step", "world_size"), "checkpoints": ("step", "world_size"), "memory": ("rank", "dp", "tp", "pp")}
+_INT32_MAX = 2**31 - 1
+
+
+def _check_int32(report: DriverReport) -> None:
+    errors = [{"type": "less_than_equal", "loc": [section, index, field], "input": value,
+               "msg": f"must be at most {_INT32_MAX}"}
+              for section, fields in _INT32_FIELDS.items()
+              for index, entry in enumerate(getattr(report, section))
+              for field in fields
+              if (value := getattr(entry, field)) is not None and value > _INT32_MAX]
+    if report.seq is not None and report.seq > _INT32_MAX:
+        errors.append({"type": "less_than_equal", "loc": ["seq"], "input": report.seq, "msg": f"must be at most {_INT32_MAX}"})
+    if errors:
+        raise InvalidSpec(errors)
 
 
 @router.post("/jobs/{job_id}/attempts/{attempt}/report", dependencies=[Depends(check_report_token)])
@@ -25,5 +43,6 @@ def report(job_id: str, attempt: Annotated[int, Path(ge=1)], body: DriverReport,
     # Metric values may be NaN or infinite (a diverging loss); the free-form details are stored as JSON, which may not.
     check_document(body.details, loc=("details",))
     check_document(body.model_dump(exclude={"details"}), finite=False)
+    _check_int32(body)
     result = jobs.apply_driver_report(session, job_id, attempt, body)
     return ReportAck(state=result.state, accepted=result.accepted)

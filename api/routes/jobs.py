@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from api.deps import ClusterShapeDep, CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep
-from api.errors import error_responses
+from api.errors import error_responses, finite_values
 from api.limits import check_document, load_json, load_yaml
 from api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
 from service import jobs
@@ -195,7 +195,8 @@ async def _events(request: Request, db: Database, job_id: str, cursor: Cursor, p
     while True:
         batch = await run_in_threadpool(read, cursor)
         for item in batch.items:
-            yield f"id: {item.cursor}\nevent: {item.type}\ndata: {json.dumps(item.data, separators=(',', ':'))}\n\n"
+            data = json.dumps(finite_values(item.data), separators=(",", ":"), allow_nan=False)
+            yield f"id: {item.cursor}\nevent: {item.type}\ndata: {data}\n\n"
         cursor = batch.cursor
         if batch.items:
             last_sent = time.monotonic()
