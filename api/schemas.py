@@ -166,12 +166,17 @@ class MetricOut(BaseModel):
 
 
 class CheckpointOut(BaseModel):
+    """A checkpoint on storage now (retention's deletions remove theirs)."""
+
     attempt: int
     step: int
     uri: str
     world_size: int
     final: bool
     created_at: datetime
+    metric: str | None = Field(description="checkpoint.keep_best's metric; null when the job keeps no best.")
+    metric_value: float | None = Field(description="This checkpoint's value of that metric.")
+    best: bool = Field(description="Retention keeps this one as the best by the metric.")
 
     @classmethod
     def from_row(cls, checkpoint: Checkpoint) -> "CheckpointOut":
@@ -182,6 +187,9 @@ class CheckpointOut(BaseModel):
             world_size=checkpoint.world_size,
             final=checkpoint.final,
             created_at=checkpoint.created_at,
+            metric=checkpoint.metric,
+            metric_value=checkpoint.metric_value,
+            best=checkpoint.best,
         )
 
 

@@ -217,7 +217,7 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
             return ReportResult(state=JobState(job.state), accepted=True)  # a replay: applied already
         attempt.last_report_seq = report.seq
     _upsert_metrics(session, job, report)
-    _insert_checkpoints(session, job, report)
+    _record_checkpoints(session, job, report)
     _upsert_memory(session, job, report)
     details = {"attempt": attempt_number, **report.details}
     if report.state is not None and report.state != job.state:
@@ -252,20 +252,18 @@ def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
     session.flush()
 
 
-def _insert_checkpoints(session: Session, job: Job, report: DriverReport) -> None:
-    """A checkpoint is known by its URI; only the first report of it is stored and announced as an event."""
-    uris = {record.uri for record in report.checkpoints}
-    if not uris:
+def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> None:
+    """A checkpoint is known by its URI: its first report is stored and announced as an event. Each record
+    also says what retention did on storage, and the rows follow: a deleted checkpoint's row goes, and
+    ``best`` marks the one kept as the best by checkpoint.keep_best's metric."""
+    if not report.checkpoints:
         return
-    known = set(session.scalars(select(Checkpoint.uri).where(Checkpoint.job_id == job.id, Checkpoint.uri.in_(uris))))
+    rows = {row.uri: row for row in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id))}
     now = utcnow()
     for record in report.checkpoints:
-        if record.uri in known:
-            continue
-        known.add(record.uri)
-        telemetry.record_checkpoints(session, 1)
-        session.add(
-            Checkpoint(
+        if record.uri not in rows:
+            telemetry.record_checkpoints(session, 1)
+            rows[record.uri] = Checkpoint(
                 job_id=job.id,
                 attempt=job.attempt,
                 step=record.step,
@@ -273,17 +271,32 @@ def _insert_checkpoints(session: Session, job: Job, report: DriverReport) -> Non
                 world_size=record.world_size,
                 final=record.final,
                 created_at=now,
+                metric=record.metric,
+                metric_value=record.metric_value,
+                best=False,
             )
-        )
-        session.add(
-            JobEvent(
-                job_id=job.id,
-                at=now,
-                kind="checkpoint",
-                message=f"{'final ' if record.final else ''}checkpoint at step {record.step}",
-                data={"attempt": job.attempt, **record.model_dump(mode="json")},
+            session.add(rows[record.uri])
+            value = f" ({record.metric} {record.metric_value:.6g})" if record.metric and record.metric_value is not None else ""
+            session.add(
+                JobEvent(
+                    job_id=job.id,
+                    at=now,
+                    kind="checkpoint",
+                    message=f"{'final ' if record.final else ''}checkpoint at step {record.step}{value}",
+                    data={"attempt": job.attempt, **record.model_dump(mode="json")},
+                )
             )
-        )
+        for uri in record.deleted_uris:
+            deleted = rows.pop(uri, None)
+            if deleted is None:
+                continue
+            if deleted in session.new:
+                session.expunge(deleted)  # stored and deleted within this one report
+            else:
+                session.delete(deleted)
+        if record.best_uri is not None:
+            for row in rows.values():
+                row.best = row.uri == record.best_uri
     session.flush()
 
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -191,6 +192,10 @@ class Checkpoint(Base):
     world_size: Mapped[int] = mapped_column(Integer)
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # checkpoint.keep_best: the metric, this checkpoint's value of it, and whether retention keeps it as the best.
+    metric: Mapped[str | None] = mapped_column(String(32))
+    metric_value: Mapped[float | None] = mapped_column(Float)
+    best: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (UniqueConstraint("job_id", "uri"),)
 

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from api.server import BackgroundServer
 from service.client import RingmasterClient
@@ -23,12 +24,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def running_control_plane(data_dir: Path) -> Iterator[BackgroundServer]:
-    """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards."""
+def running_control_plane(data_dir: Path, **settings_overrides: Any) -> Iterator[BackgroundServer]:
+    """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards;
+    ``settings_overrides`` are further Settings fields (e.g. storage_uri)."""
     head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
     settings = Settings(
         data_dir=data_dir, ray_address=head.gcs_address, ray_dashboard_url=head.dashboard_url,
-        api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
+        api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT), **settings_overrides,
     )
     try:
         with BackgroundServer(settings) as running:

@@ -18,6 +18,7 @@ from moto.server import ThreadedMotoServer
 from process_group import run_on_ranks
 from service.spec import JobSpec, KeepBestSpec
 from test_checkpoint import SPEC, STEPS
+from tests.ray_cluster import running_control_plane, wait_for_state
 from workers.checkpoint import (
     begin_save,
     checkpoint_dir,
@@ -169,3 +170,35 @@ def test_storage_is_chosen_by_uri(tmp_path: Path) -> None:
         storage_for("file://elsewhere/x")
     with pytest.raises(ValueError, match="checkpoint storage 'nosuchprotocol://x'"):
         storage_for("nosuchprotocol://x")
+
+
+@pytest.fixture(scope="module")
+def s3_control_plane(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory):
+    """A Ray head started with the S3 endpoint in its environment (drivers and workers inherit it), and a
+    control plane whose RINGMASTER_STORAGE_URI is a bucket."""
+    yield from running_control_plane(tmp_path_factory.mktemp("s3-plane"), storage_uri=f"s3://{BUCKET}/plane")
+
+
+@pytest.mark.integration
+def test_job_on_ray_checkpoints_to_s3_and_its_rows_follow_retention(s3_control_plane) -> None:
+    client = s3_control_plane.client()
+    job = client.submit({
+        "name": "s3-job", "model": "tiny-gpt", "model_options": {"n_layers": 1, "dim": 32, "n_heads": 2, "seq_len": 32},
+        "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
+        "train": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "lr": 0.003, "seed": 5},
+        "checkpoint": {"every_steps": 2, "keep": 1, "keep_best": {"metric": "val_loss"}},
+    })
+    done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done["error"]
+
+    job_root = f"s3://{BUCKET}/plane/{job['id']}"
+    val = {row["step"]: row["val_loss"] for row in client.metrics(job["id"])["items"] if row["val_loss"] is not None}
+    assert sorted(val) == [2, 4, 6], "val_loss is evaluated at every checkpoint"
+    best_step = min(val, key=lambda step: (val[step], -step))
+    kept = sorted({6, best_step})
+    rows = client.checkpoints(job["id"])["items"]
+    assert [(row["step"], row["uri"]) for row in rows] == [(step, checkpoint_dir(job_root, step)) for step in kept]
+    assert [(row["metric"], row["metric_value"], row["best"]) for row in rows] == [("val_loss", val[step], step == best_step) for step in kept]
+    assert [c.step for c in committed_checkpoints(job_root)] == kept, "the rows are what is on S3"
+    announced = [e["data"]["step"] for e in client.events(job["id"])["items"] if e["kind"] == "checkpoint"]
+    assert announced == [2, 4, 6]
