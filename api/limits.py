@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import yaml
-from fastapi import HTTPException, status
+from fastapi import HTTPException
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,8 +30,7 @@ class RequestTooLarge(HTTPException):
     """An HTTPException, so FastAPI's own body parsing passes it on instead of calling it a bad body (400)."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(status.HTTP_413_CONTENT_TOO_LARGE, f"the request body exceeds the limit of {limit} bytes "
-                                                            "(RINGMASTER_MAX_REQUEST_BYTES)")
+        super().__init__(413, f"the request body exceeds the limit of {limit} bytes (RINGMASTER_MAX_REQUEST_BYTES)")
 
 
 class BodySizeLimit:

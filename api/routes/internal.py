@@ -18,7 +18,7 @@ from service import jobs
 from service.errors import InvalidSpec
 from service.reports import DriverReport
 
-router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(401, 404, 409))
+router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(400, 401, 404, 409, 413))
 
 # Report fields stored in 32-bit INTEGER columns (PostgreSQL's limit; SQLite would take more and differ).
 _INT32_FIELDS = {"metrics": ("step", "world_size"), "checkpoints": ("step", "world_size"), "memory": ("rank", "dp", "tp", "pp")}

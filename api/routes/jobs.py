@@ -62,7 +62,10 @@ _SPEC_BODY = {
             "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
             "application/yaml": {"schema": {"type": "string", "description": "The same JobSpec written as YAML."}},
         },
-    }
+    },
+    # FastAPI documents its 422 only for the bodies it parses itself.
+    "responses": {"422": {"description": "Validation Error",
+                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}}},
 }
 
 
@@ -137,7 +140,8 @@ def checkpoints(job_id: str, principal: CurrentPrincipal, session: SessionDep, l
 _LOGS_DOC = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(409, 503)}
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=_LOGS_DOC)
+# No response_class=PlainTextResponse: FastAPI would then document the JSON errors as text/plain.
+@router.get("/{job_id}/logs", responses=_LOGS_DOC)
 def logs(job_id: str, principal: CurrentPrincipal, request: Request, db: DatabaseDep) -> PlainTextResponse:
     """The current attempt's driver log; the transaction ends before the (slow) provider is called."""
     provider = request.app.state.logs_provider
@@ -151,9 +155,19 @@ def logs(job_id: str, principal: CurrentPrincipal, request: Request, db: Databas
 
 
 _KEEPALIVE_S = 15.0
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["id", "event", "data"],
+    "properties": {
+        "id": {"type": "string", "description": "Resume after this event with Last-Event-ID."},
+        "event": {"type": "string", "enum": ["state", "event", "metric"]},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "description": "state: the transition; event: an EventOut; metric: a MetricOut."},
+    },
+}
 _STREAM_DOC = {"responses": {200: {"description": "Server-sent events: `state`, `event` and `metric`, each with a JSON `data` "
                                                   "line and an `id` to resume from with Last-Event-ID.",
-                                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}}
+                                   "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}}
 
 
 @router.get("/{job_id}/stream", response_class=StreamingResponse, openapi_extra=_STREAM_DOC)

@@ -9,7 +9,7 @@ from api.errors import error_responses
 from api.schemas import PlanOut, PlanRequest
 from service import planner
 
-router = APIRouter(prefix="/v1", tags=["plan"], responses=error_responses(401, 413))
+router = APIRouter(prefix="/v1", tags=["plan"], responses=error_responses(400, 401, 413))
 
 
 @router.post("/plan")

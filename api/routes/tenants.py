@@ -11,7 +11,7 @@ from api.errors import error_responses
 from api.schemas import PrincipalOut, QuotaIn, TenantOut, TokenCreatedOut, TokenIn, TokenOut
 from service import auth, tenants
 
-router = APIRouter(prefix="/v1", tags=["tenants"], responses=error_responses(401, 403))
+router = APIRouter(prefix="/v1", tags=["tenants"], responses=error_responses(400, 401, 403, 413))
 
 TenantName = Annotated[str, Path(pattern=tenants.NAME_PATTERN, max_length=64)]
 TokenId = Annotated[int, Path(ge=1, le=2**31 - 1)]
