@@ -4,6 +4,8 @@
 
 On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 workers):
 - replace: a replacement node joins, then a worker's node is killed;
+- standby: as replace, but the job keeps one warm standby worker (workers.standby: 1) on the spare
+           node, which joins at once (Ray Train has no such thing: its baseline is its replace time);
 - shrink:  a worker's node is killed with no replacement (ringmaster workers {min: 1, max: 2},
            Ray Train ScalingConfig(num_workers=(1, 2)));
 - frozen:  a worker's node is SIGSTOPped; ringmaster's time to notice (its RECOVERING event).
@@ -38,7 +40,7 @@ def job_spec(scenario: str) -> dict:
     minimum = 1 if scenario in ("shrink", "frozen") else 2
     return {
         "name": f"recovery-{scenario}", "model": "tiny-gpt",
-        "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1},
+        "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1, "standby": 1 if scenario == "standby" else 0},
         "train": {"steps": 100_000, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.001, "seed": 0},
         "checkpoint": {"every_steps": 10, "keep": 2},
     }
@@ -52,9 +54,19 @@ def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: 
         time.sleep(0.05)
 
 
-def _a_worker_node(cluster: SimulatedCluster):
+def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
     actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
-    return cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1])
+    return cluster.node_by_id(sorted(actor["node_id"] for actor in actors if actor["node_id"] != spared)[-1])
+
+
+def _standby_node(client: RingmasterClient, job_id: str, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready = [e for e in client.events(job_id)["items"] if e["data"] and "standby_node" in e["data"]]
+        if ready:
+            return ready[0]["data"]["standby_node"]
+        time.sleep(0.1)
+    raise SystemExit(f"job {job_id} never had a standby worker ready")
 
 
 def _first_step_after(client: RingmasterClient, job_id: str, moment: float, timeout_s: float = 300) -> float:
@@ -68,11 +80,14 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
 
 
 def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
+    if scenario == "standby":
+        cluster.add_node()  # the idle capacity the standby starts on
     job = client.submit(job_spec(scenario))
     _wait_for_step(client, job["id"], KILL_AFTER_STEP)
+    spared = _standby_node(client, job["id"]) if scenario == "standby" else None
     if scenario == "replace":
         cluster.add_node()
-    victim = _a_worker_node(cluster)
+    victim = _a_worker_node(cluster, spared)
     struck = time.time()
     if scenario == "frozen":
         cluster.freeze_node(victim)
@@ -84,14 +99,16 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
     client.cancel(job["id"])
     resumed = next(e for e in reversed(client.events(job["id"])["items"]) if e["to_state"] == "RUNNING")
     return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2),
-            "world_size_after": resumed["data"].get("world_size")}
+            "world_size_after": resumed["data"].get("world_size"), "regroup_s": resumed["data"].get("regroup_s"),
+            "standby_workers_used": resumed["data"].get("standby_workers_used")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-ray-train", action="store_true")
-    parser.add_argument("--scenarios", nargs="+", choices=("replace", "shrink", "frozen"), default=["replace", "shrink", "frozen"])
+    parser.add_argument("--scenarios", nargs="+", choices=("replace", "standby", "shrink", "frozen"),
+                        default=["replace", "standby", "shrink", "frozen"])
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
@@ -109,10 +126,15 @@ def main() -> None:
                         results[scenario].setdefault("noticed", []).append(measured["noticed_s"])
                         if scenario == "frozen" or args.skip_ray_train:
                             continue
+                        if scenario == "standby" and results.get("replace", {}).get("ray_train"):
+                            results[scenario]["ray_train"] = results["replace"]["ray_train"]  # the same baseline
+                            continue
                         while len(cluster.cluster.worker_nodes) < 2:
                             cluster.add_node()
-                        baseline = measure_ray_train(cluster, scenario, Path(scratch) / "raytrain")
-                        print(json.dumps({"system": "ray-train", "scenario": scenario, "recovery_s": baseline["recovery_s"]}), flush=True)
+                        baseline_scenario = "replace" if scenario == "standby" else scenario
+                        baseline = measure_ray_train(cluster, baseline_scenario, Path(scratch) / "raytrain")
+                        print(json.dumps({"system": "ray-train", "scenario": baseline_scenario,
+                                          "recovery_s": baseline["recovery_s"]}), flush=True)
                         if baseline["recovery_s"] is not None:
                             results[scenario].setdefault("ray_train", []).append(baseline["recovery_s"])
         finally:

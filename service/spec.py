@@ -30,6 +30,8 @@ class WorkersSpec(_Strict):
     gpus_per_worker: int = Field(default=0, ge=0, le=16, description="GPUs per worker actor; 0 trains on CPU with gloo.")
     cpus_per_worker: float = Field(default=1, gt=0, le=256, description="CPUs per worker actor; also its torch thread count.")
     gpu_memory_gb: float | None = Field(default=None, gt=0, le=4096, description="Memory of each GPU, for the planner's fit check at submit.")
+    standby: int = Field(default=0, ge=0, le=64, description="Warm standby workers kept on capacity left idle, outside the "
+                         "group: a lost worker is replaced by one at once instead of by a newly started process.")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "WorkersSpec":

@@ -7,7 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from ray.util.state import list_actors
+from ray.util.state import list_actors, list_nodes
 
 from service.client import RingmasterClient
 from tests.ray_cluster import wait_for_state
@@ -134,3 +134,29 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
     detected_after = datetime.fromisoformat(recovering["at"]).timestamp() - frozen_at
     assert detected_after < 5.0, f"a frozen node was noticed only after {detected_after:.1f}s"
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
+
+
+def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninterrupted):
+    while len([node for node in list_nodes(filters=[("state", "=", "ALIVE")]) if node.resources_total.get("CPU")]) < 3:
+        cluster.add_node()  # two nodes for the group, one idle for the standby
+    # Three times the reference's steps, so the standby is warm well before step STEPS; the LR schedule has no
+    # decay, so the first STEPS losses are the reference's.
+    spec = _spec("standby", 2, 2)
+    spec["workers"]["standby"] = 1
+    spec["train"]["steps"] = 3 * STEPS
+    job = cluster.client.submit(spec)
+    deadline = time.monotonic() + 120
+    while not (ready := [e for e in _events(cluster.client, job["id"]) if e["data"] and "standby_node" in e["data"]]):
+        assert time.monotonic() < deadline, "no standby worker became ready"
+        time.sleep(0.1)
+    standby_node = ready[0]["data"]["standby_node"]
+    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    cluster.kill_node(cluster.node_by_id(next(actor["node_id"] for actor in actors if actor["node_id"] != standby_node)))
+    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {}))
+    assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
+    assert resumed["data"]["resumed_from_step"] < STEPS, "the node died after the steps compared with the reference"
+    rows = [row for row in cluster.client.metrics(job["id"])["items"] if row["loss"] is not None]
+    assert [row["step"] for row in rows] == list(range(1, 3 * STEPS + 1))
+    assert [row["loss"] for row in rows[:STEPS]] == pytest.approx(uninterrupted, abs=1e-6)

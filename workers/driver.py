@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import logging
 import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from service.ray_cluster import NAMESPACE, worker_bundles
 from service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.reporter import Reporter
+from workers.standby import StandbyPool
 from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
 
 log = logging.getLogger("ringmaster.driver")
@@ -61,6 +64,13 @@ def is_communication_failure(error: RayTaskError) -> bool:
     return any(marker in text for marker in _COMMUNICATION_FAILURES)
 
 
+def _preload_checkpoint_reader() -> None:
+    try:
+        importlib.import_module("workers.checkpoint")
+    except Exception:  # noqa: BLE001 — e.g. the job ended and the interpreter is exiting; imported again where used
+        log.debug("preloading workers.checkpoint did not finish", exc_info=True)
+
+
 @dataclass
 class Outcome:
     """How one run of the group ended: finished, lost workers, wants to grow, or the user's code failed."""
@@ -83,9 +93,11 @@ class JobDriver:
         self.reporter = reporter
         self.failure_budget = spec.max_failures - failures_so_far
         self.group = WorkerGroup(spec, COLLECTIVE_TIMEOUT_S)
+        self.standby = StandbyPool(spec.workers, self.group)
         self.slots: list[Slot] = []
         self.lost_nodes: set[str] = set()
         self._memory_pending: set[int] = set()
+        self._preloading: threading.Thread | None = None
 
     def run(self) -> int:
         """Train to the end; 0 when the job succeeded, 1 when it failed (reported either way)."""
@@ -116,6 +128,7 @@ class JobDriver:
             return self._fail(f"driver error:\n{traceback.format_exc()}")
         finally:
             self.group.shutdown()
+            self.standby.shutdown()
             remove_placement_group(admission)
 
     # -- running ----------------------------------------------------------------------------
@@ -139,7 +152,9 @@ class JobDriver:
                     errors.append(error)
             lost += [worker for worker in heartbeats.check(self.group.workers) if worker not in lost]
             self._forward_progress()
-            if not stopping and time.monotonic() > next_grow_check and self.group.world_size < self.spec.workers.max:
+            if self.group.world_size == self.spec.workers.max:
+                self._top_up_standby()
+            elif not stopping and time.monotonic() > next_grow_check:
                 next_grow_check = time.monotonic() + GROW_CHECK_INTERVAL_S
                 missing = self.spec.workers.max - self.group.world_size - len(self._spare_slots())
                 if missing > 0:
@@ -161,6 +176,11 @@ class JobDriver:
         results = ray.get(list(futures))
         return Outcome("grow" if any(result["stopped"] for result in results) else "finished", results=results)
 
+    def _top_up_standby(self) -> None:
+        for ready in self.standby.top_up(self._spare_slots, self._spare_capacity):
+            self.reporter.report(message=f"standby worker ready on node {ready.node_id[:12]}",
+                                 details={"standby_node": ready.node_id, "standby_pid": ready.pid})
+
     def _forward_progress(self) -> None:
         """Forward rank 0's metrics, checkpoints and events, and each rank's one memory report."""
         sources = [worker for worker in self.group.workers if worker.rank == 0 or worker.rank in self._memory_pending]
@@ -171,6 +191,11 @@ class JobDriver:
         memory = [RankMemory(**measured) for batch in drained for measured in batch["memory"]]
         self._memory_pending -= {measured.rank for measured in memory}
         first = drained[0]
+        if first["metrics"] and self._preloading is None:
+            # workers.checkpoint imports torch (2-3 s of CPU): off the way to the first step, and done before a
+            # failure needs it to name the step resumed from.
+            self._preloading = threading.Thread(target=_preload_checkpoint_reader, daemon=True)
+            self._preloading.start()
         if first["metrics"] or first["checkpoints"] or memory:
             self.reporter.report(
                 metrics=[MetricPoint(**point) for point in first["metrics"]],
@@ -190,7 +215,7 @@ class JobDriver:
         self._memory_pending = {worker.rank for worker in self.group.workers}
 
     def _free_slots(self) -> list[Slot]:
-        taken = {worker.slot for worker in self.group.workers}
+        taken = {worker.slot for worker in self.group.workers} | set(self.standby.slots)
         return [slot for slot in self.slots if slot not in taken]
 
     def _spare_slots(self) -> list[Slot]:
@@ -237,6 +262,9 @@ class JobDriver:
             })
             self.group.remove(outcome.lost)
         wanted = self.spec.workers.max - self.group.world_size
+        standbys = self.standby.take(wanted, self.lost_nodes, PROBE_TIMEOUT_S) if wanted else []
+        self.slots += [worker.slot for worker in standbys if worker.slot not in self.slots]
+        wanted -= len(standbys)
         if wanted and len(self._spare_slots()) < wanted and self._spare_capacity():
             # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
             deadline = time.monotonic() + REPLACEMENT_WAIT_S
@@ -246,7 +274,7 @@ class JobDriver:
         while True:
             spare = self._spare_slots()[:wanted]
             added = self.group.launch(spare, START_TIMEOUT_S) if wanted else []
-            members = self.group.workers + added
+            members = self.group.workers + standbys + added
             log.info("regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
                      time.monotonic() - started, self.group.world_size, len(added), len(spare))
             if len(members) >= self.spec.workers.min:
@@ -260,13 +288,12 @@ class JobDriver:
         self._form(members)
         log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
                  time.monotonic() - started)
-        # Imported here: workers.checkpoint pulls in torch (~2-3 s), which the driver needs only after a failure,
-        # never on the way to the first step.
-        from workers.checkpoint import latest_committed
+        from workers.checkpoint import latest_committed  # imported in the background once training ran
 
         checkpoint = latest_committed(self.storage_root) or (latest_committed(self.resume_from_root) if self.resume_from_root else None)
         resumed = checkpoint.step if checkpoint else 0
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
+                   "standby_workers_used": len(standbys),
                    "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}
         message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
         if outcome.kind == "lost":

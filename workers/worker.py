@@ -59,6 +59,10 @@ class TrainWorker:
         """A free port on this node, for the group this actor will lead as rank 0."""
         return _free_port(ray.util.get_node_ip_address())
 
+    def warm_up(self) -> None:
+        """Returns once the training stack is imported: a standby is ready to join a group at once."""
+        self._warm.join()
+
     def heartbeat(self) -> int:
         return self.generation
 

@@ -78,18 +78,21 @@ class WorkerGroup:
         """Workers on each node in rank order; the device mesh keeps tensor-parallel groups inside these."""
         return [len(list(ranks)) for _, ranks in groupby(self.workers, key=lambda worker: worker.node_id)]
 
-    def launch(self, slots: list[Slot], timeout_s: float) -> list[RankedWorker]:
-        """Start an actor on each slot; those not running within timeout_s are killed and left out."""
+    def start_actors(self, slots: list[Slot]) -> list[tuple[Any, Slot]]:
+        """Create one worker actor on each slot; returns at once (the processes start in the background)."""
         resources = self.spec.workers
-        actors = [
-            TrainWorker.options(
+        return [
+            (TrainWorker.options(
                 num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
                 num_gpus=resources.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.index),
-            ).remote(resources.cpus_per_worker, resources.gpus_per_worker > 0)
+            ).remote(resources.cpus_per_worker, resources.gpus_per_worker > 0), slot)
             for slot in slots
         ]
-        pending = {actor.placement.remote(): (actor, slot) for actor, slot in zip(actors, slots)}
+
+    def launch(self, slots: list[Slot], timeout_s: float) -> list[RankedWorker]:
+        """Start an actor on each slot; those not running within timeout_s are killed and left out."""
+        pending = {actor.placement.remote(): (actor, slot) for actor, slot in self.start_actors(slots)}
         ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
         started = []
         for ref in ready:

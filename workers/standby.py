@@ -1,0 +1,114 @@
+"""Warm standby workers: actors on spare capacity, training stack imported, outside the process group.
+
+A worker lost with its node is then replaced in the time of a rendezvous rather than the seconds a
+new process takes to start and import torch. A standby holds capacity that was idle when it started
+(JobSpec `workers.standby`); it is released when the job ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from service.ray_cluster import worker_bundles
+from service.spec import WorkersSpec
+from workers.worker_group import RankedWorker, Slot, WorkerGroup
+
+
+LOOK_INTERVAL_S = 1.0  # how often to look for capacity while a standby is missing
+
+
+class StandbyPool:
+    """Keeps up to `wanted` warm workers; every call but `take` returns at once (the driver's loop polls it)."""
+
+    def __init__(self, workers: WorkersSpec, group: WorkerGroup) -> None:
+        self.wanted = workers.standby
+        self._workers = workers
+        self._group = group
+        self.ready: list[RankedWorker] = []
+        self._starting: dict[Any, tuple[Any, Slot, Any]] = {}  # warm_up ref -> (actor, slot, placement ref)
+        self._reserving: tuple[PlacementGroup, Any] | None = None  # a reservation and its ready() ref
+        self._next_look = 0.0
+        self._reservations: list[PlacementGroup] = []
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Slots the standbys hold or are starting on: not free for growing the group."""
+        return [worker.slot for worker in self.ready] + [slot for _, slot, _ in self._starting.values()]
+
+    def top_up(self, free_slots: Callable[[], list[Slot]], spare_capacity: Callable[[], int]) -> list[RankedWorker]:
+        """One step toward `wanted` warm standbys (use free slots, else reserve idle capacity); returns those that
+        became ready since the last call. Cheap while nothing is missing: the driver calls it every poll."""
+        became_ready = self._collect()
+        missing = self.wanted - len(self.ready) - len(self._starting)
+        if missing <= 0:
+            return became_ready
+        slots: list[Slot] = []
+        if self._reserving is not None:
+            group, ready = self._reserving
+            if ray.wait([ready], timeout=0)[0]:
+                slots = [Slot(group, index) for index in range(group.bundle_count)]
+                self._reservations.append(group)
+                self._reserving = None
+        elif time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + LOOK_INTERVAL_S
+            slots = free_slots()[:missing]
+            if len(slots) < missing and (spare := spare_capacity()) > 0:
+                bundles = worker_bundles(self._workers.gpus_per_worker, self._workers.cpus_per_worker,
+                                         min(missing - len(slots), spare))
+                group = placement_group(bundles, strategy="SPREAD")
+                self._reserving = (group, group.ready())
+        for actor, slot in self._group.start_actors(slots):
+            self._starting[actor.warm_up.remote()] = (actor, slot, actor.placement.remote())
+        return became_ready
+
+    def _collect(self) -> list[RankedWorker]:
+        if not self._starting:
+            return []
+        warm, _ = ray.wait(list(self._starting), num_returns=len(self._starting), timeout=0)
+        before = len(self.ready)
+        for ref in warm:
+            actor, slot, placement_ref = self._starting.pop(ref)
+            try:
+                ray.get(ref)
+                placement = ray.get(placement_ref)
+            except RayActorError:
+                continue  # died while starting (its node went): top_up starts another when capacity allows
+            self.ready.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"]))
+        return self.ready[before:]
+
+    def take(self, count: int, lost_nodes: set[str], timeout_s: float) -> list[RankedWorker]:
+        """Up to `count` live standbys, off the lost nodes (a standby may have died with one)."""
+        self._collect()
+        candidates = [worker for worker in self.ready if worker.node_id not in lost_nodes]
+        beats = {worker.actor.heartbeat.remote(): worker for worker in candidates}
+        answered, _ = ray.wait(list(beats), num_returns=len(beats), timeout=timeout_s) if beats else ([], [])
+        alive = []
+        for ref in answered:
+            try:
+                ray.get(ref)
+                alive.append(beats[ref])
+            except RayActorError:
+                pass
+        alive.sort(key=candidates.index)
+        taken = alive[:count]
+        gone = [worker for worker in self.ready if worker not in alive]
+        for worker in gone:
+            ray.kill(worker.actor, no_restart=True)
+        self.ready = [worker for worker in alive if worker not in taken]
+        return taken
+
+    def shutdown(self) -> None:
+        for worker in self.ready:
+            ray.kill(worker.actor, no_restart=True)
+        for actor, _, _ in self._starting.values():
+            ray.kill(actor, no_restart=True)
+        self.ready, self._starting = [], {}
+        for reservation in self._reservations + ([self._reserving[0]] if self._reserving is not None else []):
+            remove_placement_group(reservation)
+        self._reservations, self._reserving = [], None
