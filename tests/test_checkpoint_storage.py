@@ -202,3 +202,11 @@ def test_job_on_ray_checkpoints_to_s3_and_its_rows_follow_retention(s3_control_p
     assert [c.step for c in committed_checkpoints(job_root)] == kept, "the rows are what is on S3"
     announced = [e["data"]["step"] for e in client.events(job["id"])["items"] if e["kind"] == "checkpoint"]
     assert announced == [2, 4, 6]
+
+
+def test_sample_id_record_needs_a_local_storage_root(single_rank_group: None) -> None:
+    spec = JobSpec.model_validate({**SPEC.model_dump(), "workers": {"min": 1, "max": 1},
+                                   "train": {**SPEC.train.model_dump(), "record_sample_ids": True}})
+    with pytest.raises(ValueError, match="train.record_sample_ids writes its record to a local directory, and this job's "
+                                         "storage is 'memory://ringmaster-tests/audit'"):
+        run_training(spec, TrainContext(0, 1, torch.device("cpu"), "audit", "memory://ringmaster-tests/audit"))

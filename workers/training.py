@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.checkpoint import CommittedCheckpoint, CommittedSave, PendingSave, begin_save, commit_save, find_resume_point, load_checkpoint
+from workers.checkpoint_storage import LocalStorage, storage_for
 from workers.data.audit import SampleAudit
 from workers.data.stream import DataPosition, GlobalBatchStream
 from workers.models import build_bundle
@@ -129,7 +130,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         position=position,
         pin_memory=ctx.device.type == "cuda",
     )
-    audit = SampleAudit(ctx.storage_root, ctx.rank, dims.dp_rank(mesh), ctx.generation) if spec.train.record_sample_ids else None
+    audit = _sample_audit(ctx, dims.dp_rank(mesh)) if spec.train.record_sample_ids else None
 
     in_flight: PendingSave | None = None  # at most one save is in flight
     # The validation loss evaluated at a checkpoint, as (step, value): the end of training reuses it.
@@ -255,6 +256,14 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     if bundle.val_dataset is not None:
         val_loss = validated_at[1] if validated_at is not None and validated_at[0] == step else validate()
     return TrainResult(step, loss, val_loss, checkpoint_uri, stopped=False)
+
+
+def _sample_audit(ctx: TrainContext, dp_rank: int) -> SampleAudit:
+    """The sample-id record lives in the job's storage root, which must then be a local directory."""
+    storage, root = storage_for(ctx.storage_root)
+    if not isinstance(storage, LocalStorage):
+        raise ValueError(f"train.record_sample_ids writes its record to a local directory, and this job's storage is {ctx.storage_root!r}")
+    return SampleAudit(root, ctx.rank, dp_rank, ctx.generation)
 
 
 def _agreed_resume_point(ctx: TrainContext, group: dist.ProcessGroup) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
