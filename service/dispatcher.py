@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import random
 import socket
 import threading
 import uuid
@@ -19,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import auth, jobs, queue, tenants
-from service.models import Job, utcnow
+from service.models import Attempt, Job, utcnow
 from service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
 from service.reports import REPORT_TOKEN_ENV
 from service.settings import Settings
@@ -42,6 +43,8 @@ class Dispatcher:
         self.settings = settings
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._wake = threading.Event()
+        # Submission ids this process has logged as alive, so adoption is logged once (not each pass).
+        self._seen_alive: set[str] = set()
 
     def run_once(self) -> None:
         self.watch_active_jobs()
@@ -123,6 +126,8 @@ class Dispatcher:
                     # Often transient (the Jobs API agent still starting): retry, counted against max_failures.
                     jobs.requeue(session, current, f"Ray refused the job: {error}", failure=True)
             return f"Ray refused the job: {error}"  # retried at the next pass, not in this one
+        log.info("job %s attempt %d submitted to Ray as %s on %d worker(s)", job.id, attempt, submission_id, world_size,
+                 extra={"job_id": job.id, "attempt": attempt, "submission_id": submission_id})
         return None
 
     def _reserve(self, spec: JobSpec, group_name: str, max_workers: int) -> int | None:
@@ -153,24 +158,35 @@ class Dispatcher:
         Ray job is alive is adopted as it is: never started twice."""
         with self.sessions() as session:
             active = session.scalars(select(Job).where(Job.state.in_([s.value for s in ACTIVE]))).all()
-        now = utcnow()
         for job in active:
-            if job.submission_id is None:
-                continue
-            ray_status = self.cluster.status(job.submission_id)
-            if ray_status is not None and ray_status not in _RAY_TERMINAL:
-                continue
-            if ray_status is None and job.state == JobState.ADMITTED and job.admitted_at and \
-                    (now - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S:
-                continue  # another replica may be between recording the attempt and submitting it
-            found = "is gone from Ray" if ray_status is None else f"ended {ray_status} without the driver reporting"
-            with self.sessions() as session, session.begin():
-                current = session.get(Job, job.id, with_for_update=True)
-                if current is None or current.state not in ACTIVE or current.submission_id != job.submission_id:
-                    continue  # the driver's report arrived meanwhile
-                message = f"attempt {current.attempt}: Ray job {job.submission_id} {found}; resubmitting"
-                tail = self._log_tail(job.submission_id)
-                jobs.requeue(session, current, f"{message}\n{tail}" if tail else message, failure=True)
+            try:
+                self._reconcile(job)
+            except Exception:  # noqa: BLE001 — one job's Ray or database error must not stall the others
+                log.exception("reconciling job %s failed", job.id, extra={"job_id": job.id})
+
+    def _reconcile(self, job: Job) -> None:
+        if job.submission_id is None:
+            return
+        context = {"job_id": job.id, "attempt": job.attempt, "submission_id": job.submission_id}
+        ray_status = self.cluster.status(job.submission_id)
+        if ray_status is not None and ray_status not in _RAY_TERMINAL:
+            if job.submission_id not in self._seen_alive:
+                self._seen_alive.add(job.submission_id)
+                log.info("job %s attempt %d: Ray job %s is %s; watching it", job.id, job.attempt, job.submission_id,
+                         ray_status, extra=context)
+            return
+        if ray_status is None and job.state == JobState.ADMITTED and job.admitted_at and \
+                (utcnow() - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S:
+            return  # another replica may be between recording the attempt and submitting it
+        found = "is gone from Ray" if ray_status is None else f"ended {ray_status} without the driver reporting"
+        message = f"attempt {job.attempt}: Ray job {job.submission_id} {found}; resubmitting"
+        tail = self._log_tail(job.submission_id)  # fetched before locking: never hold the row (SQLite: the database) across a Ray call
+        with self.sessions() as session, session.begin():
+            current = session.get(Job, job.id, with_for_update=True, populate_existing=True)
+            if current is None or current.state not in ACTIVE or current.submission_id != job.submission_id:
+                return  # the driver's report, or another replica, got there first
+            requeued = jobs.requeue(session, current, f"{message}\n{tail}" if tail else message, failure=True)
+        log.warning("job %s %s (now %s)", job.id, message, requeued.state, extra=context)
 
     def _log_tail(self, submission_id: str) -> str:
         try:
@@ -185,18 +201,33 @@ class Dispatcher:
         to exit on its own, so its Ray job ends SUCCEEDED rather than STOPPED in the dashboard.
         """
         with self.sessions() as session:
-            closing = [(attempt, session.get(Job, attempt.job_id)) for attempt in jobs.attempts_to_close(session)]
-        now = utcnow()
-        for attempt, job in closing:
-            reported_end = job.state in (JobState.SUCCEEDED, JobState.FAILED) and job.attempt == attempt.number
-            if reported_end and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}:
-                if job.finished_at and (now - job.finished_at).total_seconds() < _DRIVER_EXIT_GRACE_S:
-                    continue
-            self.cluster.stop(attempt.submission_id)
-            if attempt.placement_group:
-                self.cluster.release(attempt.placement_group)
-            with self.sessions() as session, session.begin():
-                jobs.close_attempt(session, attempt, outcome=str(job.state))
+            attempts = jobs.attempts_to_close(session)
+            owners = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_({a.job_id for a in attempts})))}
+        # Replicas see the same list: each walks it in its own order, so they rarely close the same attempt at once.
+        random.shuffle(attempts)
+        for attempt in attempts:
+            try:
+                self._close(attempt, owners[attempt.job_id])
+            except Exception:  # noqa: BLE001 — one attempt's Ray or database error must not stall the others
+                log.exception("closing attempt %d of job %s failed", attempt.number, attempt.job_id,
+                              extra={"job_id": attempt.job_id})
+
+    def _close(self, attempt: Attempt, job: Job) -> None:
+        with self.sessions() as session:
+            if session.scalar(select(Attempt.ended_at).where(Attempt.id == attempt.id)) is not None:
+                return  # another replica closed it since the list was read
+        reported_end = job.state in (JobState.SUCCEEDED, JobState.FAILED) and job.attempt == attempt.number
+        if reported_end and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}:
+            if job.finished_at and (utcnow() - job.finished_at).total_seconds() < _DRIVER_EXIT_GRACE_S:
+                return
+        self.cluster.stop(attempt.submission_id)
+        if attempt.placement_group:
+            self.cluster.release(attempt.placement_group)
+        with self.sessions() as session, session.begin():
+            closed = jobs.close_attempt(session, attempt, outcome=str(job.state))
+        self._seen_alive.discard(attempt.submission_id)
+        log.info("job %s attempt %d closed (%s): Ray job %s stopped, placement group released", job.id, attempt.number,
+                 closed.outcome, attempt.submission_id, extra={"job_id": job.id, "attempt": attempt.number})
 
 
 def _capped(spec: JobSpec, max_workers: int) -> JobSpec:
