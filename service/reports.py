@@ -9,9 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field
 REPORT_TOKEN_ENV = "RINGMASTER_REPORT_TOKEN"
 """Carries an attempt's report secret to its job driver, which sends it as a bearer token with every report."""
 
-REPORT_TOKEN_ENV = "RINGMASTER_REPORT_TOKEN"
-"""Carries an attempt's report secret to its job driver, which sends it as a bearer token with every report."""
-
 
 class MetricPoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
