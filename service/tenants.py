@@ -133,7 +133,7 @@ def usage(session: Session, tenant: str, *, exclude_job: str | None = None) -> U
             continue
         workers: dict[str, Any] = spec.get("workers", {})
         total = total.plus(footprint(workers.get("gpus_per_worker", 0), workers.get("cpus_per_worker", 1.0),
-                                     max_workers or workers.get("max", 1)))
+                                     (max_workers or workers.get("max", 1)) + workers.get("standby", 0)))
     return total
 
 
@@ -151,18 +151,20 @@ def _exceeded(quota: Quota, held: Usage) -> str | None:
 def submit_rejections(spec: JobSpec, tenant: Tenant) -> list[dict[str, Any]]:
     """Why the tenant's quota could never hold this job, even alone, as 422 entries; empty when it could."""
     quota, workers = Quota.of(tenant), spec.workers
-    smallest = footprint(workers.gpus_per_worker, workers.cpus_per_worker, workers.min)
+    # Warm standby workers hold capacity like workers do, so they count against the quota.
+    smallest = footprint(workers.gpus_per_worker, workers.cpus_per_worker, workers.min + workers.standby)
+    counted = f"workers.min ({workers.min})" + (f" + workers.standby ({workers.standby})" if workers.standby else "")
     errors: list[dict[str, Any]] = []
     if quota.jobs == 0:
         errors.append({"type": "quota_exceeded", "loc": ["workers"],
                        "msg": f"tenant {tenant.name!r} has a quota of 0 concurrent jobs: it cannot run any job"})
     if quota.gpus is not None and smallest.gpus > quota.gpus:
         errors.append({"type": "quota_exceeded", "loc": ["workers", "min"], "input": workers.min,
-                       "msg": f"workers.min ({workers.min}) × workers.gpus_per_worker ({workers.gpus_per_worker}) = "
+                       "msg": f"{counted} × workers.gpus_per_worker ({workers.gpus_per_worker}) = "
                               f"{smallest.gpus} GPUs exceeds tenant {tenant.name!r}'s GPU quota of {quota.gpus}"})
     if quota.cpus is not None and smallest.cpus > quota.cpus + _CPU_EPSILON:
         errors.append({"type": "quota_exceeded", "loc": ["workers", "min"], "input": workers.min,
-                       "msg": f"workers.min ({workers.min}) × workers.cpus_per_worker ({workers.cpus_per_worker:g}) = "
+                       "msg": f"{counted} × workers.cpus_per_worker ({workers.cpus_per_worker:g}) = "
                               f"{smallest.cpus:g} CPUs exceeds tenant {tenant.name!r}'s CPU quota of {quota.cpus:g}"})
     return errors
 
@@ -179,9 +181,9 @@ def grant(session: Session, job: Job, spec: JobSpec, *, lock: bool = False) -> G
     held = usage(session, tenant.name, exclude_job=job.id)
     workers = spec.workers
     for size in range(workers.max, workers.min - 1, -1):
-        if _exceeded(quota, held.plus(footprint(workers.gpus_per_worker, workers.cpus_per_worker, size))) is None:
+        if _exceeded(quota, held.plus(footprint(workers.gpus_per_worker, workers.cpus_per_worker, size + workers.standby))) is None:
             return Grant(size)
-    need = footprint(workers.gpus_per_worker, workers.cpus_per_worker, workers.min)
+    need = footprint(workers.gpus_per_worker, workers.cpus_per_worker, workers.min + workers.standby)
     resource = _exceeded(quota, held.plus(need))
     if resource == "jobs":
         reason = f"tenant {tenant.name!r} already runs {held.jobs} of its {quota.jobs} concurrent job(s)"

@@ -265,6 +265,24 @@ def test_elastic_job_is_granted_what_the_quota_leaves_and_its_driver_is_capped_t
     assert service.call("admin", "GET", "/v1/tenants/team-a").json()["usage"] == {"gpus": 0, "cpus": 3.0, "jobs": 1}
 
 
+def test_standby_workers_count_against_the_quota(service: Service) -> None:
+    service.quota("team-a", cpus=3)
+    spec = _spec((1, 4), cpus=1)
+    spec["workers"]["standby"] = 1
+    job_id = service.submit("a", spec)
+    service.dispatcher.run_once()
+    with service.db.sessions() as session:
+        attempt = session.query(Attempt).filter_by(job_id=job_id).one()
+        assert attempt.max_workers == 2, "two workers and one standby fill a quota of three CPUs"
+    assert service.call("admin", "GET", "/v1/tenants/team-a").json()["usage"] == {"gpus": 0, "cpus": 3.0, "jobs": 1}
+
+    too_large = _spec((3, 3), cpus=1)
+    too_large["workers"]["standby"] = 1
+    response = service.call("a", "POST", "/v1/jobs", json=too_large)
+    assert response.status_code == 422
+    assert "workers.min (3) + workers.standby (1) × workers.cpus_per_worker (1) = 4 CPUs" in response.json()["detail"][0]["msg"]
+
+
 def test_lowering_a_quota_holds_back_only_later_admissions(service: Service) -> None:
     first = service.submit("a", _spec((2, 2)))
     service.dispatcher.run_once()
