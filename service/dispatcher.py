@@ -72,12 +72,15 @@ class Dispatcher:
         waiting: set[str] = set()
         while (job := queue.claim_next(self.sessions, self.owner, self.settings.lease_s, skip_ids=waiting)) is not None:
             reason: str | None = None
+            admitted = False
             try:
                 reason = self._admit(job)
+                admitted = reason is None
             finally:
                 if reason is not None:
                     waiting.add(job.id)
-                queue.release(self.sessions, job.id, self.owner, reason)
+                if not admitted:  # an admitted (or cancelled) job's lease needs no release: it is no longer QUEUED
+                    queue.release(self.sessions, job.id, self.owner, reason)
 
     def _admit(self, job: Job) -> str | None:
         """Grant the tenant's quota, reserve the gang, record the attempt, submit the Ray job.

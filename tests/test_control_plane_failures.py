@@ -206,7 +206,7 @@ def _assert_every_step_once(rows: list[dict], steps: range) -> None:
 
 
 def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_head, servers):
-    steps = 150
+    steps = 200
     first = _sqlite_server(tmp_path, ray_head, servers).start()
     client = api(first)
     job = client.submit(_spec("kill-server", steps=steps, every_steps=50))
@@ -230,7 +230,7 @@ def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_
     rows = client.metrics(job["id"])["items"]
     _assert_every_step_once(rows, range(1, steps + 1))
     assert {row["attempt"] for row in rows} == {1}
-    assert [c["step"] for c in client.checkpoints(job["id"])["items"]] == [50, 100, 150]
+    assert [c["step"] for c in client.checkpoints(job["id"])["items"]] == [50, 100, 150, 200]
     _wait_ray_status(ray_head, submission_id, "SUCCEEDED")
     assert _ray_jobs(ray_head, job["id"]) == {submission_id: "SUCCEEDED"}, "exactly one Ray job for the one attempt"
     assert "control plane unreachable" in jobs_api.get_job_logs(submission_id), "the driver never had to buffer"
