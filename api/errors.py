@@ -8,6 +8,7 @@ so JobSpec's own messages read as written.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,12 +18,14 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
 from service.auth import Forbidden, TokenNotFound, Unauthorized
 from service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable, PlanError
 from service.states import IllegalTransition
 from service.tenants import InvalidTenant, TenantNotFound
+
+log = logging.getLogger(__name__)
 
 _SOURCES = ("body", "query", "path", "header", "cookie")
 _PREFIXES = ("Value error, ", "Assertion failed, ")
@@ -112,6 +115,14 @@ async def _unavailable(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return _detail(status.HTTP_503_SERVICE_UNAVAILABLE, exc)
 
 
+async def _database_unavailable(request: Request, exc: Exception) -> FiniteJSONResponse:
+    """The database went away (restarting, failing over, locked): the client should retry, and the log needs one line."""
+    log.warning("database unavailable during %s %s: %s", request.method, request.url.path,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    return FiniteJSONResponse(status_code=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "1"},
+                              content={"detail": "the database is unavailable for the moment; retry the request"})
+
+
 async def _invalid_spec(_request: Request, exc: Exception) -> FiniteJSONResponse:
     assert isinstance(exc, InvalidSpec)
     return FiniteJSONResponse(status_code=422, content={"detail": readable_errors(exc.errors, prefix=("body",))})
@@ -136,6 +147,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(TokenNotFound, _not_found)
     app.add_exception_handler(InvalidTenant, _invalid_tenant)
     app.add_exception_handler(DataError, _data_error)
+    app.add_exception_handler(OperationalError, _database_unavailable)
+    app.add_exception_handler(InterfaceError, _database_unavailable)
     app.add_exception_handler(JobConflict, _conflict)
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(LogsUnavailable, _unavailable)

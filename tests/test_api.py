@@ -339,3 +339,17 @@ def test_openapi_documents_the_job_spec_body(client: TestClient) -> None:
     assert set(body) == {"application/json", "application/yaml"}
     assert "workers" in schema["components"]["schemas"]["JobSpec"]["properties"]
     assert "WorkersSpec" in schema["components"]["schemas"]
+
+
+def test_database_outage_is_503_with_retry_after_not_a_500(client: TestClient) -> None:
+    app: FastAPI = client.app  # type: ignore[assignment]
+    working = app.state.db
+    app.state.db = Database.connect("postgresql+psycopg://ringmaster:ringmaster@127.0.0.1:1/gone?connect_timeout=2")
+    try:
+        response = client.get("/v1/jobs")
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1" and "database is unavailable" in response.json()["detail"]
+    finally:
+        app.state.db.dispose()
+        app.state.db = working
+    assert client.get("/v1/jobs").status_code == 200

@@ -46,6 +46,7 @@ START_TIMEOUT_S = 120.0  # first start: worker processes import torch
 REPLACEMENT_WAIT_S = 5.0  # spare capacity exists: wait this long to reserve it for replacement workers
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
 GROW_CHECK_INTERVAL_S = 2.0
+FINAL_REPORT_WAIT_S = 600.0  # the control plane may be restarting when the job ends
 _MAX_MESSAGE = 20_000
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 # Text of the exceptions a rank raises when a peer or the transport is gone, not the user's code.
@@ -335,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter, args.failures).run()
     finally:
-        delivered = reporter.close()
+        # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
+        # rerun a finished job as a failed attempt.
+        delivered = reporter.close(timeout_s=FINAL_REPORT_WAIT_S)
     log.info("job %s attempt %d ended with code %d after %.1fs (reports delivered: %s)",
              args.job_id, args.attempt, code, time.monotonic() - started, delivered)
     return code
