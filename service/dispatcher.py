@@ -19,7 +19,7 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import auth, jobs, queue, tenants
+from service import auth, jobs, queue, telemetry, tenants
 from service.models import Attempt, Job, utcnow
 from service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
 from service.reports import REPORT_TOKEN_ENV
@@ -120,6 +120,7 @@ class Dispatcher:
                 env_vars["PYTHONPATH"] = self.settings.code_path
             driver_spec = _capped(spec, granted.max_workers)
             self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, driver_spec), env_vars)
+            self._seen_alive.add(submission_id)  # started here: watching it later is not an adoption
         except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
             log.warning("Ray refused job %s attempt %d: %s", job.id, attempt, error, extra={"job_id": job.id})
             self.cluster.release(group_name)
@@ -175,8 +176,10 @@ class Dispatcher:
         if ray_status is not None and ray_status not in _RAY_TERMINAL:
             if job.submission_id not in self._seen_alive:
                 self._seen_alive.add(job.submission_id)
-                log.info("job %s attempt %d: Ray job %s is %s; watching it", job.id, job.attempt, job.submission_id,
-                         ray_status, extra=context)
+                with self.sessions() as session, session.begin():
+                    telemetry.record_reconciler_action(session, "adopted")
+                log.info("job %s attempt %d: Ray job %s is %s; adopted, watching it", job.id, job.attempt,
+                         job.submission_id, ray_status, extra=context)
             return
         if ray_status is None and job.state == JobState.ADMITTED and job.admitted_at and \
                 (utcnow() - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S:
@@ -189,6 +192,7 @@ class Dispatcher:
             if current is None or current.state not in ACTIVE or current.submission_id != job.submission_id:
                 return  # the driver's report, or another replica, got there first
             requeued = jobs.requeue(session, current, f"{message}\n{tail}" if tail else message, failure=True)
+            telemetry.record_reconciler_action(session, "resubmitted")
         log.warning("job %s %s (now %s)", job.id, message, requeued.state, extra=context)
 
     def _log_tail(self, submission_id: str) -> str:
@@ -228,6 +232,7 @@ class Dispatcher:
             self.cluster.release(attempt.placement_group)
         with self.sessions() as session, session.begin():
             closed = jobs.close_attempt(session, attempt, outcome=str(job.state))
+            telemetry.record_reconciler_action(session, "attempt_closed")
         self._seen_alive.discard(attempt.submission_id)
         log.info("job %s attempt %d closed (%s): Ray job %s stopped, placement group released", job.id, attempt.number,
                  closed.outcome, attempt.submission_id, extra={"job_id": job.id, "attempt": attempt.number})

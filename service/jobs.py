@@ -120,8 +120,8 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
         cancel_requested=False,
         tenant=principal.tenant,
     )
+    # One flush: the unit of work inserts the job before its events (it orders tables by their foreign keys).
     session.add(job)
-    session.flush()
     session.add(JobEvent(job_id=job.id, at=now, from_state=None, to_state=JobState.QUEUED, kind="transition", message="submitted"))
     if planned.message is not None:
         session.add(JobEvent(job_id=job.id, at=now, kind="plan", message=planned.message, data=planned.data))
@@ -227,6 +227,9 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
         transition(session, job, target, report.message or f"driver reported {target}", details)
     elif report.message:
         session.add(JobEvent(job_id=job.id, at=utcnow(), kind="info", message=report.message, data=details))
+    restore_s = report.details.get("restore_s")
+    if isinstance(restore_s, (int, float)) and not isinstance(restore_s, bool):
+        telemetry.record_checkpoint_timing(session, restore_s=float(restore_s))
     return ReportResult(state=JobState(job.state), accepted=True)
 
 
@@ -263,6 +266,7 @@ def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> Non
     for record in report.checkpoints:
         if record.uri not in rows:
             telemetry.record_checkpoints(session, 1)
+            telemetry.record_checkpoint_timing(session, save_s=record.save_s, blocked_s=record.blocked_s)
             rows[record.uri] = Checkpoint(
                 job_id=job.id,
                 attempt=job.attempt,

@@ -34,6 +34,8 @@ class CheckpointRecord(BaseModel):
     metric_value: float | None = Field(default=None, description="This checkpoint's value of that metric.")
     best_uri: str | None = Field(default=None, description="The checkpoint retention keeps as the best by the metric, after this commit.")
     deleted_uris: list[str] = Field(default_factory=list, max_length=10_000, description="Checkpoints retention deleted right after this commit.")
+    blocked_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds training waited for the save to start (staging).")
+    save_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds from the save's start to its commit.")
 
 
 class RankMemory(BaseModel):

@@ -30,7 +30,8 @@ from service.states import JobState
 
 _PENDING = "ringmaster_telemetry"
 # Seconds: from one second (a busy loop) to an hour (a cluster that scales up).
-_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+RECONCILER_ACTIONS = ("resubmitted", "adopted", "attempt_closed")
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
 class Telemetry:
@@ -55,6 +56,24 @@ class Telemetry:
             registry=registry,
         )
         self.checkpoints = Counter("ringmaster_checkpoints", "Checkpoints reported by drivers (each URI once).", registry=registry)
+        self.checkpoint_save = Histogram(
+            "ringmaster_checkpoint_save_seconds", "Seconds from a checkpoint save's start to its commit.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.checkpoint_blocked = Histogram(
+            "ringmaster_checkpoint_blocked_seconds", "Seconds training waited for a checkpoint save to start (staging).",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.checkpoint_restore = Histogram(
+            "ringmaster_checkpoint_restore_seconds", "Seconds a job took to load a checkpoint when it started or re-formed.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.reconciler_actions = Counter(
+            "ringmaster_reconciler_actions", "What the reconciler did: resubmitted a lost attempt, adopted a running "
+            "Ray job it had not started, closed an ended attempt.", ["action"], registry=registry,
+        )
+        for action in RECONCILER_ACTIONS:
+            self.reconciler_actions.labels(action=action)
         for state in JobState:  # every series exists from the start, at 0
             self.transitions.labels(to_state=state.value)
 
@@ -69,6 +88,14 @@ class Telemetry:
             self.recovery_duration.observe(observation.value)
         elif observation.kind == "checkpoint":
             self.checkpoints.inc(observation.value)
+        elif observation.kind == "checkpoint_save":
+            self.checkpoint_save.observe(observation.value)
+        elif observation.kind == "checkpoint_blocked":
+            self.checkpoint_blocked.observe(observation.value)
+        elif observation.kind == "checkpoint_restore":
+            self.checkpoint_restore.observe(observation.value)
+        elif observation.kind == "reconciler_action":
+            self.reconciler_actions.labels(action=observation.label).inc()
 
 
 @dataclass(frozen=True)
@@ -131,6 +158,19 @@ def record_checkpoints(session: Session, count: int) -> None:
         _pending(session).append(Observation("checkpoint", value=float(count)))
 
 
+def record_checkpoint_timing(session: Session, *, save_s: float | None = None, blocked_s: float | None = None,
+                             restore_s: float | None = None) -> None:
+    for kind, seconds in (("checkpoint_save", save_s), ("checkpoint_blocked", blocked_s), ("checkpoint_restore", restore_s)):
+        if seconds is not None:
+            _pending(session).append(Observation(kind, value=seconds))
+
+
+def record_reconciler_action(session: Session, action: str) -> None:
+    if action not in RECONCILER_ACTIONS:
+        raise ValueError(f"unknown reconciler action {action!r}; known: {', '.join(RECONCILER_ACTIONS)}")
+    _pending(session).append(Observation("reconciler_action", action))
+
+
 @event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
     pending = session.info.pop(_PENDING, None)
@@ -161,7 +201,8 @@ class DatabaseCollector(Collector):
         database = self._database()
         if database is None:  # before the app's startup
             return
-        jobs = GaugeMetricFamily("ringmaster_jobs", "Jobs in each state (QUEUED is the queue depth).", labels=["state"])
+        jobs = GaugeMetricFamily("ringmaster_jobs", "Jobs in each state, by tenant (QUEUED is the queue depth).",
+                                 labels=["state", "tenant"])
         steps = GaugeMetricFamily("ringmaster_job_steps_per_second", "Steps per second of a running job (1 / its latest step time).",
                                   labels=["job_id", "name"])
         samples = GaugeMetricFamily("ringmaster_job_samples_per_second", "Samples per second of a running job at its latest step.",
@@ -169,9 +210,9 @@ class DatabaseCollector(Collector):
         loss = GaugeMetricFamily("ringmaster_job_loss", "Training loss of a running job at its latest step.", labels=["job_id", "name"])
         step = GaugeMetricFamily("ringmaster_job_step", "Latest step a running job reported in its current attempt.", labels=["job_id", "name"])
         with session_scope(database.sessions) as session:
-            counts: dict[str, int] = {state.value: 0 for state in JobState}
-            for state, count in session.execute(select(Job.state, func.count()).group_by(Job.state)):
-                counts[state] = count
+            counts: dict[tuple[str, str], int] = {}
+            for state, tenant, count in session.execute(select(Job.state, Job.tenant, func.count()).group_by(Job.state, Job.tenant)):
+                counts[(state, tenant)] = count
             for row in _latest_running_metrics(session):
                 labels = [row.job_id, row.name]
                 step.add_metric(labels, row.step)
@@ -181,8 +222,9 @@ class DatabaseCollector(Collector):
                     samples.add_metric(labels, row.samples_per_s)
                 if row.loss is not None:
                     loss.add_metric(labels, row.loss)
-        for state, count in counts.items():
-            jobs.add_metric([state], count)
+        for tenant in sorted({tenant for _, tenant in counts}) or ["default"]:
+            for state in JobState:  # every state of every tenant with jobs, 0 included, so a queue that empties reads 0
+                jobs.add_metric([state.value, tenant], counts.get((state.value, tenant), 0))
         yield from (jobs, step, steps, samples, loss)
 
 

@@ -179,7 +179,9 @@ def test_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path: Path) -> N
     resumed_steps = [step for step, _ in summary["after"]]
     assert resumed_steps == list(range(3, STEPS + 1)), "resume must use step 2, the newest checkpoint that verifies"
     assert [loss for _, loss in summary["after"]] == summary["straight"][2:]
-    [[message, details]] = summary["events"]
+    restored, corrupt = ([event for event in summary["events"] if ("is corrupt" in event[0]) == flag] for flag in (False, True))
+    assert [details["restored_step"] for _, details in restored] == [2] and restored[0][1]["restore_s"] > 0
+    [[message, details]] = corrupt
     assert message.startswith(f"checkpoint step {CORRUPT_STOP} is corrupt (step-00000004/__0_0.distcp: 100 bytes, manifest says ")
     assert message.endswith("); resumed from step 2")
     assert details["resumed_from_step"] == 2 and details["corrupt_checkpoints"][0]["step"] == CORRUPT_STOP

@@ -100,7 +100,9 @@ def test_two_ranks_on_s3_save_async_resume_skip_corrupt_and_keep_newest_plus_bes
     assert [step for step, _ in summary["after"]] == list(range(3, STEPS + 1)), "resume must skip the corrupt step 4 for step 2"
     # S3 storage changes nothing numerically: the stopped and resumed run is the local straight run.
     assert [loss for step, loss in summary["before"] + summary["after"]] == [straight[s] for s in range(1, STOP_AT + 1)] + [straight[s] for s in range(3, STEPS + 1)]
-    [[message, details]] = summary["events"]
+    restored, corrupt = ([event for event in summary["events"] if ("is corrupt" in event[0]) == flag] for flag in (False, True))
+    assert [details["restored_step"] for _, details in restored] == [2] and restored[0][1]["restore_s"] > 0
+    [[message, details]] = corrupt
     assert message.startswith(f"checkpoint step {STOP_AT} is corrupt (step-0000000{STOP_AT}/__1_0.distcp: 100 bytes, manifest says ")
     assert message.endswith("); resumed from step 2") and details["corrupt_checkpoints"][0]["uri"] == checkpoint_dir(s3_root, STOP_AT)
 

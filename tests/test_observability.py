@@ -15,9 +15,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from api_tokens import authorize
+from api_tokens import authorize, mint
+from test_dispatcher import FakeCluster
 from service.db import Database, session_scope
+from service.dispatcher import Dispatcher
 from service.jobs import apply_driver_report, get_job, mark_admitted, transition
+from service.models import DEFAULT_TENANT
 from service.reports import DriverReport
 from service.settings import Settings
 from service.states import JobState
@@ -81,7 +84,7 @@ def test_metrics_count_queue_transitions_recoveries_and_running_jobs(client: Tes
     client.post(f"/v1/jobs/{second}/cancel")
 
     samples = _samples(client)
-    depth = {state.value: _value(samples, "ringmaster_jobs", state=state.value) for state in JobState}
+    depth = {state.value: _value(samples, "ringmaster_jobs", state=state.value, tenant=DEFAULT_TENANT) for state in JobState}
     assert depth == {"QUEUED": 1, "ADMITTED": 0, "RUNNING": 1, "RECOVERING": 0, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 1}
     transitions = {state.value: _value(samples, "ringmaster_job_transitions_total", to_state=state.value) for state in JobState}
     assert transitions == {"QUEUED": 0, "ADMITTED": 1, "RUNNING": 2, "RECOVERING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 1}
@@ -96,6 +99,57 @@ def test_metrics_count_queue_transitions_recoveries_and_running_jobs(client: Tes
     assert _value(samples, "ringmaster_job_steps_per_second", **running) == 4.0
     assert _value(samples, "ringmaster_job_samples_per_second", **running) == 80.0
     assert not [key for key in samples if key[0] == "ringmaster_job_loss" and dict(key[1])["job_id"] != first]
+
+
+def test_queue_depth_is_labelled_by_tenant(client: TestClient) -> None:
+    _submit(client, "mine")
+    client.headers["Authorization"] = f"Bearer {mint(client.app, 'team-b')}"  # type: ignore[arg-type]
+    _submit(client, "theirs")
+    _submit(client, "theirs-too")
+    samples = _samples(client)
+    assert _value(samples, "ringmaster_jobs", state="QUEUED", tenant=DEFAULT_TENANT) == 1
+    assert _value(samples, "ringmaster_jobs", state="QUEUED", tenant="team-b") == 2
+    assert _value(samples, "ringmaster_jobs", state="RUNNING", tenant="team-b") == 0
+
+
+def test_checkpoint_save_and_restore_durations_are_observed_once(client: TestClient) -> None:
+    job_id = _submit(client)
+    _admit(client, job_id)
+    saved = {"step": 10, "uri": "file:///c/10", "world_size": 2, "save_s": 0.8, "blocked_s": 0.02}
+    _report(client, job_id, seq=1, state="RUNNING", checkpoints=[saved])
+    _report(client, job_id, seq=2, checkpoints=[saved])  # the same checkpoint reported again: observed once
+    _report(client, job_id, seq=3, message="restored checkpoint step 10 in 0.30s", details={"restored_step": 10, "restore_s": 0.3})
+    _report(client, job_id, seq=3, message="restored checkpoint step 10 in 0.30s", details={"restored_step": 10, "restore_s": 0.3})
+    samples = _samples(client)
+    assert _value(samples, "ringmaster_checkpoint_save_seconds_count") == 1
+    assert _value(samples, "ringmaster_checkpoint_save_seconds_sum") == pytest.approx(0.8)
+    assert _value(samples, "ringmaster_checkpoint_blocked_seconds_sum") == pytest.approx(0.02)
+    assert _value(samples, "ringmaster_checkpoint_restore_seconds_count") == 1  # the replayed report (seq 3) is skipped
+    assert _value(samples, "ringmaster_checkpoint_restore_seconds_sum") == pytest.approx(0.3)
+    restored = [e for e in client.get(f"/v1/jobs/{job_id}/events").json()["items"] if e["message"].startswith("restored")]
+    assert len(restored) == 1 and restored[0]["data"]["restore_s"] == 0.3
+
+
+def test_reconciler_actions_are_counted(client: TestClient, tmp_path: Path) -> None:
+    settings = Settings(database_url="unused", data_dir=tmp_path, api_url="http://control-plane")
+    cluster = FakeCluster(cpus=8)
+    started_here = Dispatcher(_db(client).sessions, cluster, settings)
+    lost, kept = _submit(client, "lost"), _submit(client, "kept")
+    started_here.run_once()  # admits both; watching its own jobs is no adoption
+    for job_id in (lost, kept):
+        _report(client, job_id, state="RUNNING")
+    started_here.run_once()
+    assert _value(_samples(client), "ringmaster_reconciler_actions_total", action="adopted") == 0
+
+    cluster.ray_status.pop(f"ringmaster-{lost}-1")  # its Ray job vanished (the head restarted)
+    other_replica = Dispatcher(_db(client).sessions, cluster, settings)
+    other_replica.run_once()
+    samples = _samples(client)
+    assert _value(samples, "ringmaster_reconciler_actions_total", action="adopted") == 1  # kept
+    assert _value(samples, "ringmaster_reconciler_actions_total", action="resubmitted") == 1  # lost
+    assert _value(samples, "ringmaster_reconciler_actions_total", action="attempt_closed") == 1  # lost's first attempt
+    assert client.get(f"/v1/jobs/{lost}").json()["attempt"] == 2
+    assert client.get(f"/v1/jobs/{kept}").json()["attempt"] == 1
 
 
 def test_rolled_back_transitions_count_nothing(client: TestClient) -> None:
@@ -128,7 +182,7 @@ def test_apps_keep_their_own_registries(db_url: str, tmp_path: Path) -> None:
         _admit(one, job_id)
         assert _value(_samples(one), "ringmaster_job_transitions_total", to_state="ADMITTED") == 1
         assert _value(_samples(other), "ringmaster_job_transitions_total", to_state="ADMITTED") == 0
-        assert _value(_samples(other), "ringmaster_jobs", state="ADMITTED") == 0
+        assert _value(_samples(other), "ringmaster_jobs", state="ADMITTED", tenant=DEFAULT_TENANT) == 0
 
 
 def _parse_sse(text: str) -> list[dict[str, Any]]:

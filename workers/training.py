@@ -107,8 +107,13 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     step, position, checkpoint_uri = 0, DataPosition(), None
     latest, corrupt = _agreed_resume_point(ctx, save_group)
     if latest is not None:
+        began = time.perf_counter()
         progress = load_checkpoint(latest.path, model_parts=parallel.parts, optimizers=parallel.optimizers)
         step, position, checkpoint_uri = progress.step, progress.position, latest.path
+        if ctx.rank == 0:
+            restore_s = time.perf_counter() - began
+            ctx.on_event(f"restored checkpoint step {step} in {restore_s:.2f}s",
+                         {"restored_step": step, "restore_s": round(restore_s, 4)})
     if corrupt and ctx.rank == 0:
         resumed = f"resumed from step {latest.step}" if latest is not None else "started from scratch"
         problems = "; ".join(f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt)
@@ -133,6 +138,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     audit = _sample_audit(ctx, dims.dp_rank(mesh)) if spec.train.record_sample_ids else None
 
     in_flight: PendingSave | None = None  # at most one save is in flight
+    save_timing: dict[str, tuple[float, float]] = {}  # path -> (when the save began, seconds training was blocked)
     # The validation loss evaluated at a checkpoint, as (step, value): the end of training reuses it.
     validated_at: tuple[int, float] | None = None
 
@@ -155,7 +161,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     def commit(pending: PendingSave, final: bool) -> None:
         """Rank 0: make a written save visible, then report it with what retention did."""
         committed = commit_save(pending)
-        ctx.on_checkpoint(_checkpoint_record(pending, committed, ctx.world_size, final))
+        ctx.on_checkpoint(_checkpoint_record(pending, committed, ctx.world_size, final, save_timing[pending.path]))
 
     def settle(block: bool) -> None:
         """Commit the save in flight once written (rank 0 reports it then); ``block``: wait for it."""
@@ -171,9 +177,11 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         nonlocal in_flight
         settle(block=True)
         metric_value = checkpoint_metric()
+        began = time.perf_counter()
         pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
                              optimizers=parallel.optimizers, process_group=save_group if asynchronous else None,
                              metric_value=metric_value)
+        save_timing[pending.path] = (began, time.perf_counter() - began)
         if asynchronous:
             in_flight = pending
         elif ctx.rank == 0:
@@ -280,11 +288,14 @@ def _agreed_resume_point(ctx: TrainContext, group: dist.ProcessGroup) -> tuple[C
     return choice[0]
 
 
-def _checkpoint_record(pending: PendingSave, committed: CommittedSave, world_size: int, final: bool) -> CheckpointRecord:
+def _checkpoint_record(pending: PendingSave, committed: CommittedSave, world_size: int, final: bool,
+                       timing: tuple[float, float]) -> CheckpointRecord:
+    started, blocked_s = timing
     return CheckpointRecord(
         step=pending.step, uri=committed.path, world_size=world_size, final=final,
         metric=pending.manifest.get("metric"), metric_value=pending.manifest.get("metric_value"),
         best_uri=committed.retention.best, deleted_uris=committed.retention.deleted,
+        blocked_s=round(blocked_s, 4), save_s=round(time.perf_counter() - started, 4),
     )
 
 
