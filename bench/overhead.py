@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,8 +57,8 @@ def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     }
 
 
-def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, float]:
-    """Steady steps/s from the steps' wall times, and seconds from submit to the end of step 1."""
+def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, float, dict]:
+    """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, and where they went."""
     submitted = time.time()
     job = client.submit(job_spec(args, name, args.steps))
     done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600)
@@ -65,7 +66,11 @@ def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name:
         raise SystemExit(f"job {job['id']} ended {done['state']}: {done['error']}")
     times = {row["step"]: row["wall_time"] for row in client.metrics(job["id"])["items"] if row["wall_time"]}
     steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
-    return steady, times[1] - submitted
+    moments = {event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
+               for event in client.events(job["id"])["items"] if event["to_state"] in ("ADMITTED", "RUNNING")}
+    phases = {"admitted_s": round(moments["ADMITTED"], 2), "group_formed_s": round(moments["RUNNING"], 2),
+              "first_step_s": round(times[1] - submitted, 2)}
+    return steady, times[1] - submitted, phases
 
 
 def main() -> None:
@@ -77,11 +82,11 @@ def main() -> None:
             through_ringmaster(client, args, "warm-up")  # a warm cluster: worker processes exist, imports cached
             for round_index in range(args.rounds):
                 bare.append(bare_torchrun(args))
-                steady, to_first_step = through_ringmaster(client, args, f"overhead-{round_index}")
+                steady, to_first_step, phases = through_ringmaster(client, args, f"overhead-{round_index}")
                 managed.append(steady)
                 first_step.append(to_first_step)
                 print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
-                      f"submit→first step {to_first_step:.2f} s", flush=True)
+                      f"submit→first step {to_first_step:.2f} s {phases}", flush=True)
     ratio = statistics.median(managed) / statistics.median(bare)
     print(json.dumps({
         "workers": args.workers, "steps": args.steps, "rounds": args.rounds,
