@@ -1,5 +1,9 @@
 """Request-scoped dependencies: the caller (from its bearer token), the database session, the settings and the
-cluster-shape provider (the last three live on app.state)."""
+cluster-shape provider (the last three live on app.state).
+
+The cheap ones are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a hand-off that
+cost more than the work itself on every request. Whatever may block (a query, Ray) still goes to the pool.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from service import auth
 from service.auth import Principal
@@ -22,26 +27,26 @@ _report_token = HTTPBearer(auto_error=False, scheme_name="reportToken",
                            description="The job driver's per-attempt secret, which the dispatcher hands it at submission.")
 
 
-def get_database(request: Request) -> Database:
+async def get_database(request: Request) -> Database:
     database: Database = request.app.state.db
     return database
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_cluster_shape(request: Request) -> ClusterShape | None:
-    """The nodes' shape from the app's provider, else from the settings; None when neither knows it."""
+async def get_cluster_shape(request: Request) -> ClusterShape | None:
+    """The nodes' shape from the app's provider (which may ask Ray: off the event loop), else from the settings."""
     provider = request.app.state.cluster_shape_provider
-    shape: ClusterShape | None = provider() if provider is not None else None
-    return shape or ClusterShape.from_settings(get_settings(request))
+    shape: ClusterShape | None = await run_in_threadpool(provider) if provider is not None else None
+    return shape or ClusterShape.from_settings(request.app.state.settings)
 
 
 def get_session(request: Request) -> Iterator[Session]:
     """One transaction per request, committed before the response is sent (scope="function" below)."""
-    with session_scope(get_database(request).sessions) as session:
+    with session_scope(request.app.state.db.sessions) as session:
         yield session
 
 
@@ -51,15 +56,19 @@ DatabaseDep = Annotated[Database, Depends(get_database)]
 ClusterShapeDep = Annotated[ClusterShape | None, Depends(get_cluster_shape)]
 
 
-def get_principal(request: Request,
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_user_token)]) -> Principal:
-    """The caller behind the bearer token, looked up in a short transaction of its own before the route's."""
+async def get_principal(request: Request,
+                        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_user_token)]) -> Principal:
+    """The caller behind the bearer token: from the token cache, else looked up in a short transaction before the route's."""
     if credentials is None:
         if request.headers.get("authorization"):
             raise auth.Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
         raise auth.Unauthorized("missing API token: send 'Authorization: Bearer <token>' (`ringmaster token create` makes one)")
-    with session_scope(get_database(request).sessions) as session:
-        return auth.authenticate(session, credentials.credentials)
+    sessions = request.app.state.db.sessions
+    cache = auth.token_cache(sessions)
+    principal = cache.get(credentials.credentials)
+    if principal is None:
+        principal = await run_in_threadpool(cache.load, sessions, credentials.credentials)
+    return principal
 
 
 def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
@@ -70,7 +79,7 @@ def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Princi
 def check_report_token(request: Request, job_id: str, attempt: int,
                        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_report_token)]) -> None:
     """Only the driver of this very attempt may report for it (path: /jobs/{job_id}/attempts/{attempt}/...)."""
-    with session_scope(get_database(request).sessions) as session:
+    with session_scope(request.app.state.db.sessions) as session:
         auth.check_report_token(session, job_id, attempt, credentials.credentials if credentials else None)
 
 

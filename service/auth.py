@@ -2,6 +2,10 @@
 
 Only the SHA-256 of a secret is stored; the secret itself is shown once, when it is made. Secrets are 256
 random bits, so a plain hash (not a slow password hash) is enough to make a stolen table useless.
+
+The API looks bearer tokens up through a per-database TokenCache (token_cache): a token that worked is
+trusted for TOKEN_CACHE_TTL_S without a query. A revocation committed in this process clears it at once; one
+committed elsewhere (another replica, the CLI) takes effect here within TOKEN_CACHE_TTL_S.
 """
 
 from __future__ import annotations
@@ -10,10 +14,14 @@ import hashlib
 import hmac
 import os
 import secrets
+import threading
+import time
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import Engine, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import session_scope
@@ -22,6 +30,9 @@ from service.models import DEFAULT_TENANT, ApiToken, Attempt, utcnow
 from service.tenants import ensure_tenant
 
 TOKEN_PREFIX = "rm_"
+TOKEN_CACHE_TTL_S = 5.0
+"""How long a replica trusts a token it looked up; the bound on a revocation made on another replica."""
+_REVOKED = "ringmaster_revoked_tokens"
 
 
 class Unauthorized(RingmasterError):
@@ -93,17 +104,90 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.flush()
+        session.info.setdefault(_REVOKED, set()).add(row.id)  # dropped from this process's caches once committed
     return row
 
 
 def authenticate(session: Session, secret: str) -> Principal:
     """The principal a bearer secret speaks for; Unauthorized for an unknown or revoked one."""
-    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == hash_secret(secret))).first()
+    return _authenticate_hash(session, hash_secret(secret))
+
+
+def _authenticate_hash(session: Session, token_hash: str) -> Principal:
+    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == token_hash)).first()
     if row is None:
         raise Unauthorized("invalid API token")
     if row.revoked_at is not None:
         raise Unauthorized(f"API token {row.id} was revoked at {row.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
     return Principal(row.tenant, row.admin, row.id)
+
+
+class TokenCache:
+    """Token hash -> principal for ttl_s after a successful lookup; unknown and revoked tokens are never cached."""
+
+    def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S, max_entries: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[Principal, float]] = {}
+        self._generation = 0  # bumped by every revocation: a lookup that raced one does not cache what it read
+        self._lock = threading.Lock()
+
+    def get(self, secret: str) -> Principal | None:
+        """The principal cached for secret while it is fresh; None means ask load()."""
+        cached = self._entries.get(hash_secret(secret))
+        return cached[0] if cached is not None and cached[1] > time.monotonic() else None
+
+    def load(self, sessions: sessionmaker[Session], secret: str) -> Principal:
+        """The principal from the database (a short transaction of its own), cached when the token is valid."""
+        token_hash = hash_secret(secret)
+        started = time.monotonic()
+        generation = self._generation
+        with session_scope(sessions) as session:
+            principal = _authenticate_hash(session, token_hash)
+        with self._lock:
+            if generation == self._generation:
+                if len(self._entries) >= self.max_entries:
+                    self._entries = {key: entry for key, entry in self._entries.items() if entry[1] > started}
+                self._entries[token_hash] = (principal, started + self.ttl_s)
+        return principal
+
+    def forget(self, token_ids: Iterable[int]) -> None:
+        """Drop these tokens now, and keep lookups that were already in flight from caching them again."""
+        revoked = set(token_ids)
+        with self._lock:
+            self._generation += 1
+            self._entries = {key: entry for key, entry in self._entries.items() if entry[0].token_id not in revoked}
+
+
+_caches: "weakref.WeakKeyDictionary[Engine, TokenCache]" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def token_cache(sessions: sessionmaker[Session]) -> TokenCache:
+    """The token cache of the sessions' database: one per engine in this process, which revocations here clear."""
+    engine = sessions.kw["bind"]
+    if not isinstance(engine, Engine):
+        raise TypeError(f"a token cache needs a sessionmaker bound to an Engine, not {type(engine).__name__}")
+    with _caches_lock:
+        cache = _caches.get(engine)
+        if cache is None:
+            cache = _caches[engine] = TokenCache()
+        return cache
+
+
+@event.listens_for(Session, "after_commit")
+def _forget_revoked(session: Session) -> None:
+    revoked = session.info.pop(_REVOKED, None)
+    if revoked and isinstance(session.bind, Engine):
+        with _caches_lock:
+            cache = _caches.get(session.bind)
+        if cache is not None:
+            cache.forget(revoked)
+
+
+@event.listens_for(Session, "after_rollback")
+def _keep_unrevoked(session: Session) -> None:
+    session.info.pop(_REVOKED, None)
 
 
 def require_admin(principal: Principal) -> None:
