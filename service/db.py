@@ -6,12 +6,18 @@ cannot wait out) as soon as another writer committed in between. Taking the writ
 serializes writers, waiting up to busy_timeout, so every read-modify-write in service/jobs.py
 and the queue claim are atomic — the role row locks (``FOR UPDATE``) play on PostgreSQL. The
 price: keep sessions short, never hold one open across a call to Ray, and never open a second
-session in a thread that already has one open (it waits busy_timeout, then "database is locked").
+session in a thread that already has one open (it waits out the timeouts, then "database is locked").
+
+The transactions of one engine also queue on a lock before ``BEGIN IMMEDIATE``, held until the
+connection goes back to the pool: SQLite's own busy handler polls with sleeps growing to 100 ms, so
+under contention a writer would sleep on long after the database came free (that was the p99 of
+submissions). Other engines and processes still meet at busy_timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -24,6 +30,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 5000
+_HOLDS_WRITE_LOCK = "ringmaster_holds_write_lock"
 # Any constant shared by all replicas: serializes concurrent schema upgrades on PostgreSQL.
 _MIGRATION_LOCK_ID = 0x52494E47
 
@@ -48,10 +55,23 @@ def make_engine(url: str) -> Engine:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
+    write_lock = threading.Lock()  # a plain Lock: FastAPI may close a session on another thread than opened it
+
     @event.listens_for(engine, "begin")
     def _begin_immediate(connection: Connection) -> None:
+        info = connection.connection.info  # the pooled connection's, which "checkin" below sees again
+        # On a timeout (a thread opening a second session while holding one) BEGIN IMMEDIATE still decides, as before.
+        if not info.get(_HOLDS_WRITE_LOCK) and write_lock.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000):
+            info[_HOLDS_WRITE_LOCK] = True
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
+    def _release(info: MutableMapping[Any, Any]) -> None:
+        if info.pop(_HOLDS_WRITE_LOCK, False):
+            write_lock.release()
+
+    # At checkin, after the commit or rollback (even of an invalidated connection): released any earlier, the next
+    # writer would find SQLite still busy and sleep.
+    event.listen(engine.pool, "checkin", lambda _dbapi, record: _release(record.info))
     return engine
 
 
