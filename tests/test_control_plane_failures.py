@@ -333,5 +333,5 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, pos
           60, server)
     assert server.process is not None and server.process.poll() is None, "the server died with the database"
     logs = JobSubmissionClient(ray_head.dashboard_url).get_job_logs(submission_id)
-    assert "control plane answered 500" in logs or "control plane unreachable" in logs, \
+    assert "control plane answered 503" in logs or "control plane unreachable" in logs, \
         "no report met the restart: the test did not exercise it"
