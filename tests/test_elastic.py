@@ -136,16 +136,18 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
 
 
-def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninterrupted):
+def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster):
     while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
               if node.resources_total.get("CPU")) < 3:
         cluster.add_node()  # two nodes for the group, one idle for the standby
-    # Three times the reference's steps, so the standby is warm well before step STEPS; the LR schedule has no
-    # decay, so the first STEPS losses are the reference's.
-    spec = _spec("standby", 2, 2)
-    spec["workers"]["standby"] = 1
-    spec["train"]["steps"] = 3 * STEPS
-    job = cluster.client.submit(spec)
+    # A larger model than the other tests': its slower steps leave the standby time to warm up mid-job.
+    spec = _spec("standby-reference", 2, 2)
+    spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
+    reference = cluster.client.submit(spec)
+    done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+
+    job = cluster.client.submit({**spec, "name": "standby", "workers": {**spec["workers"], "standby": 1}})
     deadline = time.monotonic() + 120
     while not (ready := [e for e in _events(cluster.client, job["id"]) if e["data"] and "standby_node" in e["data"]]):
         assert time.monotonic() < deadline, "no standby worker became ready"
@@ -157,7 +159,5 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninte
     assert done["state"] == "SUCCEEDED", done["error"]
     resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {}))
     assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
-    assert resumed["data"]["resumed_from_step"] < STEPS, "the node died after the steps compared with the reference"
-    rows = [row for row in cluster.client.metrics(job["id"])["items"] if row["loss"] is not None]
-    assert [row["step"] for row in rows] == list(range(1, 3 * STEPS + 1))
-    assert [row["loss"] for row in rows[:STEPS]] == pytest.approx(uninterrupted, abs=1e-6)
+    assert _losses(cluster.client, job["id"]) == pytest.approx(_losses(cluster.client, reference["id"]), abs=1e-6)
+    _assert_each_sample_once_per_epoch(cluster.storage, job["id"])

@@ -105,6 +105,8 @@ class JobDriver:
         admission = get_placement_group(self.placement_group_name)
         self.slots = [Slot(admission, index) for index in range(admission.bundle_count)]
         try:
+            # Reserve standby capacity first (it does not wait): standbys start while the group forms.
+            self.standby.top_up(lambda: [], self._spare_capacity)
             members = self.group.launch(self.slots, START_TIMEOUT_S)
             if len(members) < self.spec.workers.min:
                 return self._fail(f"only {len(members)} of {self.spec.workers.min} workers started")
