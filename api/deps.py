@@ -71,7 +71,7 @@ async def get_principal(request: Request,
     return principal
 
 
-def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     auth.require_admin(principal)
     return principal
 

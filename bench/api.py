@@ -1,8 +1,14 @@
-"""Submission throughput and latency of the REST API (issue 5's benchmark; not a timed test).
+"""Submission throughput and latency of the REST API, and queued-to-admitted latency (issue 5's benchmark; not a timed test).
 
-Starts api.app.create_app on uvicorn in a thread on 127.0.0.1 (no Ray: the API only queues jobs), then N
-concurrent httpx clients POST /v1/jobs, each with a tenant's bearer token, for a bounded count and time.
-Reports submissions/s and p50/p99/max.
+Starts api.app.create_app on uvicorn in a thread on 127.0.0.1, as `ringmaster serve` runs it, and drives it from a
+child process (its own GIL) with concurrent httpx clients, each request carrying a tenant's bearer token:
+
+1. throughput: N clients POST /v1/jobs back to back for a bounded count and time, with no dispatcher (the API only
+   queues): submissions/s and p50/p99/max latency.
+2. admission: a second server, with the dispatcher running in it against a stand-in cluster that always has room
+   (its "drivers" report RUNNING then SUCCEEDED through service.jobs at once, so finished jobs leave the active set).
+   Jobs are submitted at a fixed rate; each job's time from the start of its POST to its admission (jobs.admitted_at,
+   written with the ADMITTED event) gives p50/p99/max.
 
     .venv/bin/python bench/api.py                       # SQLite in a temporary directory
     .venv/bin/python bench/api.py --postgres-url URL    # also PostgreSQL (a fresh schema, dropped afterwards)
@@ -15,6 +21,8 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
+import queue
+import resource
 import socket
 import statistics
 import sys
@@ -22,17 +30,26 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import uvicorn
-from sqlalchemy import create_engine
+from fastapi import FastAPI
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session, sessionmaker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.app import create_app  # noqa: E402
-from service import auth  # noqa: E402
+from service import auth, jobs  # noqa: E402
 from service.db import session_scope  # noqa: E402
+from service.dispatcher import Dispatcher  # noqa: E402
+from service.logs import configure_logging  # noqa: E402
+from service.models import Job  # noqa: E402
+from service.reports import DriverReport  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 SPEC = {"name": "bench", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"steps": 10}}
@@ -44,12 +61,81 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class StandInCluster:
+    """Always has room; a driver thread reports each submitted job RUNNING then SUCCEEDED, as a quick driver would."""
+
+    gcs_address = None
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+        self.states: dict[str, str] = {}
+        self._submitted: queue.Queue[str | None] = queue.Queue()
+        self._driver = threading.Thread(target=self._drive, name="stand-in-drivers", daemon=True)
+        self._driver.start()
+
+    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
+        return True
+
+    def release(self, name: str) -> None:
+        pass
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+        self.states[submission_id] = "RUNNING"
+        self._submitted.put(submission_id)
+
+    def status(self, submission_id: str) -> str | None:
+        return self.states.get(submission_id)
+
+    def stop(self, submission_id: str) -> None:
+        pass
+
+    def logs(self, submission_id: str) -> str:
+        return ""
+
+    def close(self) -> None:
+        self._submitted.put(None)
+        self._driver.join(timeout=30)
+
+    def _drive(self) -> None:
+        while (submission_id := self._submitted.get()) is not None:
+            job_id, attempt = submission_id.removeprefix("ringmaster-").rsplit("-", 1)
+            with session_scope(self.sessions) as session:
+                for seq, state in enumerate(("RUNNING", "SUCCEEDED"), start=1):
+                    jobs.apply_driver_report(session, job_id, int(attempt), DriverReport(seq=seq, state=state))
+            self.states[submission_id] = "SUCCEEDED"
+
+
+def _start_dispatcher(settings: Settings) -> Callable[[FastAPI], Callable[[], None]]:
+    """The dispatcher thread of `ringmaster serve` (api.server.ControlPlane), on the stand-in cluster."""
+
+    def start(app: FastAPI) -> Callable[[], None]:
+        cluster = StandInCluster(app.state.db.sessions)
+        dispatcher = Dispatcher(app.state.db.sessions, cluster, settings)
+        app.state.wake_dispatcher = dispatcher.wake
+        stop_event = threading.Event()
+        thread = threading.Thread(target=dispatcher.run, args=(stop_event,), name="dispatcher", daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            stop_event.set()
+            dispatcher.wake()
+            thread.join(timeout=30)
+            cluster.close()
+
+        return stop
+
+    return start
+
+
 class Server:
-    def __init__(self, database_url: str, data_dir: Path) -> None:
+    def __init__(self, database_url: str, data_dir: Path, *, dispatcher: bool, loop: str, http: str, access_log: bool) -> None:
         self.port = _free_port()
-        self.app = app = create_app(Settings(database_url=database_url, data_dir=data_dir))
+        settings = Settings(database_url=database_url, data_dir=data_dir, api_port=self.port)
+        self.app = app = create_app(settings, start_background=_start_dispatcher(settings) if dispatcher else None)
         self.token = ""
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
+        # With the access log, log_config=None keeps the JSON handler configure_logging installed, as run_server does.
+        logging_options = {"log_config": None, "log_level": "info"} if access_log else {"log_level": "warning"}
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop=loop, http=http, access_log=access_log, **logging_options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -73,12 +159,33 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _percentiles(values_s: list[float]) -> dict[str, float]:
+    ordered = sorted(values_s)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return {"p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": ordered[-1] * 1000, "mean_ms": statistics.fmean(ordered) * 1000}
+
+
+WARM_UP = 20
+
+
+def _warm_up(url: str, headers: dict[str, str]) -> None:
+    """Connections, first-request imports, the planner's caches."""
+    with httpx.Client(base_url=url, headers=headers) as http:
+        for _ in range(WARM_UP):
+            http.post("/v1/jobs", json=SPEC).raise_for_status()
+
+
 def run(url: str, token: str, clients: int, count: int, max_s: float) -> dict[str, float]:
+    """Closed loop: each client submits its next job as soon as the last one is answered."""
     latencies: list[float] = []
     errors = 0
     lock = threading.Lock()
     remaining = [count]
     deadline = time.monotonic() + max_s
+    headers = {"Authorization": f"Bearer {token}"}
 
     def worker() -> None:
         nonlocal errors
@@ -97,10 +204,7 @@ def run(url: str, token: str, clients: int, count: int, max_s: float) -> dict[st
                     else:
                         errors += 1
 
-    headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=url, headers=headers) as http:  # warm-up: connections, first-request imports, the planner's caches
-        for _ in range(20):
-            http.post("/v1/jobs", json=SPEC).raise_for_status()
+    _warm_up(url, headers)
     threads = [threading.Thread(target=worker) for _ in range(clients)]
     started = time.perf_counter()
     for thread in threads:
@@ -108,53 +212,145 @@ def run(url: str, token: str, clients: int, count: int, max_s: float) -> dict[st
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    latencies.sort()
-
-    def pct(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
-
     return {"submitted": len(latencies), "errors": errors, "seconds": elapsed, "per_s": len(latencies) / elapsed,
-            "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": latencies[-1] * 1000, "mean_ms": statistics.fmean(latencies) * 1000}
+            **_percentiles(latencies)}
 
 
-def run_elsewhere(server: Server, clients: int, count: int, max_s: float) -> dict[str, float]:
+def run_paced(url: str, token: str, clients: int, count: int, rate: float) -> tuple[list[tuple[str, float]], int]:
+    """Open loop: job i is posted at start + i/rate (by whichever client is free); returns (job id, POST start) pairs."""
+    posted: list[tuple[str, float]] = []
+    errors = 0
+    lock = threading.Lock()
+    next_index = [0]
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def worker(start: float) -> None:
+        nonlocal errors
+        with httpx.Client(base_url=url, headers=headers, timeout=30.0) as http:
+            while True:
+                with lock:
+                    index = next_index[0]
+                    if index >= count:
+                        return
+                    next_index[0] += 1
+                time.sleep(max(0.0, start + index / rate - time.monotonic()))
+                wall = time.time()
+                response = http.post("/v1/jobs", json=SPEC)
+                with lock:
+                    if response.status_code == 201:
+                        posted.append((response.json()["id"], wall))
+                    else:
+                        errors += 1
+
+    _warm_up(url, headers)
+    start = time.monotonic() + 0.1
+    threads = [threading.Thread(target=worker, args=(start,)) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return posted, errors
+
+
+def _elsewhere(function: Callable[..., object], *args: object) -> object:
     """The load from a child process: in the server's process the clients would share its GIL and halve its CPU."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(run, server.url, server.token, clients, count, max_s).result()
+        return pool.submit(function, *args).result()
+
+
+def admission_latency(server: Server, clients: int, count: int, rate: float, wait_s: float = 60.0) -> dict[str, float]:
+    """POST start to jobs.admitted_at for count jobs submitted at rate per second."""
+    posted, errors = _elsewhere(run_paced, server.url, server.token, clients, count, rate)  # type: ignore[misc]
+    started = dict(posted)
+    deadline = time.monotonic() + wait_s
+    while True:
+        with session_scope(server.app.state.db.sessions) as session:
+            admitted = dict(session.execute(select(Job.id, Job.admitted_at).where(Job.id.in_(started), Job.admitted_at.is_not(None))).all())
+        if len(admitted) == len(started) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    waits = [_epoch(at) - started[job_id] for job_id, at in admitted.items()]
+    return {"submitted": len(started), "admitted": len(admitted), "errors": errors, **_percentiles(waits)}
+
+
+def _epoch(moment: datetime) -> float:
+    """SQLite hands back naive datetimes; the control plane writes UTC."""
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _report(label: str, result: dict[str, float]) -> None:
     print(f"{label:10s} {result['submitted']:6.0f} jobs in {result['seconds']:5.1f}s: {result['per_s']:7.1f}/s  "
-          f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}")
+          f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}  "
+          f"server CPU {result['server_cpu_ms']:.2f} ms/job", flush=True)
+
+
+def _report_admission(label: str, rate: float, result: dict[str, float]) -> None:
+    print(f"{label:10s} {result['admitted']:4.0f}/{result['submitted']:.0f} admitted, submitted at {rate:g}/s: POST->ADMITTED "
+          f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}",
+          flush=True)
+
+
+@contextmanager
+def _postgres_schema(admin_url: str) -> Iterator[str]:
+    """A fresh schema on the server (dropped afterwards), as a URL whose search_path is that schema."""
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients")
-    parser.add_argument("--count", type=int, default=2000, help="submissions per database")
-    parser.add_argument("--max-seconds", type=float, default=30.0, help="stop each run after this long")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients in the throughput run")
+    parser.add_argument("--count", type=int, default=2000, help="submissions per database in the throughput run (0: skip it)")
+    parser.add_argument("--max-seconds", type=float, default=30.0, help="stop each throughput run after this long")
+    parser.add_argument("--admit-count", type=int, default=300, help="jobs per database in the admission run (0: skip it)")
+    parser.add_argument("--admit-rate", type=float, default=10.0, help="submissions per second in the admission run")
     parser.add_argument("--postgres-url", default=os.environ.get("RINGMASTER_TEST_POSTGRES_URL"))
     parser.add_argument("--no-sqlite", action="store_true")
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn's event loop")
+    parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn's HTTP parser")
+    parser.add_argument("--access-log", action="store_true", help="log every request as `ringmaster serve` does (to /dev/null)")
     args = parser.parse_args()
-    print(f"{args.clients} clients, up to {args.count} submissions or {args.max_seconds:.0f}s per database, {os.cpu_count()} CPUs")
+    if args.access_log:
+        configure_logging(stream=open(os.devnull, "w"))  # noqa: SIM115 — lives as long as the process
+    print(f"{args.clients} clients, up to {args.count} submissions or {args.max_seconds:.0f}s per database, {os.cpu_count()} CPUs, "
+          f"loop={args.loop} http={args.http} access log {'on' if args.access_log else 'off'}", flush=True)
+    options = {"loop": args.loop, "http": args.http, "access_log": args.access_log}
+
+    def bench(label: str, url_for: Callable[[], AbstractContextManager[str]], data_dir: Path) -> None:
+        if args.count:
+            with url_for() as url, Server(url, data_dir, dispatcher=False, **options) as server:
+                cpu_before = _cpu_seconds()
+                result: dict[str, float] = _elsewhere(run, server.url, server.token, args.clients, args.count, args.max_seconds)  # type: ignore[assignment]
+                # The server's own CPU per job (the clients run in a child): steadier than jobs/s on a shared machine.
+                result["server_cpu_ms"] = (_cpu_seconds() - cpu_before) * 1000 / (result["submitted"] + WARM_UP)
+                _report(label, result)
+        if args.admit_count:
+            with url_for() as url, Server(url, data_dir, dispatcher=True, **options) as server:
+                _report_admission(label, args.admit_rate, admission_latency(server, 4, args.admit_count, args.admit_rate))
+
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_sqlite:
-            with Server(f"sqlite:///{tmp}/bench.db", Path(tmp)) as server:
-                _report("sqlite", run_elsewhere(server, args.clients, args.count, args.max_seconds))
+            @contextmanager
+            def sqlite_url() -> Iterator[str]:
+                yield f"sqlite:///{tmp}/bench-{uuid.uuid4().hex[:8]}.db"
+
+            bench("sqlite", sqlite_url, Path(tmp))
         if args.postgres_url:
-            admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
-            schema = f"bench_{uuid.uuid4().hex[:12]}"
-            with admin.connect() as connection:
-                connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-            try:
-                url = admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
-                with Server(url, Path(tmp)) as server:
-                    _report("postgres", run_elsewhere(server, args.clients, args.count, args.max_seconds))
-            finally:
-                with admin.connect() as connection:
-                    connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-                admin.dispose()
+            bench("postgres", lambda: _postgres_schema(args.postgres_url), Path(tmp))
 
 
 if __name__ == "__main__":
