@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib
 import logging
 import os
 import re
 import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -65,13 +63,6 @@ def is_communication_failure(error: RayTaskError) -> bool:
     return any(marker in text for marker in _COMMUNICATION_FAILURES)
 
 
-def _preload_checkpoint_reader() -> None:
-    try:
-        importlib.import_module("workers.checkpoint")
-    except Exception:  # noqa: BLE001 — e.g. the job ended and the interpreter is exiting; imported again where used
-        log.debug("preloading workers.checkpoint did not finish", exc_info=True)
-
-
 @dataclass
 class Outcome:
     """How one run of the group ended: finished, lost workers, wants to grow, or the user's code failed."""
@@ -98,7 +89,6 @@ class JobDriver:
         self.slots: list[Slot] = []
         self.lost_nodes: set[str] = set()
         self._memory_pending: set[int] = set()
-        self._preloading: threading.Thread | None = None
 
     def run(self) -> int:
         """Train to the end; 0 when the job succeeded, 1 when it failed (reported either way)."""
@@ -194,11 +184,6 @@ class JobDriver:
         memory = [RankMemory(**measured) for batch in drained for measured in batch["memory"]]
         self._memory_pending -= {measured.rank for measured in memory}
         first = drained[0]
-        if first["metrics"] and self._preloading is None:
-            # workers.checkpoint imports torch (2-3 s of CPU): off the way to the first step, and done before a
-            # failure needs it to name the step resumed from.
-            self._preloading = threading.Thread(target=_preload_checkpoint_reader, daemon=True)
-            self._preloading.start()
         if first["metrics"] or first["checkpoints"] or memory:
             self.reporter.report(
                 metrics=[MetricPoint(**point) for point in first["metrics"]],
@@ -291,10 +276,9 @@ class JobDriver:
         self._form(members)
         log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
                  time.monotonic() - started)
-        from workers.checkpoint import latest_committed  # imported in the background once training ran
-
-        checkpoint = latest_committed(self.storage_root) or (latest_committed(self.resume_from_root) if self.resume_from_root else None)
-        resumed = checkpoint.step if checkpoint else 0
+        # Rank 0 names the checkpoint it will resume from: reading checkpoints takes torch, which the driver never
+        # imports (2-3 s of CPU, taken from training on a small machine).
+        resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
                    "standby_workers_used": len(standbys),
                    "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}

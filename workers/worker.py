@@ -59,6 +59,15 @@ class TrainWorker:
         """A free port on this node, for the group this actor will lead as rank 0."""
         return _free_port(ray.util.get_node_ip_address())
 
+    def resume_step(self, storage_root: str, resume_from_root: str | None) -> int:
+        """The step training will resume from (0: from scratch), chosen as training chooses it."""
+        from workers.checkpoint import find_resume_point
+
+        latest = find_resume_point(storage_root)[0]
+        if latest is None and resume_from_root is not None:
+            latest = find_resume_point(resume_from_root)[0]
+        return latest.step if latest is not None else 0
+
     def warm_up(self) -> None:
         """Returns once the training stack is imported: a standby is ready to join a group at once."""
         self._warm.join()
