@@ -69,6 +69,16 @@ def _standby_node(client: RingmasterClient, job_id: str, timeout_s: float = 120)
     raise SystemExit(f"job {job_id} never had a standby worker ready")
 
 
+def _recovering_event(client: RingmasterClient, job_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in client.events(job_id)["items"] if e["to_state"] == "RECOVERING"]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise SystemExit(f"job {job_id} never went RECOVERING: {client.job(job_id)}")
+
+
 def _first_step_after(client: RingmasterClient, job_id: str, moment: float, timeout_s: float = 300) -> float:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -93,9 +103,10 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
         cluster.freeze_node(victim)
     else:
         cluster.kill_node(victim)
-    trained_again = _first_step_after(client, job["id"], struck)
-    recovering = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RECOVERING")
+    recovering = _recovering_event(client, job["id"])
     noticed = datetime.fromisoformat(recovering["at"]).timestamp() - struck
+    # A step in flight may still end just after the kill; the re-formed group's steps come after RECOVERING.
+    trained_again = _first_step_after(client, job["id"], max(struck, datetime.fromisoformat(recovering["at"]).timestamp()))
     client.cancel(job["id"])
     resumed = next(e for e in reversed(client.events(job["id"])["items"]) if e["to_state"] == "RUNNING")
     return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2),
