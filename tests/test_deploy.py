@@ -616,10 +616,9 @@ def test_database_url_points_at_the_bundled_or_an_external_postgresql(overlay: R
             f"{overlay.name}: the external database URL should be a marked placeholder, not a real credential"
 
 
-def test_api_token_is_a_marked_placeholder(overlay: Rendered) -> None:
-    secrets = [s for s in overlay.of_kind("Secret") if "api-token" in overlay.data("Secret", s["metadata"]["name"])]
-    assert len(secrets) == 1
-    assert PLACEHOLDER in overlay.data("Secret", secrets[0]["metadata"]["name"])["api-token"]
+def test_no_api_token_is_deployed_tokens_live_hashed_in_the_database(overlay: Rendered) -> None:
+    for secret in overlay.of_kind("Secret"):
+        assert not [key for key in overlay.data("Secret", secret["metadata"]["name"]) if "token" in key], secret["metadata"]["name"]
 
 
 # -- the image -------------------------------------------------------------------------------------
