@@ -126,9 +126,12 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterr
 def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterrupted):
     job = cluster.client.submit(_spec("frozen", 1, 2))
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
-    frozen_at = time.time()
-    cluster.freeze_node(_worker_node(cluster))
-    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    frozen_node, frozen_at = _worker_node(cluster), time.time()
+    cluster.freeze_node(frozen_node)
+    try:
+        done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    finally:
+        cluster.kill_node(frozen_node)  # a dead node left in the cluster would stall every later add_node
     assert done["state"] == "SUCCEEDED", done["error"]
     recovering = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RECOVERING")
     detected_after = datetime.fromisoformat(recovering["at"]).timestamp() - frozen_at
