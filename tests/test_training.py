@@ -34,7 +34,10 @@ def test_bf16_run_reports_each_step_warmup_lr_validation_and_final_checkpoint(tm
     assert [p.lr for p in step_points] == [0.005, 0.01, 0.01, 0.01]
     assert all(math.isfinite(p.loss) and p.samples_per_s > 0 and p.step_time_s > 0 and p.world_size == 1 for p in step_points)
     assert validation_point.step == 4 and validation_point.val_loss == result.val_loss and math.isfinite(result.val_loss)
-    assert checkpoints == [CheckpointRecord(step=4, uri=str(tmp_path / "step-00000004"), world_size=1, final=True)]
+    [record] = checkpoints
+    assert record.model_copy(update={"blocked_s": None, "save_s": None}) == \
+        CheckpointRecord(step=4, uri=str(tmp_path / "step-00000004"), world_size=1, final=True)
+    assert 0 < record.blocked_s <= record.save_s  # the final save is synchronous: it blocks for all of its time
     assert (result.step, result.loss, result.checkpoint_uri, result.stopped) == (4, step_points[-1].loss, checkpoints[0].uri, False)
 
 
