@@ -44,6 +44,8 @@ START_TIMEOUT_S = 120.0  # first start: worker processes import torch
 REPLACEMENT_WAIT_S = 5.0  # spare capacity exists: wait this long to reserve it for replacement workers
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
 GROW_CHECK_INTERVAL_S = 2.0
+# A live standby answers at once and a dead one fails at once; only a loaded machine handling a node's death needs more.
+STANDBY_PROBE_TIMEOUT_S = 10.0
 FINAL_REPORT_WAIT_S = 600.0  # the control plane may be restarting when the job ends
 _MAX_MESSAGE = 20_000
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -250,8 +252,8 @@ class JobDriver:
             })
             self.group.remove(outcome.lost)
         wanted = self.spec.workers.max - self.group.world_size
-        standbys = self.standby.take(wanted, self.lost_nodes, PROBE_TIMEOUT_S) if wanted else []
-        self.slots += [worker.slot for worker in standbys if worker.slot not in self.slots]
+        standbys = self.standby.take(wanted, self.lost_nodes, STANDBY_PROBE_TIMEOUT_S) if wanted else []
+        self.slots += [slot for slot in [worker.slot for worker in standbys] + self.standby.freed if slot not in self.slots]
         wanted -= len(standbys)
         if wanted and len(self._spare_slots()) < wanted and self._spare_capacity():
             # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.

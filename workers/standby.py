@@ -31,6 +31,7 @@ class StandbyPool:
         self._workers = workers
         self._group = group
         self.ready: list[RankedWorker] = []
+        self.freed: list[Slot] = []  # slots of standbys dropped by the last take
         self._starting: dict[Any, tuple[Any, Slot, Any]] = {}  # warm_up ref -> (actor, slot, placement ref)
         self._reserving: tuple[PlacementGroup, Any] | None = None  # a reservation and its ready() ref
         self._next_look = 0.0
@@ -100,6 +101,7 @@ class StandbyPool:
         gone = [worker for worker in self.ready if worker not in alive]
         for worker in gone:
             ray.kill(worker.actor, no_restart=True)
+        self.freed = [worker.slot for worker in gone]  # their capacity is still reserved: new workers may use it
         self.ready = [worker for worker in alive if worker not in taken]
         return taken
 
