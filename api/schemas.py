@@ -40,10 +40,14 @@ class JobOut(BaseModel):
 
     @classmethod
     def from_row(cls, job: Job, settings: Settings) -> "JobOut":
+        return cls(**cls._fields(job, settings))
+
+    @staticmethod
+    def _fields(job: Job, settings: Settings) -> dict[str, Any]:
         dashboard_url = None
         if settings.ray_dashboard_url and job.submission_id:
             dashboard_url = f"{settings.ray_dashboard_url.rstrip('/')}/#/jobs/{job.submission_id}"
-        return cls(
+        return dict(
             id=job.id,
             name=job.name,
             tenant=job.tenant,
@@ -110,7 +114,7 @@ class JobDetailOut(JobOut):
 
     @classmethod
     def from_job(cls, job: Job, settings: Settings, memory: list[jobs.RankMemoryComparison]) -> "JobDetailOut":
-        return cls(**JobOut.from_row(job, settings).model_dump(), memory=[RankMemoryOut.from_comparison(m) for m in memory])
+        return cls(**cls._fields(job, settings), memory=[RankMemoryOut.from_comparison(m) for m in memory])
 
 
 class EventOut(BaseModel):

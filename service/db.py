@@ -42,7 +42,9 @@ def make_engine(url: str) -> Engine:
         return create_engine(parsed, pool_pre_ping=True)
     if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(parsed, pool_pre_ping=True, connect_args={"check_same_thread": False})
+    # No pool_pre_ping: a SQLite connection is a file handle, which nothing on the other end can drop; the ping was a
+    # query on every checkout.
+    engine = create_engine(parsed, connect_args={"check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _configure(dbapi_connection: Any, _record: Any) -> None:
