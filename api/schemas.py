@@ -44,27 +44,28 @@ class JobOut(BaseModel):
 
     @staticmethod
     def _fields(job: Job, settings: Settings) -> dict[str, Any]:
+        """The row's values under the model's field names (shared with JobDetailOut, which adds memory)."""
         dashboard_url = None
         if settings.ray_dashboard_url and job.submission_id:
             dashboard_url = f"{settings.ray_dashboard_url.rstrip('/')}/#/jobs/{job.submission_id}"
-        return dict(
-            id=job.id,
-            name=job.name,
-            tenant=job.tenant,
-            state=JobState(job.state),
-            waiting_reason=job.waiting_reason if job.state == JobState.QUEUED else None,
-            attempt=job.attempt,
-            failures=job.failures,
-            priority=job.priority,
-            created_at=job.created_at,
-            admitted_at=job.admitted_at,
-            started_at=job.started_at,
-            finished_at=job.finished_at,
-            error=job.error,
-            ray_job_id=job.submission_id,
-            dashboard_url=dashboard_url,
-            spec=job.spec,
-        )
+        return {
+            "id": job.id,
+            "name": job.name,
+            "tenant": job.tenant,
+            "state": JobState(job.state),
+            "waiting_reason": job.waiting_reason if job.state == JobState.QUEUED else None,
+            "attempt": job.attempt,
+            "failures": job.failures,
+            "priority": job.priority,
+            "created_at": job.created_at,
+            "admitted_at": job.admitted_at,
+            "started_at": job.started_at,
+            "finished_at": job.finished_at,
+            "error": job.error,
+            "ray_job_id": job.submission_id,
+            "dashboard_url": dashboard_url,
+            "spec": job.spec,
+        }
 
 
 class StateBytesOut(BaseModel):
