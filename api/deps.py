@@ -1,5 +1,5 @@
-"""Request-scoped dependencies: the caller (from its bearer token), the database session, the settings and the
-cluster-shape provider (the last three live on app.state).
+"""Request-scoped dependencies: the caller (from its bearer token), the database session and the settings (the last
+two live on app.state); and the cluster's shape, read in a route's worker thread.
 
 The cheap ones are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a hand-off that
 cost more than the work itself on every request. Whatever may block (a query, Ray) still goes to the pool.
@@ -37,10 +37,11 @@ async def get_settings(request: Request) -> Settings:
     return settings
 
 
-async def get_cluster_shape(request: Request) -> ClusterShape | None:
-    """The nodes' shape from the app's provider (which may ask Ray: off the event loop), else from the settings."""
+def read_cluster_shape(request: Request) -> ClusterShape | None:
+    """The nodes' shape from the app's provider, else from the settings; the provider may ask Ray, so never call this
+    on the event loop."""
     provider = request.app.state.cluster_shape_provider
-    shape: ClusterShape | None = await run_in_threadpool(provider) if provider is not None else None
+    shape: ClusterShape | None = provider() if provider is not None else None
     return shape or ClusterShape.from_settings(request.app.state.settings)
 
 
@@ -53,7 +54,6 @@ def get_session(request: Request) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_database)]
-ClusterShapeDep = Annotated[ClusterShape | None, Depends(get_cluster_shape)]
 
 
 async def get_principal(request: Request,

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from api.deps import ClusterShapeDep, CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep
+from api.deps import CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep, read_cluster_shape
 from api.errors import FiniteJSONResponse, error_responses, finite_values
 from api.limits import check_document, load_json, load_yaml
 from api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
@@ -71,12 +71,14 @@ _SPEC_BODY = {
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobDetailOut, openapi_extra=_SPEC_BODY,
              responses=error_responses(413, 415))
-def submit(request: Request, principal: CurrentPrincipal, spec: Annotated[JobSpec, Depends(spec_from_body)],
-           cluster: ClusterShapeDep, db: DatabaseDep, settings: SettingsDep) -> FiniteJSONResponse:
+def submit(request: Request, principal: CurrentPrincipal, spec: Annotated[JobSpec, Depends(spec_from_body)]) -> FiniteJSONResponse:
     """Queue a job for the caller's tenant; 422 when the spec is invalid or larger than the tenant's quota allows."""
-    # The cluster's shape (a dependency) is read before the transaction opens: a provider may ask Ray, which is slow.
-    with session_scope(db.sessions) as session:
-        created = JobDetailOut.from_job(jobs.submit_job(session, spec, cluster, principal), settings, [])
+    # The database, settings and cluster shape come from app.state here, not as dependencies: FastAPI resolves each
+    # dependency anew on every request, and this is the route clients call most.
+    state = request.app.state
+    cluster = read_cluster_shape(request)  # before the transaction opens: a provider may ask Ray, which is slow
+    with session_scope(state.db.sessions) as session:
+        created = JobDetailOut.from_job(jobs.submit_job(session, spec, cluster, principal), state.settings, [])
     _wake_dispatcher(request)
     # Rendered here, in this worker thread: a returned model costs FastAPI a second trip through the thread pool.
     return FiniteJSONResponse(created.model_dump(mode="json"), status_code=status.HTTP_201_CREATED)
