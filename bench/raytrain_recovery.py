@@ -11,6 +11,7 @@ How it measures
   ``checkpoint_every`` steps; restore with ``ray.train.get_checkpoint()``.
   * "replace": ``ScalingConfig(num_workers=2)``. Once training has passed ``kill_after_step`` the
     harness adds a replacement node (and waits for it), then kills the node of worker ``victim_rank``.
+  * "replace-elastic": as "replace", with ``ScalingConfig(num_workers=(1, 2))`` (V2 elasticity).
   * "shrink": ``ScalingConfig(num_workers=(1, 2))`` (V2 elasticity); the worker's node is killed and
     nothing replaces it, so the group can only restart on the survivor. The cluster must then have
     no spare CPU node, or Ray Train would simply restart at 2 workers on it.
@@ -46,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SCENARIOS = ("replace", "shrink")
+SCENARIOS = ("replace", "replace-elastic", "shrink")
 _FIT_FLAG = "--_fit-driver"
 
 
@@ -254,7 +255,7 @@ def measure_ray_train(
         if not is_v2_enabled():
             raise RuntimeError("RAY_TRAIN_V2_ENABLED is off")
     except Exception as error:  # noqa: BLE001
-        if scenario == "shrink":
+        if scenario != "replace":
             return {"scenario": scenario, "recovery_s": None,
                     "detail": {**detail, "reason": f"elastic num_workers=(1, 2) unsupported: {error!r}"}}
 
@@ -292,7 +293,7 @@ def measure_ray_train(
                 victim_node = group.get(victim_rank, group[0])
                 detail["group_before"] = {str(rank): node for rank, node in sorted(group.items())}
                 detail["step_s_before_kill"] = _median_step_seconds(progress)
-                if scenario == "replace":
+                if scenario in ("replace", "replace-elastic"):
                     added_at = time.time()
                     replacement = cluster.add_node()
                     detail["replacement_node"] = replacement.node_id

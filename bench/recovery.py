@@ -3,7 +3,11 @@
     python bench/recovery.py [--rounds 1]
 
 On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 workers):
-- replace: a replacement node joins, then a worker's node is killed;
+- replace: a replacement node joins, then a worker's node is killed (workers {min: 2, max: 2}: the
+           group waits for the replacement's cold start);
+- replace-elastic: as replace with workers {min: 1, max: 2} (Ray Train num_workers=(1, 2)): the
+           survivor trains on while the replacement warms up, and the group grows back to it; also
+           prints the time until the group trains at 2 workers again (full_size_s);
 - standby: as replace, but the job keeps one warm standby worker (workers.standby: 1) on the spare
            node, which joins at once (Ray Train has no such thing: its baseline is its replace time);
 - shrink:  a worker's node is killed with no replacement (ringmaster workers {min: 1, max: 2},
@@ -37,7 +41,7 @@ KILL_AFTER_STEP = 30
 
 
 def job_spec(scenario: str) -> dict:
-    minimum = 1 if scenario in ("shrink", "frozen") else 2
+    minimum = 1 if scenario in ("replace-elastic", "shrink", "frozen") else 2
     return {
         "name": f"recovery-{scenario}", "model": "tiny-gpt",
         "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1, "standby": 1 if scenario == "standby" else 0},
@@ -79,6 +83,16 @@ def _recovering_event(client: RingmasterClient, job_id: str, timeout_s: float = 
     raise SystemExit(f"job {job_id} never went RECOVERING: {client.job(job_id)}")
 
 
+def _grown_event(client: RingmasterClient, job_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in client.events(job_id)["items"] if "capacity returned" in e["message"]]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise SystemExit(f"job {job_id} never grew back to 2 workers: {client.job(job_id)}")
+
+
 def _first_step_after(client: RingmasterClient, job_id: str, moment: float, timeout_s: float = 300) -> float:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -95,7 +109,7 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
     job = client.submit(job_spec(scenario))
     _wait_for_step(client, job["id"], KILL_AFTER_STEP)
     spared = _standby_node(client, job["id"]) if scenario == "standby" else None
-    if scenario == "replace":
+    if scenario in ("replace", "replace-elastic"):
         cluster.add_node()
     victim = _a_worker_node(cluster, spared)
     struck = time.time()
@@ -107,9 +121,14 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
     noticed = datetime.fromisoformat(recovering["at"]).timestamp() - struck
     # A step in flight may still end just after the kill; the re-formed group's steps come after RECOVERING.
     trained_again = _first_step_after(client, job["id"], max(struck, datetime.fromisoformat(recovering["at"]).timestamp()))
+    full_size = {}
+    if scenario == "replace-elastic":
+        grown = _grown_event(client, job["id"])
+        full_size["full_size_s"] = round(_first_step_after(client, job["id"], datetime.fromisoformat(grown["at"]).timestamp())
+                                         - struck, 2)
     client.cancel(job["id"])
-    resumed = next(e for e in reversed(client.events(job["id"])["items"]) if e["to_state"] == "RUNNING")
-    return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2),
+    resumed = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
+    return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2), **full_size,
             "world_size_after": resumed["data"].get("world_size"), "regroup_s": resumed["data"].get("regroup_s"),
             "standby_workers_used": resumed["data"].get("standby_workers_used")}
 
@@ -118,8 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-ray-train", action="store_true")
-    parser.add_argument("--scenarios", nargs="+", choices=("replace", "standby", "shrink", "frozen"),
-                        default=["replace", "standby", "shrink", "frozen"])
+    parser.add_argument("--scenarios", nargs="+", choices=("replace", "replace-elastic", "standby", "shrink", "frozen"),
+                        default=["replace", "replace-elastic", "standby", "shrink", "frozen"])
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
@@ -135,6 +154,8 @@ def main() -> None:
                         print(json.dumps({"system": "ringmaster", "scenario": scenario, **measured}), flush=True)
                         results.setdefault(scenario, {}).setdefault("ringmaster", []).append(measured["recovery_s"])
                         results[scenario].setdefault("noticed", []).append(measured["noticed_s"])
+                        if "full_size_s" in measured:
+                            results[scenario].setdefault("full_size", []).append(measured["full_size_s"])
                         if scenario == "frozen" or args.skip_ray_train:
                             continue
                         if scenario == "standby" and results.get("replace", {}).get("ray_train"):

@@ -103,8 +103,23 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
 
 
-def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterrupted):
-    job = cluster.client.submit(_spec("shrink", 1, 2))
+@pytest.fixture(scope="module")
+def larger_reference(cluster) -> tuple[dict, list[float]]:
+    """A larger model than the other tests': its slower steps leave a new worker time to warm up mid-job."""
+    spec = _spec("larger-reference", 2, 2)
+    spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
+    # A smaller step than the tiny model's: a world-size change reorders the gradient sums, and a larger learning rate
+    # would amplify that rounding past the 1e-4 the elastic tests allow within 300 steps.
+    spec["train"] = {**spec["train"], "lr": 0.001}
+    reference = cluster.client.submit(spec)
+    done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    return spec, _losses(cluster.client, reference["id"])
+
+
+def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, larger_reference):
+    spec, reference_losses = larger_reference
+    job = cluster.client.submit({**spec, "name": "shrink", "workers": {**spec["workers"], "min": 1}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.kill_node(_worker_node(cluster))
     deadline = time.monotonic() + 60
@@ -119,7 +134,7 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterr
     rows = cluster.client.metrics(job["id"])["items"]
     assert {row["world_size"] for row in rows if row["loss"] is not None} >= {1, 2}
     # The global batch is kept (accumulation doubles at one worker), so the trajectory is the same run's.
-    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
+    assert _losses(cluster.client, job["id"]) == pytest.approx(reference_losses, abs=1e-4)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
 
 
@@ -139,17 +154,11 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
 
 
-def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster):
+def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, larger_reference):
     while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
               if node.resources_total.get("CPU")) < 3:
         cluster.add_node()  # two nodes for the group, one idle for the standby
-    # A larger model than the other tests': its slower steps leave the standby time to warm up mid-job.
-    spec = _spec("standby-reference", 2, 2)
-    spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
-    reference = cluster.client.submit(spec)
-    done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
-    assert done["state"] == "SUCCEEDED", done["error"]
-
+    spec, reference_losses = larger_reference
     job = cluster.client.submit({**spec, "name": "standby", "workers": {**spec["workers"], "standby": 1}})
     deadline = time.monotonic() + 120
     while not (ready := [e for e in _events(cluster.client, job["id"]) if e["data"] and "standby_node" in e["data"]]):
@@ -162,5 +171,26 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster):
     assert done["state"] == "SUCCEEDED", done["error"]
     resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {}))
     assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
-    assert _losses(cluster.client, job["id"]) == pytest.approx(_losses(cluster.client, reference["id"]), abs=1e-6)
+    assert _losses(cluster.client, job["id"]) == pytest.approx(reference_losses, abs=1e-6)
+    _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+
+
+def test_elastic_job_trains_on_while_its_replacement_warms_up(cluster, larger_reference):
+    """min < max with a replacement node: the survivor trains on at once, and the group grows back to the
+    replacement only once its worker is warm, rather than idling through its cold start."""
+    spec, reference_losses = larger_reference
+    job = cluster.client.submit({**spec, "name": "replace-elastic", "workers": {**spec["workers"], "min": 1}})
+    _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    cluster.add_node()
+    cluster.kill_node(_worker_node(cluster))
+    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    events = _events(cluster.client, job["id"])
+    recovered = next(e for e in events if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
+    assert recovered["data"]["world_size"] == 1 and recovered["data"]["workers_missing"] == 1
+    warm = next(index for index, e in enumerate(events) if e["data"] and "warm_node" in e["data"])
+    grown = next(index for index, e in enumerate(events) if "capacity returned" in e["message"])
+    assert events.index(recovered) < warm < grown
+    assert events[grown]["data"]["world_size"] == 2 and events[grown]["data"]["standby_workers_used"] == 1
+    assert _losses(cluster.client, job["id"]) == pytest.approx(reference_losses, abs=1e-4)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])

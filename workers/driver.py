@@ -3,8 +3,10 @@
 A controller loop over a worker group. It takes the placement group the dispatcher reserved,
 forms the group, streams what the workers record to the control plane, and when workers are lost
 (actor death, a missed heartbeat, a broken collective) keeps the survivors, re-forms the group at
-the largest size in [workers.min, workers.max] that can be placed now, and resumes from the latest
-committed checkpoint. When capacity returns it grows back at a checkpoint boundary.
+the largest size in [workers.min, workers.max] whose workers are ready now, and resumes from the
+latest committed checkpoint. Workers still to be started (a replacement node, returning capacity)
+warm up while the group trains, and the group grows to them at a checkpoint boundary once they are
+warm; only a group that would be below workers.min waits for cold workers.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util import get_placement_group
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
-from service.ray_cluster import NAMESPACE, worker_bundles
+from service.ray_cluster import NAMESPACE
 from service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.reporter import Reporter
@@ -41,9 +43,8 @@ HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus on
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
 COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
 START_TIMEOUT_S = 120.0  # first start: worker processes import torch
-REPLACEMENT_WAIT_S = 5.0  # spare capacity exists: wait this long to reserve it for replacement workers
+REPLACEMENT_WAIT_S = 5.0  # below workers.min with spare capacity: wait this long for Ray to move the lost bundles
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
-GROW_CHECK_INTERVAL_S = 2.0
 # A live standby answers at once and a dead one fails at once; only a loaded machine handling a node's death needs more.
 STANDBY_PROBE_TIMEOUT_S = 10.0
 FINAL_REPORT_WAIT_S = 600.0  # the control plane may be restarting when the job ends
@@ -98,7 +99,7 @@ class JobDriver:
         self.slots = [Slot(admission, index) for index in range(admission.bundle_count)]
         try:
             # Reserve standby capacity first (it does not wait): standbys start while the group forms.
-            self.standby.top_up(lambda: [], self._spare_capacity)
+            self.standby.top_up(self.spec.workers.standby, list, self._spare_capacity)
             members = self.group.launch(self.slots, START_TIMEOUT_S)
             if len(members) < self.spec.workers.min:
                 return self._fail(f"only {len(members)} of {self.spec.workers.min} workers started")
@@ -135,7 +136,7 @@ class JobDriver:
         heartbeats = Heartbeats(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
         lost: list[RankedWorker] = []
         errors: list[RayTaskError] = []
-        next_grow_check, stopping = time.monotonic() + GROW_CHECK_INTERVAL_S, False
+        stopping = False
         while pending and not (lost or errors):
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
             for ref in done:
@@ -147,16 +148,10 @@ class JobDriver:
                     errors.append(error)
             lost += [worker for worker in heartbeats.check(self.group.workers) if worker not in lost]
             self._forward_progress()
-            if self.group.world_size == self.spec.workers.max:
-                self._top_up_standby()
-            elif not stopping and time.monotonic() > next_grow_check:
-                next_grow_check = time.monotonic() + GROW_CHECK_INTERVAL_S
-                missing = self.spec.workers.max - self.group.world_size - len(self._spare_slots())
-                if missing > 0:
-                    self._reserve_spare_capacity(missing)
-                if self._spare_slots():
-                    self.group.request_stop()  # every rank stops after this step and checkpoints
-                    stopping = True
+            self._keep_workers_warm()
+            if not stopping and self._ready_to_grow():
+                self.group.request_stop()  # every rank stops after this step and checkpoints
+                stopping = True
         if errors and not lost:
             # A broken collective: find out whether a peer is gone, or the error was the user's own.
             lost = self.group.unresponsive(PROBE_TIMEOUT_S)
@@ -171,10 +166,22 @@ class JobDriver:
         results = ray.get(list(futures))
         return Outcome("grow" if any(result["stopped"] for result in results) else "finished", results=results)
 
-    def _top_up_standby(self) -> None:
-        for ready in self.standby.top_up(self._spare_slots, self._spare_capacity):
-            self.reporter.report(message=f"standby worker ready on node {ready.node_id[:12]}",
-                                 details={"standby_node": ready.node_id, "standby_pid": ready.pid})
+    def _keep_workers_warm(self) -> None:
+        """Warm the workers the group would grow by, and the standbys the spec asks for."""
+        missing = self.spec.workers.max - self.group.world_size
+        for ready in self.standby.top_up(missing + self.spec.workers.standby, self._spare_slots, self._spare_capacity):
+            if missing:
+                self.reporter.report(message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the "
+                                     "next step", details={"warm_node": ready.node_id, "warm_pid": ready.pid})
+            else:
+                self.reporter.report(message=f"standby worker ready on node {ready.node_id[:12]}",
+                                     details={"standby_node": ready.node_id, "standby_pid": ready.pid})
+
+    def _ready_to_grow(self) -> bool:
+        """Below max with warm workers: all that are missing, or all that could be started."""
+        missing = self.spec.workers.max - self.group.world_size
+        warm = len(self.standby.ready)
+        return missing > 0 and warm > 0 and (warm >= missing or not self.standby.starting)
 
     def _forward_progress(self) -> None:
         """Forward rank 0's metrics, checkpoints and events, and each rank's one memory report."""
@@ -220,24 +227,6 @@ class JobDriver:
             return int(available.get("GPU", 0) // need.gpus_per_worker)
         return int(available.get("CPU", 0) // need.cpus_per_worker)
 
-    def _reserve_spare_capacity(self, wanted: int) -> None:
-        """Reserve free capacity for `wanted` more workers as a placement group of this driver's own,
-        rather than wait for Ray to declare a dead node dead and move its bundles (seconds)."""
-        count = min(wanted, self._spare_capacity())
-        if count <= 0:
-            return
-        extra = placement_group(worker_bundles(self.spec.workers.gpus_per_worker, self.spec.workers.cpus_per_worker, count),
-                                strategy="PACK")
-        deadline = time.monotonic() + REPLACEMENT_WAIT_S
-        while time.monotonic() < deadline:
-            if ray.wait([extra.ready()], timeout=0.2)[0]:
-                self.slots += [Slot(extra, index) for index in range(count)]
-                log.info("reserved spare capacity for %d worker(s)", count)
-                return
-            if len(self._spare_slots()) >= wanted:
-                break  # Ray moved the lost bundles onto the capacity first
-        remove_placement_group(extra)
-
     def _regroup(self, outcome: Outcome) -> bool:
         """Keep the survivors, add workers where bundles can be placed now, form the next generation."""
         started = time.monotonic()
@@ -255,6 +244,8 @@ class JobDriver:
         standbys = self.standby.take(wanted, self.lost_nodes, STANDBY_PROBE_TIMEOUT_S) if wanted else []
         self.slots += [slot for slot in [worker.slot for worker in standbys] + self.standby.freed if slot not in self.slots]
         wanted -= len(standbys)
+        if self.group.world_size + len(standbys) >= self.spec.workers.min:
+            wanted = 0  # train now; the missing workers warm up meanwhile and the group grows to them
         if wanted and len(self._spare_slots()) < wanted and self._spare_capacity():
             # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
             deadline = time.monotonic() + REPLACEMENT_WAIT_S
@@ -282,7 +273,7 @@ class JobDriver:
         # imports (2-3 s of CPU, taken from training on a small machine).
         resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
-                   "standby_workers_used": len(standbys),
+                   "standby_workers_used": len(standbys), "workers_missing": self.spec.workers.max - self.group.world_size,
                    "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}
         message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
         if outcome.kind == "lost":

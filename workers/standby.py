@@ -1,12 +1,15 @@
-"""Warm standby workers: actors on spare capacity, training stack imported, outside the process group.
+"""Warm workers outside the process group: actors on spare capacity with the training stack imported.
 
-A worker lost with its node is then replaced in the time of a rendezvous rather than the seconds a
-new process takes to start and import torch. A standby holds capacity that was idle when it started
-(JobSpec `workers.standby`); it is released when the job ends.
+Two uses. Standbys (JobSpec `workers.standby`): a worker lost with its node is replaced in the time
+of a rendezvous rather than the seconds a new process takes to start and import torch. Growth: while
+the group is below `workers.max`, the workers it will grow by warm up here while it trains, and join
+only once warm, so the group never waits for a cold start it could train through. Capacity reserved
+here is released when the job ends.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,14 +23,15 @@ from service.spec import WorkersSpec
 from workers.worker_group import RankedWorker, Slot, WorkerGroup
 
 
+log = logging.getLogger("ringmaster.standby")
+
 LOOK_INTERVAL_S = 1.0  # how often to look for capacity while a standby is missing
 
 
 class StandbyPool:
-    """Keeps up to `wanted` warm workers; every call but `take` returns at once (the driver's loop polls it)."""
+    """Keeps warm workers up to a wanted count; every call but `take` returns at once (the driver's loop polls it)."""
 
     def __init__(self, workers: WorkersSpec, group: WorkerGroup) -> None:
-        self.wanted = workers.standby
         self._workers = workers
         self._group = group
         self.ready: list[RankedWorker] = []
@@ -39,31 +43,41 @@ class StandbyPool:
 
     @property
     def slots(self) -> list[Slot]:
-        """Slots the standbys hold or are starting on: not free for growing the group."""
+        """Slots the warm workers hold or are starting on: not free for growing the group."""
         return [worker.slot for worker in self.ready] + [slot for _, slot, _ in self._starting.values()]
 
-    def top_up(self, free_slots: Callable[[], list[Slot]], spare_capacity: Callable[[], int]) -> list[RankedWorker]:
-        """One step toward `wanted` warm standbys (use free slots, else reserve idle capacity); returns those that
-        became ready since the last call. Cheap while nothing is missing: the driver calls it every poll."""
+    @property
+    def starting(self) -> int:
+        return len(self._starting)
+
+    def top_up(self, wanted: int, free_slots: Callable[[], list[Slot]], spare_capacity: Callable[[], int]) -> list[RankedWorker]:
+        """One step toward `wanted` warm workers (on free slots, else on idle capacity reserved here); returns those
+        that became ready since the last call. Cheap while nothing is missing: the driver calls it every poll."""
         became_ready = self._collect()
-        missing = self.wanted - len(self.ready) - len(self._starting)
+        missing = wanted - len(self.ready) - len(self._starting)
         if missing <= 0:
             return became_ready
         slots: list[Slot] = []
-        if self._reserving is not None:
-            group, ready = self._reserving
-            if ray.wait([ready], timeout=0)[0]:
-                slots = [Slot(group, index) for index in range(group.bundle_count)]
-                self._reservations.append(group)
-                self._reserving = None
+        if self._reserving is not None and ray.wait([self._reserving[1]], timeout=0)[0]:
+            group = self._reserving[0]
+            slots = [Slot(group, index) for index in range(group.bundle_count)]
+            self._reservations.append(group)
+            self._reserving = None
         elif time.monotonic() >= self._next_look:
             self._next_look = time.monotonic() + LOOK_INTERVAL_S
             slots = free_slots()[:missing]
-            if len(slots) < missing and (spare := spare_capacity()) > 0:
+            if slots and self._reserving is not None:
+                # Free slots came first (Ray moved a lost node's bundles): a reservation still pending may never place.
+                remove_placement_group(self._reserving[0])
+                self._reserving = None
+            if self._reserving is None and len(slots) < missing and (spare := spare_capacity()) > 0:
                 bundles = worker_bundles(self._workers.gpus_per_worker, self._workers.cpus_per_worker,
                                          min(missing - len(slots), spare))
                 group = placement_group(bundles, strategy="SPREAD")
                 self._reserving = (group, group.ready())
+                log.info("reserving idle capacity for %d warm worker(s)", len(bundles))
+        if slots:
+            log.info("warming %d worker(s)", len(slots))
         for actor, slot in self._group.start_actors(slots):
             self._starting[actor.warm_up.remote()] = (actor, slot, actor.placement.remote())
         return became_ready
