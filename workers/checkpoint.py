@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -177,6 +178,13 @@ class PendingSave:
             self.future.result()  # re-raises a failed write
 
 
+def checkpoint_stager(device: torch.device) -> AsyncStager:
+    """Stages asynchronous saves into host buffers kept from one save to the next: DCP's default stager allocates
+    (and first-touches) a fresh copy of the whole state at every save, on the training thread. Close it when done."""
+    return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
 def begin_save(
     storage_root: str | Path,
     spec: JobSpec,
@@ -187,11 +195,13 @@ def begin_save(
     optimizers: list[Optimizer],
     process_group: dist.ProcessGroup | None = None,
     metric_value: float | None = None,
+    stager: AsyncStager | None = None,
 ) -> PendingSave:
     """Collective: start writing this rank's shards. With ``process_group`` (a gloo group used for
     nothing else) the write is asynchronous: the state is staged into a copy and written by a
     background thread; otherwise it is written before returning. Nothing is committed yet.
-    ``metric_value``: this checkpoint's value of ``checkpoint.keep_best``'s metric."""
+    ``metric_value``: this checkpoint's value of ``checkpoint.keep_best``'s metric. ``stager``: reuse its staging
+    buffers (from ``checkpoint_stager``; the previous save that used them must have finished)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     storage, root = storage_for(storage_root)
     path = storage.join(root, f"step-{step:08d}")
@@ -216,7 +226,8 @@ def begin_save(
         dcp.save(state, storage_writer=_storage_writer(path))
         dist.barrier()
     else:
-        pending.future = dcp.async_save(state, storage_writer=_storage_writer(path), process_group=process_group)
+        pending.future = dcp.async_save(state, storage_writer=_storage_writer(path), process_group=process_group,
+                                        async_stager=stager)
     return pending
 
 

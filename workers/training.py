@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
-from workers.checkpoint import CommittedCheckpoint, CommittedSave, PendingSave, begin_save, commit_save, find_resume_point, load_checkpoint
+from workers.checkpoint import (CommittedCheckpoint, CommittedSave, PendingSave, begin_save, checkpoint_stager, commit_save,
+                                find_resume_point, load_checkpoint)
 from workers.checkpoint_storage import LocalStorage, storage_for
 from workers.data.audit import SampleAudit
 from workers.data.stream import DataPosition, GlobalBatchStream
@@ -104,6 +105,8 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     # Asynchronous saves write over their own gloo group: the training group's collectives must not
     # interleave with the background thread's. It also carries rank 0's choice of resume point.
     save_group = dist.new_group(backend="gloo")
+    # One save is in flight at a time (each waits for the last), so its staging buffers can be reused.
+    stager = checkpoint_stager(ctx.device)
     step, position, checkpoint_uri = 0, DataPosition(), None
     latest, corrupt = _agreed_resume_point(ctx, save_group)
     if latest is not None:
@@ -180,7 +183,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         began = time.perf_counter()
         pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
                              optimizers=parallel.optimizers, process_group=save_group if asynchronous else None,
-                             metric_value=metric_value)
+                             metric_value=metric_value, stager=stager)
         save_timing[pending.path] = (began, time.perf_counter() - began)
         if asynchronous:
             in_flight = pending
@@ -257,6 +260,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     settle(block=True)
     if saved_step != step:
         checkpoint_uri = checkpoint(final=True, asynchronous=False)
+    stager.close()
     dist.destroy_process_group(save_group)
     if stopped:
         return TrainResult(step, loss, None, checkpoint_uri, stopped=True)
