@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import ColumnElement, Select, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, Select, func, insert, or_, select
+from sqlalchemy.orm import Session, make_transient_to_detached
 
 from service.auth import SYSTEM, Principal
 from service.errors import InvalidSpec, JobConflict, JobNotFound
@@ -89,6 +89,12 @@ def lock_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
     return job
 
 
+# The job's nullable columns without a default, NULL at submission: with them set, the Job handed back has every
+# attribute loaded (an unset one would cost a query when read).
+_JOB_UNSET: dict[str, None] = {column.key: None for column in Job.__table__.columns
+                               if column.nullable and column.default is None and column.server_default is None}
+
+
 def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = None, principal: Principal = SYSTEM) -> Job:
     """Record a validated spec as a QUEUED job of the principal's tenant, with its first event.
 
@@ -108,24 +114,29 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
     planned = plan_submission(spec, cluster)
     spec = planned.spec
     now = utcnow()
-    job = Job(
-        id=uuid.uuid4().hex,
-        name=spec.name,
-        spec=spec.model_dump(mode="json"),
-        state=JobState.QUEUED,
-        priority=spec.priority,
-        attempt=0,
-        failures=0,
-        created_at=now,
-        cancel_requested=False,
-        tenant=principal.tenant,
-    )
-    # One flush: the unit of work inserts the job before its events (it orders tables by their foreign keys).
-    session.add(job)
-    session.add(JobEvent(job_id=job.id, at=now, from_state=None, to_state=JobState.QUEUED, kind="transition", message="submitted"))
+    row = _JOB_UNSET | {
+        "id": uuid.uuid4().hex,
+        "name": spec.name,
+        "spec": spec.model_dump(mode="json"),
+        "state": JobState.QUEUED,
+        "priority": spec.priority,
+        "attempt": 0,
+        "failures": 0,
+        "created_at": now,
+        "cancel_requested": False,
+        "tenant": principal.tenant,
+    }
+    # Plain INSERTs, the job before the events that refer to it: the unit of work made this transaction a quarter slower.
+    connection = session.connection()
+    connection.execute(insert(Job.__table__), row)
+    connection.execute(insert(JobEvent.__table__), {"job_id": row["id"], "at": now, "from_state": None,
+                                                    "to_state": JobState.QUEUED, "kind": "transition", "message": "submitted"})
     if planned.message is not None:
-        session.add(JobEvent(job_id=job.id, at=now, kind="plan", message=planned.message, data=planned.data))
-    session.flush()
+        connection.execute(insert(JobEvent.__table__), {"job_id": row["id"], "at": now, "kind": "plan",
+                                                        "message": planned.message, "data": planned.data})
+    job = Job(**row)
+    make_transient_to_detached(job)  # as if loaded from its row: the session holds it and will not insert it again
+    session.add(job)
     return job
 
 
