@@ -198,7 +198,7 @@ class RawClient:
         self.writer.write(self.request)
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
-        fields = {}
+        fields: dict[bytes, bytes] = {}
         for line in head.split(b"\r\n")[1:-2]:  # between the status line and the blank line that ends the head
             name, _, value = line.partition(b":")
             fields[name.strip().lower()] = value.strip()
