@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray.util.state import list_actors  # noqa: E402
+from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
 from service.client import RingmasterClient  # noqa: E402
@@ -83,6 +83,17 @@ def _recovering_event(client: RingmasterClient, job_id: str, timeout_s: float = 
     raise SystemExit(f"job {job_id} never went RECOVERING: {client.job(job_id)}")
 
 
+def _wait_until_released(client: RingmasterClient, job_id: str, timeout_s: float = 60) -> None:
+    """The next scenario's job must find the whole cluster free, or it is admitted below max."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = list_placement_groups(filters=[("state", "!=", "REMOVED")], raise_on_missing_output=False)
+        if client.job(job_id)["state"] in ("CANCELLED", "FAILED", "SUCCEEDED") and not held:
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"job {job_id} still holds capacity {timeout_s:.0f}s after its cancel")
+
+
 def _grown_event(client: RingmasterClient, job_id: str, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -127,6 +138,7 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
         full_size["full_size_s"] = round(_first_step_after(client, job["id"], datetime.fromisoformat(grown["at"]).timestamp())
                                          - struck, 2)
     client.cancel(job["id"])
+    _wait_until_released(client, job["id"])
     resumed = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
     return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2), **full_size,
             "world_size_after": resumed["data"].get("world_size"), "regroup_s": resumed["data"].get("regroup_s"),

@@ -41,6 +41,7 @@ POLL_INTERVAL_S = 0.1
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus one interval)
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
+PROBE_GRACE_S = 0.5  # ... and who has not answered this long after another worker did
 COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
 START_TIMEOUT_S = 120.0  # first start: worker processes import torch
 REPLACEMENT_WAIT_S = 5.0  # below workers.min with spare capacity: wait this long for Ray to move the lost bundles
@@ -100,10 +101,13 @@ class JobDriver:
         try:
             # Reserve standby capacity first (it does not wait): standbys start while the group forms.
             self.standby.top_up(self.spec.workers.standby, list, self._spare_capacity)
+            began = time.monotonic()
             members = self.group.launch(self.slots, START_TIMEOUT_S)
+            log.info("%d worker actor(s) running after %.2fs", len(members), time.monotonic() - began)
             if len(members) < self.spec.workers.min:
                 return self._fail(f"only {len(members)} of {self.spec.workers.min} workers started")
             self._form(members)
+            log.info("process group formed after %.2fs", time.monotonic() - began)
             self.reporter.report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
                                  f"{len(self.group.nodes)} node(s)", details={"world_size": self.group.world_size})
             while True:
@@ -154,7 +158,11 @@ class JobDriver:
                 stopping = True
         if errors and not lost:
             # A broken collective: find out whether a peer is gone, or the error was the user's own.
-            lost = self.group.unresponsive(PROBE_TIMEOUT_S)
+            probing = time.monotonic()
+            lost = self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S)
+            log.info("a collective failed; probe found %d unresponsive worker(s) in %.2fs", len(lost), time.monotonic() - probing)
+        elif lost:
+            log.info("lost %d worker(s): actor death or a missed heartbeat", len(lost))
         if lost or errors:
             if lost:
                 nodes = sorted({worker.node_id[:12] for worker in lost})
@@ -186,6 +194,8 @@ class JobDriver:
     def _forward_progress(self) -> None:
         """Forward rank 0's metrics, checkpoints and events, and each rank's one memory report."""
         sources = [worker for worker in self.group.workers if worker.rank == 0 or worker.rank in self._memory_pending]
+        if not sources:
+            return  # every worker is gone
         try:
             drained = ray.get([worker.actor.drain.remote() for worker in sources], timeout=PROBE_TIMEOUT_S)
         except (RayActorError, ray.exceptions.GetTimeoutError):
@@ -241,6 +251,9 @@ class JobDriver:
             })
             self.group.remove(outcome.lost)
         wanted = self.spec.workers.max - self.group.world_size
+        if self.group.world_size + len(self.standby.ready) < self.spec.workers.min and self.standby.starting:
+            # Too few to train on: the workers warming up are the quickest to come.
+            self.standby.wait_for_starting(START_TIMEOUT_S)
         standbys = self.standby.take(wanted, self.lost_nodes, STANDBY_PROBE_TIMEOUT_S) if wanted else []
         self.slots += [slot for slot in [worker.slot for worker in standbys] + self.standby.freed if slot not in self.slots]
         wanted -= len(standbys)
@@ -310,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    log.info("connected to Ray after %.2fs", time.monotonic() - started)
     # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
     try:

@@ -97,6 +97,12 @@ class StandbyPool:
             self.ready.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"]))
         return self.ready[before:]
 
+    def wait_for_starting(self, timeout_s: float) -> None:
+        """Block until every worker still warming up is ready or gone, or timeout_s passes."""
+        if self._starting:
+            ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout_s)
+        self._collect()
+
     def take(self, count: int, lost_nodes: set[str], timeout_s: float) -> list[RankedWorker]:
         """Up to `count` live standbys, off the lost nodes (a standby may have died with one)."""
         self._collect()

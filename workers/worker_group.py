@@ -127,10 +127,19 @@ class WorkerGroup:
             for worker in self.workers
         }
 
-    def unresponsive(self, timeout_s: float) -> list[RankedWorker]:
-        """Workers that do not answer a heartbeat within timeout_s (dead, or their node frozen)."""
+    def unresponsive(self, timeout_s: float, grace_s: float) -> list[RankedWorker]:
+        """Workers that do not answer a heartbeat within timeout_s, nor within grace_s of the latest answer of
+        another (dead, or their node frozen). A live worker answers in milliseconds; a dead one's call hangs until
+        Ray declares its node dead, so waiting the full timeout for it only delays the recovery."""
         beats = {worker.actor.heartbeat.remote(): worker for worker in self.workers}
-        answered, _ = ray.wait(list(beats), num_returns=len(beats), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        answered: list[Any] = []
+        pending = list(beats)
+        while pending and (remaining := deadline - time.monotonic()) > 0:
+            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if done:
+                answered += done
+                deadline = min(deadline, time.monotonic() + grace_s)
         lost = [worker for ref, worker in beats.items() if ref not in answered]
         for ref in answered:
             try:

@@ -1,0 +1,63 @@
+"""The probe after a failed collective: a worker that stays silent while its peers answer is lost within the grace
+period, not the whole timeout; a live but slow one is not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from service.spec import JobSpec
+from workers.worker_group import RankedWorker, WorkerGroup
+
+
+@ray.remote(num_cpus=0)
+class Peer:
+    def __init__(self, answer_after_s: float) -> None:
+        self.answer_after_s = answer_after_s
+
+    def heartbeat(self) -> int:
+        time.sleep(self.answer_after_s)
+        return 0
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _group(answer_after_s: list[float]) -> WorkerGroup:
+    group = WorkerGroup(JobSpec.model_validate({"name": "probe", "model": "mlp"}), collective_timeout_s=60)
+    peers = [Peer.remote(delay) for delay in answer_after_s]
+    group.workers = [RankedWorker(peer, slot=None, node_id=f"node-{rank}", ip="127.0.0.1", pid=0, rank=rank)
+                     for rank, peer in enumerate(peers)]
+    return group
+
+
+def test_a_silent_worker_is_lost_within_the_grace_after_its_peers_answer(local_ray) -> None:
+    group = _group([0.0, 0.0, 30.0])
+    ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
+    started = time.monotonic()
+    lost = group.unresponsive(timeout_s=10.0, grace_s=0.5)
+    took = time.monotonic() - started
+    assert [worker.rank for worker in lost] == [2]
+    assert took < 3.0, f"the probe waited {took:.1f}s for a worker whose peers answered at once"
+
+
+def test_a_slow_live_worker_within_the_grace_is_kept(local_ray) -> None:
+    group = _group([0.0, 0.3])
+    ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
+    assert group.unresponsive(timeout_s=10.0, grace_s=2.0) == []
+
+
+def test_with_no_answer_at_all_the_whole_timeout_is_waited(local_ray) -> None:
+    group = _group([30.0])
+    ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
+    started = time.monotonic()
+    lost = group.unresponsive(timeout_s=1.5, grace_s=0.1)
+    assert [worker.rank for worker in lost] == [0] and time.monotonic() - started >= 1.5
