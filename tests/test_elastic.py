@@ -104,21 +104,30 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
 
 
 @pytest.fixture(scope="module")
-def larger_reference(cluster) -> tuple[dict, list[float]]:
-    """A larger model than the other tests': its slower steps leave a new worker time to warm up mid-job."""
-    spec = _spec("larger-reference", 2, 2)
-    spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
-    # A smaller step than the tiny model's: a world-size change reorders the gradient sums, and a larger learning rate
-    # would amplify that rounding past the 1e-4 the elastic tests allow within 300 steps.
-    spec["train"] = {**spec["train"], "lr": 0.001}
+def paced_reference(cluster) -> tuple[dict, list[float]]:
+    """Steps of a known length whatever the machine's speed (tests/paced_model.py): a worker that starts warming up
+    when the group shrinks is ready long before a one-worker group would finish the job."""
+    spec = _spec("paced-reference", 2, 2)
+    spec.update(model="tests.paced_model:build", model_options={"pause_s": 0.03})
     reference = cluster.client.submit(spec)
     done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
     assert done["state"] == "SUCCEEDED", done["error"]
     return spec, _losses(cluster.client, reference["id"])
 
 
-def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, larger_reference):
-    spec, reference_losses = larger_reference
+@pytest.fixture(scope="module")
+def larger_reference(cluster) -> tuple[dict, list[float]]:
+    """A larger model than the other tests': its slower steps leave a standby time to warm up mid-job."""
+    spec = _spec("larger-reference", 2, 2)
+    spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
+    reference = cluster.client.submit(spec)
+    done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    return spec, _losses(cluster.client, reference["id"])
+
+
+def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, paced_reference):
+    spec, reference_losses = paced_reference
     job = cluster.client.submit({**spec, "name": "shrink", "workers": {**spec["workers"], "min": 1}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.kill_node(_worker_node(cluster))
@@ -175,10 +184,10 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, larger
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
 
 
-def test_elastic_job_trains_on_while_its_replacement_warms_up(cluster, larger_reference):
+def test_elastic_job_trains_on_while_its_replacement_warms_up(cluster, paced_reference):
     """min < max with a replacement node: the survivor trains on at once, and the group grows back to the
     replacement only once its worker is warm, rather than idling through its cold start."""
-    spec, reference_losses = larger_reference
+    spec, reference_losses = paced_reference
     job = cluster.client.submit({**spec, "name": "replace-elastic", "workers": {**spec["workers"], "min": 1}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.add_node()
