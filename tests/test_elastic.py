@@ -47,10 +47,18 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(cluster) -> list[float]:
     """The reference trajectory: the same job, never disturbed, on two workers."""
+    _ensure_nodes(cluster, 2)
     job = cluster.client.submit(_spec("reference", 2, 2))
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
     assert done["state"] == "SUCCEEDED", done["error"]
     return _losses(cluster.client, job["id"])
+
+
+def _ensure_nodes(cluster: SimulatedCluster, count: int) -> None:
+    """Earlier tests kill nodes; each test and reference starts with the nodes it needs."""
+    while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+              if node.resources_total.get("CPU")) < count:
+        cluster.add_node()
 
 
 def _losses(client: RingmasterClient, job_id: str) -> list[float]:
@@ -89,6 +97,7 @@ def _assert_each_sample_once_per_epoch(storage: Path, job_id: str) -> None:
 
 
 def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
+    _ensure_nodes(cluster, 2)
     job = cluster.client.submit(_spec("replace", 2, 2))
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.add_node()
@@ -107,6 +116,7 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
 def paced_reference(cluster) -> tuple[dict, list[float]]:
     """Steps of a known length whatever the machine's speed (tests/paced_model.py): a worker that starts warming up
     when the group shrinks is ready long before a one-worker group would finish the job."""
+    _ensure_nodes(cluster, 2)
     spec = _spec("paced-reference", 2, 2)
     spec.update(model="tests.paced_model:build", model_options={"pause_s": 0.03})
     reference = cluster.client.submit(spec)
@@ -118,6 +128,7 @@ def paced_reference(cluster) -> tuple[dict, list[float]]:
 @pytest.fixture(scope="module")
 def larger_reference(cluster) -> tuple[dict, list[float]]:
     """A larger model than the other tests': its slower steps leave a standby time to warm up mid-job."""
+    _ensure_nodes(cluster, 2)
     spec = _spec("larger-reference", 2, 2)
     spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
     reference = cluster.client.submit(spec)
@@ -127,6 +138,7 @@ def larger_reference(cluster) -> tuple[dict, list[float]]:
 
 
 def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, paced_reference):
+    _ensure_nodes(cluster, 2)
     spec, reference_losses = paced_reference
     job = cluster.client.submit({**spec, "name": "shrink", "workers": {**spec["workers"], "min": 1}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
@@ -148,6 +160,7 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, paced_re
 
 
 def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterrupted):
+    _ensure_nodes(cluster, 2)
     job = cluster.client.submit(_spec("frozen", 1, 2))
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     frozen_node, frozen_at = _worker_node(cluster), time.time()
@@ -164,9 +177,7 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
 
 
 def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, larger_reference):
-    while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-              if node.resources_total.get("CPU")) < 3:
-        cluster.add_node()  # two nodes for the group, one idle for the standby
+    _ensure_nodes(cluster, 3)  # two nodes for the group, one idle for the standby
     spec, reference_losses = larger_reference
     job = cluster.client.submit({**spec, "name": "standby", "workers": {**spec["workers"], "standby": 1}})
     deadline = time.monotonic() + 120
@@ -188,6 +199,7 @@ def test_elastic_job_trains_on_while_its_replacement_warms_up(cluster, paced_ref
     """min < max with a replacement node: the survivor trains on at once, and the group grows back to the
     replacement only once its worker is warm, rather than idling through its cold start."""
     spec, reference_losses = paced_reference
+    _ensure_nodes(cluster, 2)
     job = cluster.client.submit({**spec, "name": "replace-elastic", "workers": {**spec["workers"], "min": 1}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.add_node()
