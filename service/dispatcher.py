@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import threading
+import time
 import uuid
 
 from sqlalchemy import select
@@ -33,6 +34,7 @@ _RAY_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 _LOG_TAIL = 4000
 _DRIVER_EXIT_GRACE_S = 30.0
 _SUBMIT_GRACE_S = 30.0
+_WARM_POOL_INTERVAL_S = 2.0
 
 
 class Dispatcher:
@@ -45,11 +47,26 @@ class Dispatcher:
         self._wake = threading.Event()
         # Submission ids this process has logged as alive, so adoption is logged once (not each pass).
         self._seen_alive: set[str] = set()
+        self._warm_pool_due = 0.0
 
     def run_once(self) -> None:
         self.watch_active_jobs()
         self.close_finished_attempts()  # after watching, so a lost attempt's resources are free for its retry
         self.dispatch_queued()
+        self.keep_pool_warm()
+
+    def keep_pool_warm(self) -> None:
+        """Every few seconds: top up the cluster's warm worker pool, and reap pool workers of attempts that ended."""
+        if time.monotonic() < self._warm_pool_due:
+            return
+        self._warm_pool_due = time.monotonic() + _WARM_POOL_INTERVAL_S
+        try:
+            with self.sessions() as session:
+                active = set(session.scalars(select(Job.submission_id).where(
+                    Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None))))
+            self.cluster.keep_warm(self.settings.warm_workers_per_node, active, self.settings.code_path)
+        except Exception:  # noqa: BLE001 — the pool only saves start-up time: admission must go on without it
+            log.exception("warm pool upkeep failed")
 
     def wake(self) -> None:
         """Start the next pass now (a job was submitted or cancelled in this process)."""

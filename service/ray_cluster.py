@@ -25,6 +25,7 @@ class ClusterBackend(Protocol):
     def status(self, submission_id: str) -> str | None: ...
     def stop(self, submission_id: str) -> None: ...
     def logs(self, submission_id: str) -> str: ...
+    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None: ...
 
 
 def placement_group_name(job_id: str, attempt: int) -> str:
@@ -49,6 +50,7 @@ class RayCluster:
         self.dashboard_url = dashboard_url.rstrip("/")
         self._jobs = None
         self._lock = threading.Lock()
+        self._warm_pool = None
 
     @property
     def gcs_address(self) -> str | None:
@@ -79,6 +81,15 @@ class RayCluster:
             if ray.is_initialized():
                 ray.shutdown()
             self._jobs = None
+
+    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
+        """Top up the cluster's warm worker pool on every node; kill pool workers whose job attempt has ended."""
+        self._connect()
+        from workers.warm_pool import WarmPoolKeeper  # imports ray (not torch): only once the cluster is in use
+
+        if self._warm_pool is None or self._warm_pool.per_node != per_node:
+            self._warm_pool = WarmPoolKeeper(per_node, {"env_vars": {"PYTHONPATH": code_path}} if code_path else None)
+        self._warm_pool.tick(active_submissions)
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         """All-or-nothing: a placement group of these bundles is ready within wait_s, or nothing is held."""

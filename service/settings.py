@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     nodes: int | None = Field(default=None, ge=1, description="Nodes in the cluster, when fixed.")
     code_path: str | None = Field(default=None, description="PYTHONPATH for job drivers and workers, where user models "
                                   "('package.module:function') are imported from; embedded default: the current directory.")
+    warm_workers_per_node: int = Field(default=2, ge=0, description="Idle CPU worker processes, torch imported, that "
+                                       "the dispatcher keeps on each node for any job to claim: a job's CPU workers "
+                                       "start without a process start or `import torch`. 0 turns the pool off.")
     token: SecretStr | None = Field(default=None, description="API token the CLI and client send; default: the local "
                                     "admin token an embedded server writes to data_dir/admin.token.")
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body the API reads; "

@@ -89,6 +89,9 @@ class StandInCluster:
     def logs(self, submission_id: str) -> str:
         return ""
 
+    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
+        pass
+
 
 def _parse_submission_id(submission_id: str) -> tuple[str, int]:
     prefix, job_id, attempt = submission_id.split("-")

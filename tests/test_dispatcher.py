@@ -31,6 +31,7 @@ class FakeCluster:
         self.stopped: list[str] = []
         self.refuse_submit = False
         self.duplicates: list[str] = []
+        self.warm_pool_calls: list[tuple[int, set[str]]] = []
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         need = int(sum(bundle.get("CPU", 0) for bundle in bundles))
@@ -61,6 +62,9 @@ class FakeCluster:
 
     def logs(self, submission_id: str) -> str:
         return f"log of {submission_id}"
+
+    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
+        self.warm_pool_calls.append((per_node, set(active_submissions)))
 
 
 def _spec(name: str, workers: int, priority: int = 0) -> JobSpec:
@@ -214,3 +218,24 @@ def test_two_dispatchers_never_admit_the_same_job(db):
     assert sorted(cluster.submitted) == sorted(f"ringmaster-{job_id}-1" for job_id in ids)
     assert cluster.duplicates == [] and cluster.free_cpus == 64 - 12
     assert {_state(db, job_id) for job_id in ids} == {JobState.ADMITTED}
+
+
+def test_warm_pool_upkeep_names_the_active_attempts_and_never_stops_admission(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    running = _submit(db, _spec("running", workers=2))
+    dispatcher.run_once()
+    with db.sessions() as session:
+        submission = session.get(Job, running).submission_id
+    assert cluster.warm_pool_calls == [(dispatcher.settings.warm_workers_per_node, {submission})]
+
+    dispatcher.run_once()  # within the upkeep interval: no second call
+    assert len(cluster.warm_pool_calls) == 1
+
+    def broken(*_):
+        raise RuntimeError("GCS unreachable")
+
+    cluster.keep_warm = broken
+    dispatcher._warm_pool_due = 0.0
+    queued = _submit(db, _spec("queued", workers=2))
+    dispatcher.run_once()
+    assert _state(db, queued) == JobState.ADMITTED

@@ -116,3 +116,26 @@ def test_exception_in_user_code_fails_the_job_once_with_its_traceback(client: Ri
     assert done["state"] == "FAILED"
     assert "FileNotFoundError" in done["error"] and "Traceback" in done["error"] and "user_model.py" in done["error"]
     assert done["attempt"] == 1
+
+
+def test_a_job_starts_in_warm_pool_workers_which_end_with_it(client: RingmasterClient):
+    from workers.warm_pool import pool_by_node, pool_statuses
+
+    def pool() -> list[dict]:
+        return [status for names in pool_by_node().values() for _, status in pool_statuses(names).values()]
+
+    deadline = time.monotonic() + 120
+    while sum(status["warm"] and status["claimant"] is None for status in pool()) < 2:
+        assert time.monotonic() < deadline, f"the dispatcher did not keep two warm pool workers: {pool()}"
+        time.sleep(0.5)
+    job = client.submit(_spec("e2e-warm-pool", model="mlp", data="synthetic", checkpoint={"every_steps": 0, "keep": 1},
+                              train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4}))
+    done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done["error"]
+    running = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING")
+    assert running["data"]["warm_pool_workers"] == 2, running
+    deadline = time.monotonic() + 30
+    while any(status["claimant"] == done["ray_job_id"] for status in pool()):
+        assert time.monotonic() < deadline, "the job's pool workers outlived it"
+        time.sleep(0.5)
+    assert _cluster_is_idle(15)

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util import get_placement_group
 from ray.util.placement_group import remove_placement_group
 
-from service.ray_cluster import NAMESPACE
+from service.ray_cluster import NAMESPACE, submission_id_for
 from service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
 from workers.reporter import Reporter
@@ -79,7 +79,8 @@ class Outcome:
 
 class JobDriver:
     def __init__(self, spec: JobSpec, job_id: str, placement_group_name: str, storage_uri: str, reporter: Reporter,
-                 failures_so_far: int = 0) -> None:
+                 failures_so_far: int = 0, claimant: str | None = None) -> None:
+        """`claimant`: this attempt's Ray submission id, under which it takes warm pool workers (None: it never does)."""
         self.spec = spec
         self.job_id = job_id
         self.placement_group_name = placement_group_name
@@ -88,7 +89,7 @@ class JobDriver:
         self.resume_from_root = f"{storage_uri.rstrip('/')}/{spec.resume_from}" if spec.resume_from else None
         self.reporter = reporter
         self.failure_budget = spec.max_failures - failures_so_far
-        self.group = WorkerGroup(spec, COLLECTIVE_TIMEOUT_S)
+        self.group = WorkerGroup(spec, COLLECTIVE_TIMEOUT_S, claimant)
         self.standby = StandbyPool(spec.workers, self.group)
         self.slots: list[Slot] = []
         self.lost_nodes: set[str] = set()
@@ -103,13 +104,15 @@ class JobDriver:
             self.standby.top_up(self.spec.workers.standby, list, self._spare_capacity)
             began = time.monotonic()
             members = self.group.launch(self.slots, START_TIMEOUT_S)
-            log.info("%d worker actor(s) running after %.2fs", len(members), time.monotonic() - began)
+            log.info("%d worker actor(s) running after %.2fs (%d from the warm pool)", len(members),
+                     time.monotonic() - began, self.group.pooled_started)
             if len(members) < self.spec.workers.min:
                 return self._fail(f"only {len(members)} of {self.spec.workers.min} workers started")
             self._form(members)
             log.info("process group formed after %.2fs", time.monotonic() - began)
             self.reporter.report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
-                                 f"{len(self.group.nodes)} node(s)", details={"world_size": self.group.world_size})
+                                 f"{len(self.group.nodes)} node(s)", details={
+                                     "world_size": self.group.world_size, "warm_pool_workers": self.group.pooled_started})
             while True:
                 outcome = self._supervise()
                 if outcome.kind == "finished":
@@ -327,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
     try:
-        code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter, args.failures).run()
+        code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter, args.failures,
+                         claimant=submission_id_for(args.job_id, args.attempt)).run()
     finally:
         # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
         # rerun a finished job as a failed attempt.

@@ -33,11 +33,20 @@ def _import_training_stack() -> None:
     import workers.training  # noqa: F401
 
 
+def _import_training_stack_in_background() -> None:
+    """The warm-up of a pool worker: at the lowest CPU priority (this thread only), so a pool refilling on a node
+    never slows the training running there; on an idle node it runs at full speed."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    _import_training_stack()
+
+
 @ray.remote(max_concurrency=_CONCURRENT_CALLS)
 class TrainWorker:
-    def __init__(self, cpus: float, uses_gpu: bool) -> None:
+    def __init__(self, cpus: float, uses_gpu: bool, pooled: bool = False) -> None:
+        """`pooled`: a worker of the cluster's warm pool (`workers/warm_pool.py`), idle until a job claims it."""
         self._cpus = cpus
         self._uses_gpu = uses_gpu
+        self._claimant: str | None = None
         self._lock = threading.Lock()
         self._group_lock = threading.Lock()
         self._metrics: list[dict[str, Any]] = []
@@ -47,8 +56,23 @@ class TrainWorker:
         self._stop = threading.Event()
         self.generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
-        self._warm = threading.Thread(target=_import_training_stack, name="warm-up", daemon=True)
+        warm_up = _import_training_stack_in_background if pooled else _import_training_stack
+        self._warm = threading.Thread(target=warm_up, name="warm-up", daemon=True)
         self._warm.start()
+
+    def pool_status(self) -> dict[str, Any]:
+        """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, and whether it is warm."""
+        with self._lock:
+            return {"claimant": self._claimant, "warm": not self._warm.is_alive()}
+
+    def claim(self, claimant: str, cpus: float) -> bool:
+        """Take this idle pool worker for one job attempt, training on `cpus` CPUs of a bundle on this node; False
+        when another attempt claimed it first. A claimed worker serves that attempt only and ends with it."""
+        with self._lock:
+            if self._claimant is not None:
+                return False
+            self._claimant, self._cpus = claimant, cpus
+            return True
 
     def placement(self) -> dict[str, Any]:
         """Where this actor landed: its node id (the rank-ordering key), IP and process."""

@@ -17,6 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.spec import JobSpec
+from workers.warm_pool import claim_workers
 from workers.worker import TrainWorker
 
 
@@ -58,10 +59,19 @@ def placed_slots(slots: list[Slot], excluded_nodes: set[str]) -> list[Slot]:
     return placed
 
 
+def slot_nodes(slots: list[Slot]) -> list[str | None]:
+    """The node each slot's bundle is placed on (None: not placed now)."""
+    tables = {group: placement_group_table(group).get("bundles_to_node_id", {}) for group in {slot.group for slot in slots}}
+    return [tables[slot.group].get(slot.index) for slot in slots]
+
+
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, collective_timeout_s: float) -> None:
+    def __init__(self, spec: JobSpec, collective_timeout_s: float, claimant: str | None = None) -> None:
+        """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never)."""
         self.spec = spec
         self.collective_timeout_s = collective_timeout_s
+        self.claimant = claimant
+        self.pooled_started = 0  # workers this group took from the cluster's warm pool, over its whole run
         self.workers: list[RankedWorker] = []
         self.generation = 0
 
@@ -79,15 +89,20 @@ class WorkerGroup:
         return [len(list(ranks)) for _, ranks in groupby(self.workers, key=lambda worker: worker.node_id)]
 
     def start_actors(self, slots: list[Slot]) -> list[tuple[Any, Slot]]:
-        """Create one worker actor on each slot; returns at once (the processes start in the background)."""
+        """A worker actor for each slot: a warm pool worker on the slot's node where one is idle (CPU workers),
+        else a new actor on the bundle. Returns at once (new processes start in the background)."""
         resources = self.spec.workers
+        pooled: dict[int, Any] = {}
+        if slots and self.claimant and not resources.gpus_per_worker:
+            pooled = claim_workers(slot_nodes(slots), self.claimant, resources.cpus_per_worker)
+            self.pooled_started += len(pooled)
         return [
-            (TrainWorker.options(
+            (pooled.get(position) or TrainWorker.options(
                 num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
                 num_gpus=resources.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.index),
             ).remote(resources.cpus_per_worker, resources.gpus_per_worker > 0), slot)
-            for slot in slots
+            for position, slot in enumerate(slots)
         ]
 
     def launch(self, slots: list[Slot], timeout_s: float) -> list[RankedWorker]:

@@ -1,0 +1,91 @@
+"""The cluster's warm worker pool on a real (local) Ray: the keeper fills each node, jobs claim only warm idle workers,
+each worker serves one claimant, and workers of attempts that ended are reaped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from service.ray_cluster import NAMESPACE
+from workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace=NAMESPACE)
+    try:
+        yield ray.get_runtime_context().get_node_id()
+    finally:
+        ray.shutdown()
+
+
+def _pool(node: str) -> dict[str, dict]:
+    return {name: status for name, (_, status) in pool_statuses(pool_by_node().get(node, [])).items()}
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:.0f}s"
+        time.sleep(0.25)
+    return result
+
+
+def test_keeper_fills_the_node_and_each_warm_worker_serves_one_claimant(local_ray) -> None:
+    node = local_ray
+    keeper = WarmPoolKeeper(per_node=2, orphan_grace_s=0.0)
+    keeper.tick(active_claimants=set())
+    _wait_for(lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
+              "two warm pool workers")
+    keeper.tick(active_claimants=set())
+    assert len(_pool(node)) == 2, "a full pool was topped up again"
+
+    claimed = claim_workers([node, node, node], "attempt-a", cpus=1)
+    assert sorted(claimed) == [0, 1], "two idle workers, so the third position must start cold"
+    assert not any(ray.get([actor.claim.remote("attempt-b", 1) for actor in claimed.values()])), "claimed twice"
+    assert claim_workers([node], "attempt-b", cpus=1) == {}
+    assert sorted(status["claimant"] for status in _pool(node).values()) == ["attempt-a", "attempt-a"]
+
+    # The claimed two are busy: the keeper starts two idle ones beside them and leaves a live attempt's workers alone.
+    keeper.tick(active_claimants={"attempt-a"})
+    _wait_for(lambda: len(_pool(node)) == 4, "the pool topped up beside its claimed workers")
+    assert sorted(str(status["claimant"]) for status in _pool(node).values()) == ["None", "None", "attempt-a", "attempt-a"]
+
+    # attempt-a ended without its driver killing them: they are reaped, the idle ones stay.
+    keeper.tick(active_claimants=set())
+    _wait_for(lambda: len(_pool(node)) == 2, "the ended attempt's workers reaped")
+    assert all(status["claimant"] is None for status in _pool(node).values())
+
+    WarmPoolKeeper(per_node=0).tick(active_claimants=set())
+    _wait_for(lambda: not pool_by_node().get(node), "the pool emptied when turned off", timeout_s=30)
+
+
+def test_claim_takes_only_workers_on_the_slots_nodes(local_ray) -> None:
+    node = local_ray
+    keeper = WarmPoolKeeper(per_node=1)
+    keeper.tick(active_claimants=set())
+    _wait_for(lambda: len(_pool(node)) == 1 and all(status["warm"] for status in _pool(node).values()),
+              "a warm pool worker")
+    assert claim_workers([None, "0" * 56], "attempt-c", cpus=1) == {}, "claimed for an unplaced slot or another node"
+    claimed = claim_workers([None, node], "attempt-c", cpus=1)
+    assert list(claimed) == [1]
+    ray.kill(claimed[1], no_restart=True)
+    WarmPoolKeeper(per_node=0).tick(active_claimants=set())
+
+
+def test_a_node_holding_a_placement_group_is_not_refilled(local_ray) -> None:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    node = local_ray
+    busy = placement_group([{"CPU": 1}])
+    ray.get(busy.ready())
+    keeper = WarmPoolKeeper(per_node=1)
+    keeper.tick(active_claimants=set())
+    time.sleep(1.0)
+    assert not pool_by_node().get(node), "a worker started on a node that is training"
+    remove_placement_group(busy)
+    keeper.tick(active_claimants=set())
+    _wait_for(lambda: pool_by_node().get(node), "a worker started once the node is idle", timeout_s=30)
+    WarmPoolKeeper(per_node=0).tick(active_claimants=set())

@@ -1,0 +1,159 @@
+"""The cluster's warm pool: idle CPU worker processes with the training stack imported, shared by all jobs.
+
+A new worker costs a process start and `import torch` (plus `torch._dynamo`, which DDP imports): seconds of
+CPU before it can join a group, paid again by every job and every replacement. The dispatcher keeps a few
+pool workers on each node (`RINGMASTER_WARM_WORKERS_PER_NODE`); a job's driver claims one on the node of
+each bundle it was given and starts cold workers only where none is idle.
+
+Resources stay with placement groups: a pool worker holds no CPU of its own (it is created with
+`num_cpus=0`); once claimed it trains on the CPUs its job's bundle reserved on that same node. A claimed
+worker serves that one job attempt and is killed with it (never reused: a training run leaves process
+state behind). The keeper kills claimed workers whose attempt is no longer active, should a driver die
+without cleaning up. GPU workers are not pooled: Ray gives GPU ids to the actor that holds the bundle.
+Pool workers are detached actors, so they survive a restart of the control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group_table
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from workers.worker import TrainWorker
+
+log = logging.getLogger("ringmaster.warm_pool")
+
+NAME_PREFIX = "warm-worker"
+STATUS_TIMEOUT_S = 1.0  # a pool worker answers at once unless its process is still starting
+# A pool worker claimed by an attempt no longer active is killed only this long after the keeper first saw it
+# so: a driver that just claimed it may be seconds ahead of what the database says.
+ORPHAN_GRACE_S = 30.0
+
+
+def pool_name(node_id: str, index: int) -> str:
+    return f"{NAME_PREFIX}:{node_id}:{index}"
+
+
+def pool_by_node() -> dict[str, list[str]]:
+    """Names of the live pool workers on each node, oldest first (likeliest to be warm)."""
+    by_node: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for name in ray.util.list_named_actors():
+        prefix, _, rest = name.partition(":")
+        node_id, _, index = rest.rpartition(":")
+        if prefix == NAME_PREFIX and node_id and index.isdigit():
+            by_node[node_id].append((int(index), name))
+    return {node: [name for _, name in sorted(names)] for node, names in by_node.items()}
+
+
+def pool_statuses(names: list[str]) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """name -> (actor, pool_status) for the pool workers that answer within STATUS_TIMEOUT_S."""
+    actors: dict[str, Any] = {}
+    for name in names:
+        try:
+            actors[name] = ray.get_actor(name)
+        except ValueError:
+            continue  # gone since it was listed
+    refs = {actor.pool_status.remote(): name for name, actor in actors.items()}
+    answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATUS_TIMEOUT_S) if refs else ([], [])
+    statuses = {}
+    for ref in answered:
+        try:
+            statuses[refs[ref]] = (actors[refs[ref]], ray.get(ref))
+        except RayActorError:
+            continue
+    return statuses
+
+
+def claim_workers(nodes: list[str | None], claimant: str, cpus: float) -> dict[int, Any]:
+    """Claim an idle, warm pool worker on each of these nodes: {position in nodes: actor}.
+
+    `claimant` is the job attempt's Ray submission id; positions with no idle pool worker are left out.
+    """
+    pool = pool_by_node()
+    wanted = {node for node in nodes if node is not None}
+    statuses = pool_statuses([name for node in wanted for name in pool.get(node, [])])
+    # Only warm ones: one still importing does so at the lowest priority, so under load it may be slower than a cold start.
+    idle = {node: [statuses[name][0] for name in pool.get(node, [])
+                   if name in statuses and statuses[name][1]["warm"] and statuses[name][1]["claimant"] is None]
+            for node in wanted}
+    claimed: dict[int, Any] = {}
+    for position, node in enumerate(nodes):
+        while node is not None and idle.get(node):
+            actor = idle[node].pop(0)
+            try:
+                if ray.get(actor.claim.remote(claimant, cpus), timeout=STATUS_TIMEOUT_S):
+                    claimed[position] = actor
+                    break
+            except (RayActorError, GetTimeoutError):
+                continue  # died, or too slow to trust: start a cold worker instead
+    return claimed
+
+
+def _nodes_with_placement_groups() -> set[str]:
+    return {node for table in placement_group_table().values() if table.get("state") == "CREATED"
+            for node in table.get("bundles_to_node_id", {}).values()}
+
+
+class WarmPoolKeeper:
+    """Keeps `per_node` idle pool workers on every live node with CPUs, refilling a node once no placement group
+    holds any of it (between jobs); called by the dispatcher every few seconds."""
+
+    def __init__(self, per_node: int, runtime_env: dict[str, Any] | None = None, orphan_grace_s: float = ORPHAN_GRACE_S) -> None:
+        self.per_node = per_node
+        self.runtime_env = runtime_env or {}
+        self.orphan_grace_s = orphan_grace_s
+        self._orphans_seen: dict[str, float] = {}  # pool worker name -> when first seen claimed by an inactive attempt
+
+    def tick(self, active_claimants: set[str]) -> None:
+        pool = pool_by_node()
+        statuses = pool_statuses([name for names in pool.values() for name in names])
+        self._kill_orphans(statuses, active_claimants)
+        busy = _nodes_with_placement_groups()
+        for node in ray.nodes():
+            cpus = node.get("Resources", {}).get("CPU", 0)
+            if not node["Alive"] or cpus < 1:
+                continue
+            names = pool.get(node["NodeID"], [])
+            # A worker that did not answer counts as idle: most likely its process is still starting.
+            idle = [name for name in names if name not in statuses or statuses[name][1]["claimant"] is None]
+            target = min(self.per_node, int(cpus))
+            if node["NodeID"] not in busy:
+                # Only on a node nothing runs on: starting a worker takes seconds of CPU, taken from training otherwise.
+                self._start(node["NodeID"], names, target - len(idle))
+            for name in idle[target:]:  # the pool was made smaller (or turned off)
+                if name in statuses:
+                    ray.kill(statuses[name][0], no_restart=True)
+
+    def _start(self, node_id: str, names: list[str], count: int) -> None:
+        taken = set(names)
+        index = 0
+        for _ in range(max(0, count)):
+            while pool_name(node_id, index) in taken:
+                index += 1
+            name = pool_name(node_id, index)
+            taken.add(name)
+            try:
+                TrainWorker.options(
+                    name=name, lifetime="detached", num_cpus=0, runtime_env=self.runtime_env,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(0, False, pooled=True)
+            except ValueError:
+                continue  # another dispatcher started it first
+            log.info("warm pool: started %s", name)
+
+    def _kill_orphans(self, statuses: dict[str, tuple[Any, dict[str, Any]]], active_claimants: set[str]) -> None:
+        now = time.monotonic()
+        orphans = {name for name, (_, status) in statuses.items()
+                   if status["claimant"] is not None and status["claimant"] not in active_claimants}
+        self._orphans_seen = {name: self._orphans_seen.get(name, now) for name in orphans}
+        for name in orphans:
+            if now - self._orphans_seen[name] >= self.orphan_grace_s:
+                log.warning("warm pool: %s outlived attempt %s; killing it", name, statuses[name][1]["claimant"])
+                ray.kill(statuses[name][0], no_restart=True)
+                del self._orphans_seen[name]
