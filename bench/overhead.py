@@ -6,7 +6,8 @@
 (b) trains it with bench/bare_torchrun.py under torchrun. Rounds alternate a and b so machine
 noise hits both. Prints steady-state steps/s of each (wall clock between step ends, first
 --skip-steps left out), their ratio (goal ≥ 0.97), and submit-to-first-step time on a warm
-cluster (goal ≤ 5 s).
+cluster (goal ≤ 5 s): one whose warm pool (RINGMASTER_WARM_WORKERS_PER_NODE, default 2) has
+refilled since the last job. With RINGMASTER_WARM_WORKERS_PER_NODE=0 every job starts cold workers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from service.client import RingmasterClient  # noqa: E402
+from service.settings import Settings  # noqa: E402
 from tests.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 
 
@@ -57,6 +59,22 @@ def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     }
 
 
+def wait_for_warm_pool(workers: int, timeout_s: float = 120.0) -> float:
+    """Seconds until `workers` idle pool workers are warm (none wanted when the pool is off)."""
+    from workers.warm_pool import pool_by_node, pool_statuses
+
+    if Settings().warm_workers_per_node == 0:
+        return 0.0
+    started = time.monotonic()
+    while True:
+        statuses = [status for names in pool_by_node().values() for _, status in pool_statuses(names).values()]
+        if sum(status["warm"] and status["claimant"] is None for status in statuses) >= workers:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise SystemExit(f"the warm pool did not refill within {timeout_s:.0f}s: {statuses}")
+        time.sleep(0.25)
+
+
 def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, float, dict]:
     """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, and where they went."""
     submitted = time.time()
@@ -66,10 +84,12 @@ def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name:
         raise SystemExit(f"job {job['id']} ended {done['state']}: {done['error']}")
     times = {row["step"]: row["wall_time"] for row in client.metrics(job["id"])["items"] if row["wall_time"]}
     steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
+    events = client.events(job["id"])["items"]
     moments = {event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
-               for event in client.events(job["id"])["items"] if event["to_state"] in ("ADMITTED", "RUNNING")}
+               for event in events if event["to_state"] in ("ADMITTED", "RUNNING")}
+    running = next(event for event in events if event["to_state"] == "RUNNING")
     phases = {"admitted_s": round(moments["ADMITTED"], 2), "group_formed_s": round(moments["RUNNING"], 2),
-              "first_step_s": round(times[1] - submitted, 2)}
+              "first_step_s": round(times[1] - submitted, 2), "warm_pool_workers": running["data"]["warm_pool_workers"]}
     return steady, times[1] - submitted, phases
 
 
@@ -82,6 +102,7 @@ def main() -> None:
             through_ringmaster(client, args, "warm-up")  # a warm cluster: worker processes exist, imports cached
             for round_index in range(args.rounds):
                 bare.append(bare_torchrun(args))
+                wait_for_warm_pool(args.workers)
                 steady, to_first_step, phases = through_ringmaster(client, args, f"overhead-{round_index}")
                 managed.append(steady)
                 first_step.append(to_first_step)
@@ -94,6 +115,7 @@ def main() -> None:
         "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
         "ratio": round(ratio, 3), "ratio_goal": 0.97,
         "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
+        "warm_workers_per_node": Settings().warm_workers_per_node,
     }))
 
 

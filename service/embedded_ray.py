@@ -31,6 +31,10 @@ FAST_HEALTH_CHECKS = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
+# Ray starts worker processes at nice 15, below every other process on the node. Training workers are the node's
+# main work: at 15 the dashboard, log monitors and job drivers preempt them (bare torchrun runs at 0). Pool workers
+# warm up in a thread at 19, which only a node at 0 keeps from competing with training.
+CLUSTER_SYSTEM_CONFIG = {**FAST_HEALTH_CHECKS, "worker_niceness": 0}
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
         command += ["--num-cpus", str(num_cpus)]
     if resources:
         command += ["--resources", json.dumps(resources)]
-    command += ["--system-config", json.dumps({**FAST_HEALTH_CHECKS, **(system_config or {})})]
+    command += ["--system-config", json.dumps({**CLUSTER_SYSTEM_CONFIG, **(system_config or {})})]
     log = open(data_dir / "ray-head.log", "ab")
     # The head's processes inherit PATH, so the job driver finds this interpreter's packages.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")

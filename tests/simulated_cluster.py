@@ -20,7 +20,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from api.server import BackgroundServer
-from service.embedded_ray import FAST_HEALTH_CHECKS
+from service.embedded_ray import CLUSTER_SYSTEM_CONFIG
 from service.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ class SimulatedCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "temp_dir": self.temp_dir, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": self.dashboard_port, "_system_config": FAST_HEALTH_CHECKS,
+            "dashboard_port": self.dashboard_port, "_system_config": CLUSTER_SYSTEM_CONFIG,
         })
         self.cpus_per_node = cpus_per_node
         self.nodes = [self.add_node() for _ in range(nodes)]
