@@ -38,6 +38,8 @@ from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, pl
 log = logging.getLogger("ringmaster.driver")
 
 POLL_INTERVAL_S = 0.1
+# Rank 0's metrics are fetched this often: each fetch takes the GIL from its training thread.
+DRAIN_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus one interval)
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
@@ -144,6 +146,7 @@ class JobDriver:
         lost: list[RankedWorker] = []
         errors: list[RayTaskError] = []
         stopping = False
+        next_drain = time.monotonic() + DRAIN_INTERVAL_S
         while pending and not (lost or errors):
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
             for ref in done:
@@ -154,7 +157,9 @@ class JobDriver:
                 except RayTaskError as error:
                     errors.append(error)
             lost += [worker for worker in heartbeats.check(self.group.workers) if worker not in lost]
-            self._forward_progress()
+            if time.monotonic() >= next_drain:
+                self._forward_progress()
+                next_drain = time.monotonic() + DRAIN_INTERVAL_S
             self._keep_workers_warm()
             if not stopping and self._ready_to_grow():
                 self.group.request_stop()  # every rank stops after this step and checkpoints
@@ -174,6 +179,7 @@ class JobDriver:
                 return Outcome("lost", reason=f"a collective failed with every worker alive: {str(errors[0])[-300:]}")
             user_error = next(error for error in errors if not is_communication_failure(error))
             return Outcome("user_error", reason=describe_task_error(user_error))
+        self._forward_progress()  # what the ranks recorded since the last fetch
         results = ray.get(list(futures))
         return Outcome("grow" if any(result["stopped"] for result in results) else "finished", results=results)
 
