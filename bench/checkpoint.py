@@ -7,8 +7,9 @@ consecutive step metrics; a save happens between two metrics, so:
 
   * sync save time     = interval of a step followed by a synchronous save − the median plain interval
                          (periodic saves forced synchronous by wrapping ``begin_save``);
-  * async blocking     = time the training thread spends in an asynchronous ``begin_save`` (staging a
-                         copy, starting the write), vs the synchronous ``begin_save`` (the whole write);
+  * async blocking     = time the training thread spends in an asynchronous ``begin_save`` (state dict,
+                         starting the staging copy and the write) plus its wait for the copy before the
+                         next optimizer step, vs the synchronous ``begin_save`` (the whole write);
   * async stall        = excess interval of the step holding an asynchronous save, which also pays for
                          the background write competing for the same cores;
   * async in-flight    = mean excess interval of the later steps while the write runs in the background
@@ -57,6 +58,7 @@ def _spec(args: argparse.Namespace, steps: int):
 def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    import workers.checkpoint as checkpoint_module
     import workers.training as training
     from workers.training import TrainContext, run_training
 
@@ -64,6 +66,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     original_begin, original_load = training.begin_save, training.load_checkpoint
 
     begin_times: list[float] = []
+    original_wait_staged = checkpoint_module.PendingSave.wait_staged
 
     def timed_begin(*a, synchronous: bool = False, **kw):
         if synchronous:
@@ -72,6 +75,14 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
         pending = original_begin(*a, **kw)
         begin_times.append(time.perf_counter() - started)
         return pending
+
+    def timed_wait_staged(pending):
+        # Training also waits here, before the next optimizer step, for a copy staged in the background.
+        started = time.perf_counter()
+        original_wait_staged(pending)
+        begin_times[-1] += time.perf_counter() - started
+
+    checkpoint_module.PendingSave.wait_staged = timed_wait_staged
 
     for mode in ("sync", "async"):
         begin_times = []

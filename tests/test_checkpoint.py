@@ -257,3 +257,41 @@ def test_async_save_does_not_block_training(tmp_path: Path) -> None:
     assert sorted(log[6:]) == [["checkpoint", 4, False], ["checkpoint", 6, True], ["metric", 6, True]]
     assert log[-1] == ["checkpoint", 6, True]
     assert [c.step for c in usable_checkpoints(tmp_path / "held")] == [6, 4]
+
+
+def _background_saves_and_a_two_step_run(rank: int, world_size: int, root: str) -> None:
+    """Runs on each rank: 6 steps with saves after steps 2 and 4 staged in the background (made slow) while training
+    goes on, and a run of 2 steps whose final save is synchronous."""
+    import workers.training as training
+
+    make_stager = training.checkpoint_stager
+
+    def slow_stager(device: torch.device):
+        stager = make_stager(device)
+        stage = stager._stage
+
+        def stage_late(state_dict, **kwargs):
+            time.sleep(1.0)  # a copy slower than the next step's forward and backward
+            return stage(state_dict, **kwargs)
+
+        stager._stage = stage_late
+        return stager
+
+    training.checkpoint_stager = slow_stager
+    spec = SPEC.model_copy(update={"checkpoint": SPEC.checkpoint.model_copy(update={"keep": 3})})
+    try:
+        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "staged", f"{root}/six"))
+    finally:
+        training.checkpoint_stager = make_stager
+    two = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 2})})
+    run_training(two, TrainContext(rank, world_size, torch.device("cpu"), "staged", f"{root}/two"))
+
+
+def test_a_background_staged_save_holds_the_state_of_its_step(tmp_path: Path) -> None:
+    run_on_ranks(_background_saves_and_a_two_step_run, 2, str(tmp_path))
+    assert [c.step for c in usable_checkpoints(tmp_path / "six")] == [6, 4, 2]
+    staged, synchronous = build_bundle(SPEC).model, build_bundle(SPEC).model
+    load_model_weights(checkpoint_dir(tmp_path / "six", 2), staged)
+    load_model_weights(checkpoint_dir(tmp_path / "two", 2), synchronous)
+    for (name, expected), actual in zip(synchronous.state_dict().items(), staged.state_dict().values()):
+        assert torch.equal(actual, expected), f"{name}: the step-2 save holds state changed by a later step"

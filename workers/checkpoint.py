@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
 from service.spec import JobSpec, KeepBestSpec
@@ -169,9 +170,15 @@ class PendingSave:
     keep: int
     keep_best: KeepBestSpec | None = None
     future: Future | None = None  # None: written synchronously
+    staged: Future | None = None  # done once the state is copied: only then may training change it
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
+
+    def wait_staged(self) -> None:
+        """Before the next change to the model or optimizer state (the optimizer step)."""
+        if self.staged is not None:
+            self.staged.result()
 
     def wait(self) -> None:
         if self.future is not None:
@@ -179,10 +186,12 @@ class PendingSave:
 
 
 def checkpoint_stager(device: torch.device) -> AsyncStager:
-    """Stages asynchronous saves into host buffers kept from one save to the next: DCP's default stager allocates
-    (and first-touches) a fresh copy of the whole state at every save, on the training thread. Close it when done."""
+    """Stages asynchronous saves in a background thread, into host buffers kept from one save to the next (DCP's
+    default stager allocates and first-touches a fresh copy of the whole state at every save, on the training
+    thread). The copy overlaps the next step's forward and backward; `PendingSave.wait_staged` before the optimizer
+    step. Close it when done."""
     return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+                                        use_async_staging=True, use_non_blocking_copy=False))
 
 
 def begin_save(
@@ -201,7 +210,8 @@ def begin_save(
     nothing else) the write is asynchronous: the state is staged into a copy and written by a
     background thread; otherwise it is written before returning. Nothing is committed yet.
     ``metric_value``: this checkpoint's value of ``checkpoint.keep_best``'s metric. ``stager``: reuse its staging
-    buffers (from ``checkpoint_stager``; the previous save that used them must have finished)."""
+    buffers (from ``checkpoint_stager``; the previous save that used them must have finished); it may stage in the
+    background, so call ``wait_staged`` on the result before changing the state."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     storage, root = storage_for(storage_root)
     path = storage.join(root, f"step-{step:08d}")
@@ -226,8 +236,12 @@ def begin_save(
         dcp.save(state, storage_writer=_storage_writer(path))
         dist.barrier()
     else:
-        pending.future = dcp.async_save(state, storage_writer=_storage_writer(path), process_group=process_group,
-                                        async_stager=stager)
+        started = dcp.async_save(state, storage_writer=_storage_writer(path), process_group=process_group,
+                                 async_stager=stager)
+        if isinstance(started, AsyncSaveResponse):  # staging in the background
+            pending.future, pending.staged = started.upload_completion, started.staging_completion
+        else:
+            pending.future = started
     return pending
 
 

@@ -217,6 +217,8 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
                 micro_loss = _forward_backward(parallel, bundle.loss_fn, batch, accumulation, autocast)
             if micro_loss is not None:
                 loss_sum.add_(micro_loss)
+        if in_flight is not None:
+            in_flight.wait_staged()  # the save's copy of the state must be complete before the optimizer changes it
         for stage in parallel.stages:
             stage.scale_grads(spec.parallel.microbatches * accumulation)  # the schedule left them summed
         if ctx.should_stop():
