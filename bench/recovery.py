@@ -8,6 +8,9 @@ On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 wor
 - replace-elastic: as replace with workers {min: 1, max: 2} (Ray Train num_workers=(1, 2)): the
            survivor trains on while the replacement warms up, and the group grows back to it; also
            prints the time until the group trains at 2 workers again (full_size_s);
+- replace-spare: as replace, but the replacement node joined earlier and idles with the cluster's warm
+           pool on it (RINGMASTER_WARM_WORKERS_PER_NODE); Ray Train's baseline is its replace time (it
+           restarts every worker either way);
 - standby: as replace, but the job keeps one warm standby worker (workers.standby: 1) on the spare
            node, which joins at once (Ray Train has no such thing: its baseline is its replace time);
 - shrink:  a worker's node is killed with no replacement (ringmaster workers {min: 1, max: 2},
@@ -41,7 +44,7 @@ KILL_AFTER_STEP = 30
 
 
 def job_spec(scenario: str) -> dict:
-    minimum = 1 if scenario in ("replace-elastic", "shrink", "frozen") else 2
+    minimum = 1 if scenario in ("replace-elastic", "shrink", "frozen") else 2  # replace-spare: 2
     return {
         "name": f"recovery-{scenario}", "model": "tiny-gpt",
         "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1, "standby": 1 if scenario == "standby" else 0},
@@ -59,7 +62,12 @@ def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: 
 
 
 def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
-    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    from workers.warm_pool import pool_by_node, pool_statuses
+
+    idle_pool = {name for names in pool_by_node().values() for name, (_, status) in pool_statuses(names).items()
+                 if status["claimant"] is None}
+    actors = [actor for actor in list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+              if actor.get("name") not in idle_pool]
     return cluster.node_by_id(sorted(actor["node_id"] for actor in actors if actor["node_id"] != spared)[-1])
 
 
@@ -114,12 +122,29 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
     raise SystemExit(f"job {job_id} did not train again within {timeout_s}s: {client.job(job_id)}")
 
 
+def _wait_for_warm_pool_on(node_id: str, timeout_s: float = 180) -> None:
+    """A spare node on its own CPUs warms its pool in seconds; simulated nodes share this machine's cores with the
+    training job, and a pool worker warms up at the lowest priority, so wait for it."""
+    from workers.warm_pool import pool_by_node, pool_statuses
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(status["warm"] and status["claimant"] is None
+               for _, status in pool_statuses(pool_by_node().get(node_id, [])).values()):
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"no warm pool worker on the spare node {node_id[:12]} within {timeout_s:.0f}s")
+
+
 def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
-    if scenario == "standby":
-        cluster.add_node()  # the idle capacity the standby starts on
+    spare = None
+    if scenario in ("standby", "replace-spare"):
+        spare = cluster.add_node()  # the idle capacity the standby starts on, or the warm spare node
     job = client.submit(job_spec(scenario))
     _wait_for_step(client, job["id"], KILL_AFTER_STEP)
     spared = _standby_node(client, job["id"]) if scenario == "standby" else None
+    if scenario == "replace-spare":
+        _wait_for_warm_pool_on(spare.node_id)
     if scenario in ("replace", "replace-elastic"):
         cluster.add_node()
     victim = _a_worker_node(cluster, spared)
@@ -149,14 +174,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-ray-train", action="store_true")
-    parser.add_argument("--scenarios", nargs="+", choices=("replace", "replace-elastic", "standby", "shrink", "frozen"),
-                        default=["replace", "replace-elastic", "standby", "shrink", "frozen"])
+    parser.add_argument("--warm-workers-per-node", type=int, default=2, help="the cluster's warm pool (0: none)")
+    parser.add_argument("--scenarios", nargs="+", choices=("replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"),
+                        default=["replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"])
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
         cluster = SimulatedCluster(nodes=2)
         try:
-            with control_plane_on(cluster, Path(scratch) / "ringmaster") as server:
+            with control_plane_on(cluster, Path(scratch) / "ringmaster", warm_workers_per_node=args.warm_workers_per_node) as server:
                 client = server.client()
                 for _ in range(args.rounds):
                     for scenario in args.scenarios:
@@ -170,12 +196,12 @@ def main() -> None:
                             results[scenario].setdefault("full_size", []).append(measured["full_size_s"])
                         if scenario == "frozen" or args.skip_ray_train:
                             continue
-                        if scenario == "standby" and results.get("replace", {}).get("ray_train"):
+                        if scenario in ("standby", "replace-spare") and results.get("replace", {}).get("ray_train"):
                             results[scenario]["ray_train"] = results["replace"]["ray_train"]  # the same baseline
                             continue
                         while len(cluster.cluster.worker_nodes) < 2:
                             cluster.add_node()
-                        baseline_scenario = "replace" if scenario == "standby" else scenario
+                        baseline_scenario = "replace" if scenario in ("standby", "replace-spare") else scenario
                         baseline = measure_ray_train(cluster, baseline_scenario, Path(scratch) / "raytrain")
                         print(json.dumps({"system": "ray-train", "scenario": baseline_scenario,
                                           "recovery_s": baseline["recovery_s"]}), flush=True)

@@ -110,10 +110,13 @@ class SimulatedCluster:
 
 
 @contextmanager
-def control_plane_on(cluster: SimulatedCluster, data_dir: Path) -> Iterator[BackgroundServer]:
+def control_plane_on(cluster: SimulatedCluster, data_dir: Path, warm_workers_per_node: int = 0) -> Iterator[BackgroundServer]:
+    """The control plane on this cluster; without a warm pool unless asked (the elastic tests measure the job's own
+    recovery: pool workers on idle nodes would also be TrainWorker actors on nodes the job does not use)."""
     settings = Settings(
         data_dir=data_dir, ray_address=cluster.gcs_address, ray_dashboard_url=cluster.dashboard_url,
         api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
+        warm_workers_per_node=warm_workers_per_node,
     )
     with BackgroundServer(settings) as server:
         yield server

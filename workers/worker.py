@@ -17,8 +17,11 @@ from typing import Any
 
 import ray
 
-# train (possibly one stuck from an abandoned generation), its successor, drain, heartbeat, stop.
+# train (possibly one stuck from an abandoned generation), its successor, drain, join, stop, warm_up.
 _CONCURRENT_CALLS = 8
+# Heartbeats and the pool's status calls have threads of their own: they never queue behind the calls above, so a
+# busy worker is not taken for a lost one.
+_CONTROL_CALLS = 2
 
 
 def _free_port(host: str) -> int:
@@ -40,7 +43,7 @@ def _import_training_stack_in_background() -> None:
     _import_training_stack()
 
 
-@ray.remote(max_concurrency=_CONCURRENT_CALLS)
+@ray.remote(max_concurrency=_CONCURRENT_CALLS, concurrency_groups={"control": _CONTROL_CALLS})
 class TrainWorker:
     def __init__(self, cpus: float, uses_gpu: bool, pooled: bool = False) -> None:
         """`pooled`: a worker of the cluster's warm pool (`workers/warm_pool.py`), idle until a job claims it."""
@@ -60,11 +63,13 @@ class TrainWorker:
         self._warm = threading.Thread(target=warm_up, name="warm-up", daemon=True)
         self._warm.start()
 
+    @ray.method(concurrency_group="control")
     def pool_status(self) -> dict[str, Any]:
         """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, and whether it is warm."""
         with self._lock:
             return {"claimant": self._claimant, "warm": not self._warm.is_alive()}
 
+    @ray.method(concurrency_group="control")
     def claim(self, claimant: str, cpus: float) -> bool:
         """Take this idle pool worker for one job attempt, training on `cpus` CPUs of a bundle on this node; False
         when another attempt claimed it first. A claimed worker serves that attempt only and ends with it."""
@@ -96,6 +101,7 @@ class TrainWorker:
         """Returns once the training stack is imported: a standby is ready to join a group at once."""
         self._warm.join()
 
+    @ray.method(concurrency_group="control")
     def heartbeat(self) -> int:
         return self.generation
 
