@@ -296,8 +296,12 @@ def _restart_postgres(admin: Engine) -> None:
         cluster = connection.execute(text("SHOW cluster_name")).scalar_one()
     version, _, name = cluster.partition("/")
     assert version and name, f"cannot tell which cluster to restart from cluster_name={cluster!r}"
-    result = subprocess.run(["pg_ctlcluster", version, name, "restart"], capture_output=True, text=True, timeout=90, check=False)
-    assert result.returncode == 0, f"pg_ctlcluster {version} {name} restart failed: {result.stdout}{result.stderr}"
+    # Down for a couple of seconds, as in a failover: a restart alone can fall between two of the driver's reports.
+    for action in ("stop", "start"):
+        result = subprocess.run(["pg_ctlcluster", version, name, action], capture_output=True, text=True, timeout=90, check=False)
+        assert result.returncode == 0, f"pg_ctlcluster {version} {name} {action} failed: {result.stdout}{result.stderr}"
+        if action == "stop":
+            time.sleep(2.0)
     admin.dispose()
 
 

@@ -1,9 +1,16 @@
 """The cluster's warm worker pool on a real (local) Ray: the keeper fills each node, jobs claim only warm idle workers,
-each worker serves one claimant, and workers of attempts that ended are reaped."""
+each worker serves one claimant, and workers of attempts that ended are reaped.
+
+Each scenario runs in a process of its own with its own local Ray: this test process may already be connected to the
+session's cluster, whose dispatcher keeps a pool of its own.
+"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -11,14 +18,17 @@ import ray
 from service.ray_cluster import NAMESPACE
 from workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace=NAMESPACE)
-    try:
-        yield ray.get_runtime_context().get_node_id()
-    finally:
-        ray.shutdown()
+
+@pytest.mark.parametrize("scenario", ["fills_the_node_and_each_warm_worker_serves_one_claimant",
+                                      "claim_takes_only_workers_on_the_slots_nodes",
+                                      "a_node_holding_a_placement_group_is_not_refilled"])
+def test_warm_pool(scenario: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "tests.test_warm_pool", scenario], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, f"{scenario} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert f"{scenario}: ok" in result.stdout
 
 
 def _pool(node: str) -> dict[str, dict]:
@@ -33,8 +43,7 @@ def _wait_for(condition, what: str, timeout_s: float = 120.0):
     return result
 
 
-def test_keeper_fills_the_node_and_each_warm_worker_serves_one_claimant(local_ray) -> None:
-    node = local_ray
+def fills_the_node_and_each_warm_worker_serves_one_claimant(node: str) -> None:
     keeper = WarmPoolKeeper(per_node=2, orphan_grace_s=0.0)
     keeper.tick(active_claimants=set())
     _wait_for(lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
@@ -62,8 +71,7 @@ def test_keeper_fills_the_node_and_each_warm_worker_serves_one_claimant(local_ra
     _wait_for(lambda: not pool_by_node().get(node), "the pool emptied when turned off", timeout_s=30)
 
 
-def test_claim_takes_only_workers_on_the_slots_nodes(local_ray) -> None:
-    node = local_ray
+def claim_takes_only_workers_on_the_slots_nodes(node: str) -> None:
     keeper = WarmPoolKeeper(per_node=1)
     keeper.tick(active_claimants=set())
     _wait_for(lambda: len(_pool(node)) == 1 and all(status["warm"] for status in _pool(node).values()),
@@ -75,10 +83,9 @@ def test_claim_takes_only_workers_on_the_slots_nodes(local_ray) -> None:
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())
 
 
-def test_a_node_holding_a_placement_group_is_not_refilled(local_ray) -> None:
+def a_node_holding_a_placement_group_is_not_refilled(node: str) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    node = local_ray
     busy = placement_group([{"CPU": 1}])
     ray.get(busy.ready())
     keeper = WarmPoolKeeper(per_node=1)
@@ -89,3 +96,13 @@ def test_a_node_holding_a_placement_group_is_not_refilled(local_ray) -> None:
     keeper.tick(active_claimants=set())
     _wait_for(lambda: pool_by_node().get(node), "a worker started once the node is idle", timeout_s=30)
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace=NAMESPACE)
+    try:
+        globals()[name](ray.get_runtime_context().get_node_id())
+    finally:
+        ray.shutdown()
+    print(f"{name}: ok", flush=True)
