@@ -8,8 +8,8 @@ On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 wor
 - replace-elastic: as replace with workers {min: 1, max: 2} (Ray Train num_workers=(1, 2)): the
            survivor trains on while the replacement warms up, and the group grows back to it; also
            prints the time until the group trains at 2 workers again (full_size_s);
-- replace-spare: as replace, but the replacement node joined earlier and idles with the cluster's warm
-           pool on it (RINGMASTER_WARM_WORKERS_PER_NODE); Ray Train's baseline is its replace time (it
+- replace-spare: as replace, but the replacement node joined before the job and idles with a warm pool
+           worker on it (RINGMASTER_WARM_WORKERS_PER_NODE); Ray Train's baseline is its replace time (it
            restarts every worker either way);
 - standby: as replace, but the job keeps one warm standby worker (workers.standby: 1) on the spare
            node, which joins at once (Ray Train has no such thing: its baseline is its replace time);
@@ -122,29 +122,29 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
     raise SystemExit(f"job {job_id} did not train again within {timeout_s}s: {client.job(job_id)}")
 
 
-def _wait_for_warm_pool_on(node_id: str, timeout_s: float = 180) -> None:
-    """A spare node on its own CPUs warms its pool in seconds; simulated nodes share this machine's cores with the
-    training job, and a pool worker warms up at the lowest priority, so wait for it."""
+def _wait_for_warm_pool(workers: int, timeout_s: float = 180) -> None:
+    """Until `workers` idle pool workers are warm. Simulated nodes share this machine's cores, and a pool worker warms
+    up at the lowest priority, so a spare node warms its pool before the job starts, as an idle node on its own CPUs
+    would while the job trains."""
     from workers.warm_pool import pool_by_node, pool_statuses
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(status["warm"] and status["claimant"] is None
-               for _, status in pool_statuses(pool_by_node().get(node_id, [])).values()):
+        statuses = [status for names in pool_by_node().values() for _, status in pool_statuses(names).values()]
+        if sum(status["warm"] and status["claimant"] is None for status in statuses) >= workers:
             return
         time.sleep(0.2)
-    raise SystemExit(f"no warm pool worker on the spare node {node_id[:12]} within {timeout_s:.0f}s")
+    raise SystemExit(f"fewer than {workers} warm pool workers within {timeout_s:.0f}s")
 
 
 def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
-    spare = None
     if scenario in ("standby", "replace-spare"):
-        spare = cluster.add_node()  # the idle capacity the standby starts on, or the warm spare node
+        cluster.add_node()  # the idle capacity the standby starts on, or the warm spare node
+    if scenario == "replace-spare":
+        _wait_for_warm_pool(len(cluster.cluster.worker_nodes))  # one on each node: the job claims two, one stays idle
     job = client.submit(job_spec(scenario))
     _wait_for_step(client, job["id"], KILL_AFTER_STEP)
     spared = _standby_node(client, job["id"]) if scenario == "standby" else None
-    if scenario == "replace-spare":
-        _wait_for_warm_pool_on(spare.node_id)
     if scenario in ("replace", "replace-elastic"):
         cluster.add_node()
     victim = _a_worker_node(cluster, spared)
