@@ -45,8 +45,10 @@ def bare_torchrun(args: argparse.Namespace) -> float:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
                str(REPO / "bench" / "bare_torchrun.py"), "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
                "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
-    output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
-    return json.loads(output.strip().splitlines()[-1])["steps_per_s_steady"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"bare torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["steps_per_s_steady"]
 
 
 def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
