@@ -61,19 +61,17 @@ def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     }
 
 
-def wait_for_warm_pool(workers: int, timeout_s: float = 120.0) -> float:
-    """Seconds until `workers` idle pool workers are warm (none wanted when the pool is off)."""
-    from workers.warm_pool import pool_by_node, pool_statuses
+def wait_for_warm_pool(workers: int, timeout_s: float = 180.0) -> float:
+    """Seconds until `workers` idle pool workers are warm."""
+    from workers.warm_pool import pool_workers
 
-    if Settings().warm_workers_per_node == 0:
-        return 0.0
     started = time.monotonic()
     while True:
-        statuses = [status for names in pool_by_node().values() for _, status in pool_statuses(names).values()]
+        statuses = list(pool_workers().values())
         if sum(status["warm"] and status["claimant"] is None for status in statuses) >= workers:
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
-            raise SystemExit(f"the warm pool did not refill within {timeout_s:.0f}s: {statuses}")
+            raise SystemExit(f"fewer than {workers} warm pool workers within {timeout_s:.0f}s: {statuses}")
         time.sleep(0.25)
 
 
@@ -104,7 +102,8 @@ def main() -> None:
             through_ringmaster(client, args, "warm-up")  # a warm cluster: worker processes exist, imports cached
             for round_index in range(args.rounds):
                 bare.append(bare_torchrun(args))
-                wait_for_warm_pool(args.workers)
+                if Settings().warm_workers_per_node:
+                    wait_for_warm_pool(args.workers)
                 steady, to_first_step, phases = through_ringmaster(client, args, f"overhead-{round_index}")
                 managed.append(steady)
                 first_step.append(to_first_step)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
+from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
 from service.client import RingmasterClient  # noqa: E402
 from tests.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
@@ -62,10 +63,9 @@ def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: 
 
 
 def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
-    from workers.warm_pool import pool_by_node, pool_statuses
+    from workers.warm_pool import pool_workers
 
-    idle_pool = {name for names in pool_by_node().values() for name, (_, status) in pool_statuses(names).items()
-                 if status["claimant"] is None}
+    idle_pool = {name for name, status in pool_workers().items() if status["claimant"] is None}
     actors = [actor for actor in list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
               if actor.get("name") not in idle_pool]
     return cluster.node_by_id(sorted(actor["node_id"] for actor in actors if actor["node_id"] != spared)[-1])
@@ -122,26 +122,14 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
     raise SystemExit(f"job {job_id} did not train again within {timeout_s}s: {client.job(job_id)}")
 
 
-def _wait_for_warm_pool(workers: int, timeout_s: float = 180) -> None:
-    """Until `workers` idle pool workers are warm. Simulated nodes share this machine's cores, and a pool worker warms
-    up at the lowest priority, so a spare node warms its pool before the job starts, as an idle node on its own CPUs
-    would while the job trains."""
-    from workers.warm_pool import pool_by_node, pool_statuses
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        statuses = [status for names in pool_by_node().values() for _, status in pool_statuses(names).values()]
-        if sum(status["warm"] and status["claimant"] is None for status in statuses) >= workers:
-            return
-        time.sleep(0.2)
-    raise SystemExit(f"fewer than {workers} warm pool workers within {timeout_s:.0f}s")
-
-
 def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
     if scenario in ("standby", "replace-spare"):
         cluster.add_node()  # the idle capacity the standby starts on, or the warm spare node
     if scenario == "replace-spare":
-        _wait_for_warm_pool(len(cluster.cluster.worker_nodes))  # one on each node: the job claims two, one stays idle
+        # One on each node: the job claims two, one stays idle. Simulated nodes share this machine's cores and a
+        # pool worker warms up at the lowest priority, so the spare warms before the job starts, as an idle node
+        # on its own CPUs would while the job trains.
+        wait_for_warm_pool(len(cluster.cluster.worker_nodes))
     job = client.submit(job_spec(scenario))
     _wait_for_step(client, job["id"], KILL_AFTER_STEP)
     spared = _standby_node(client, job["id"]) if scenario == "standby" else None

@@ -70,6 +70,11 @@ def pool_statuses(names: list[str]) -> dict[str, tuple[Any, dict[str, Any]]]:
     return statuses
 
 
+def pool_workers() -> dict[str, dict[str, Any]]:
+    """Every pool worker that answers, on any node: name -> its pool_status."""
+    return {name: status for names in pool_by_node().values() for name, (_, status) in pool_statuses(names).items()}
+
+
 def claim_workers(nodes: list[str | None], claimant: str, cpus: float) -> dict[int, Any]:
     """Claim an idle, warm pool worker on each of these nodes: {position in nodes: actor}.
 

@@ -48,21 +48,16 @@ def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
     return sorted(range(len(placements)), key=lambda index: (placements[index]["node_id"], index))
 
 
-def placed_slots(slots: list[Slot], excluded_nodes: set[str]) -> list[Slot]:
-    """The slots whose bundle sits on a live node now (not one known to be lost)."""
-    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - excluded_nodes
-    placed = []
-    for group in {slot.group for slot in slots}:
-        table = placement_group_table(group)
-        bundle_nodes = table.get("bundles_to_node_id", {})
-        placed += [slot for slot in slots if slot.group == group and bundle_nodes.get(slot.index) in alive]
-    return placed
-
-
 def slot_nodes(slots: list[Slot]) -> list[str | None]:
     """The node each slot's bundle is placed on (None: not placed now)."""
     tables = {group: placement_group_table(group).get("bundles_to_node_id", {}) for group in {slot.group for slot in slots}}
     return [tables[slot.group].get(slot.index) for slot in slots]
+
+
+def placed_slots(slots: list[Slot], excluded_nodes: set[str]) -> list[Slot]:
+    """The slots whose bundle sits on a live node now (not one known to be lost)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - excluded_nodes
+    return [slot for slot, node in zip(slots, slot_nodes(slots), strict=True) if node in alive]
 
 
 class WorkerGroup:
