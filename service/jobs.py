@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -22,7 +23,7 @@ from service import telemetry, tenants
 from service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
 from service.planner import StateMemory
-from service.reports import DriverReport
+from service.reports import DriverReport, MetricPoint
 from service.spec import JobSpec
 from service.states import ACTIVE, TERMINAL, JobState, check_transition
 
@@ -245,24 +246,27 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
 
 
 def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
-    """One row per (job, attempt, step): a replay or a later report for the step fills in its non-null fields."""
-    if not report.metrics:
-        return
-    steps = [point.step for point in report.metrics]
-    rows = session.scalars(
-        select(Metric).where(Metric.job_id == job.id, Metric.attempt == job.attempt, Metric.step.between(min(steps), max(steps)))
-    )
-    by_step = {row.step: row for row in rows}
-    now = utcnow()
+    """One row per (job, attempt, step): a replay or a later report for the step fills in its non-null fields.
+    A point names its attempt when an earlier attempt ran it (replayed from a checkpoint; the route refuses later ones)."""
+    by_attempt: dict[int, list[MetricPoint]] = defaultdict(list)
     for point in report.metrics:
-        values = point.model_dump(exclude={"step"}, exclude_none=True)
-        row = by_step.get(point.step)
-        if row is None:
-            row = by_step[point.step] = Metric(job_id=job.id, attempt=job.attempt, step=point.step, recorded_at=now, **values)
-            session.add(row)
-        else:
-            for field, value in values.items():
-                setattr(row, field, value)
+        by_attempt[point.attempt or job.attempt].append(point)
+    now = utcnow()
+    for attempt, points in by_attempt.items():
+        steps = [point.step for point in points]
+        rows = session.scalars(
+            select(Metric).where(Metric.job_id == job.id, Metric.attempt == attempt, Metric.step.between(min(steps), max(steps)))
+        )
+        by_step = {row.step: row for row in rows}
+        for point in points:
+            values = point.model_dump(exclude={"step", "attempt"}, exclude_none=True)
+            row = by_step.get(point.step)
+            if row is None:
+                row = by_step[point.step] = Metric(job_id=job.id, attempt=attempt, step=point.step, recorded_at=now, **values)
+                session.add(row)
+            else:
+                for field, value in values.items():
+                    setattr(row, field, value)
     session.flush()
 
 

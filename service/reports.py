@@ -21,6 +21,10 @@ class MetricPoint(BaseModel):
     wall_time: float | None = Field(default=None, description="Unix time at which rank 0 finished the step.")
     lr: float | None = None
     world_size: int | None = None
+    attempt: int | None = Field(
+        default=None, ge=1,
+        description="The attempt that ran the step, when not the reporting one: a resumed attempt replays the metrics "
+                    "its checkpoint kept, which the attempt that wrote it may not have reported before it failed.")
 
 
 class CheckpointRecord(BaseModel):

@@ -244,6 +244,28 @@ def test_later_report_merges_val_loss_into_the_existing_step(client: TestClient)
     assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [(10, 0.5, 0.7, 0.001), (11, 0.4, None, None)]
 
 
+def test_replayed_points_of_an_earlier_attempt_are_stored_as_that_attempts(client: TestClient) -> None:
+    job_id = _submit(client)["id"]
+    _admit(client, job_id, number=1)
+    _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 1, "loss": 1.0}]})
+    with session_scope(_db(client).sessions) as session:
+        requeue(session, get_job(session, job_id), "driver lost")
+    _admit(client, job_id, number=2)
+    # Attempt 2 resumed from attempt 1's checkpoint at step 2 and replays what it kept: step 1 again, and step 2,
+    # which attempt 1 never reported; then its own step 3.
+    replay = [{"step": 1, "loss": 1.0, "attempt": 1}, {"step": 2, "loss": 0.9, "attempt": 1}, {"step": 3, "loss": 0.8}]
+    for _ in range(2):
+        assert _report(client, job_id, {"state": "RUNNING", "metrics": replay}, attempt=2).json()["accepted"]
+    rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [(m["attempt"], m["step"], m["loss"]) for m in rows] == [(1, 1, 1.0), (1, 2, 0.9), (2, 3, 0.8)]
+
+    future = _report(client, job_id, {"metrics": [{"step": 4, "loss": 0.7}, {"step": 4, "loss": 0.7, "attempt": 3}]}, attempt=2)
+    assert future.status_code == 422, future.text
+    [error] = future.json()["detail"]
+    assert (error["field"], error["msg"], error["input"]) == ("metrics.1.attempt", "must be at most the reporting attempt (2)", 3)
+    assert client.get(f"/v1/jobs/{job_id}/metrics").json()["total"] == 3, "a refused report stored nothing"
+
+
 def test_reports_from_stale_attempts_or_finished_jobs_are_ignored(client: TestClient) -> None:
     job_id = _submit(client)["id"]
     _admit(client, job_id, number=1)

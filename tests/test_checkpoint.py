@@ -63,10 +63,14 @@ def _uninterrupted_then_interrupted_and_resumed(rank: int, world_size: int, root
     dist.barrier()
     resumed = run_training(SPEC, context("resumed", runs["after_resume"], on_checkpoint=lambda record: runs["checkpoints"].append(record)))
     if rank == 0:
+        # Points naming their attempt are the resumed checkpoint's, replayed; the rest the resumed run's own.
+        replayed = [p.step for p in runs["after_resume"] if p.attempt is not None]
+        runs["after_resume"] = [p for p in runs["after_resume"] if p.attempt is None]
         losses = {name: [p.loss for p in runs[name] if p.loss is not None] for name in ("straight", "before_stop", "after_resume")}
         first_resumed_step = next(p.step for p in runs["after_resume"])
         records = [record.model_dump(include={"step", "uri", "world_size", "final"}) for record in runs["checkpoints"]]
-        summary = {"losses": losses, "stopped": [stopped.stopped, stopped.step], "first_resumed_step": first_resumed_step}
+        summary = {"losses": losses, "stopped": [stopped.stopped, stopped.step], "first_resumed_step": first_resumed_step,
+                   "replayed": replayed}
         summary.update(records=records, resumed_step=resumed.step, resumed_uri=resumed.checkpoint_uri)
         Path(f"{root}/summary.json").write_text(json.dumps(summary))
 
@@ -78,6 +82,7 @@ def test_resume_reproduces_uninterrupted_run_and_ignores_uncommitted_directory(t
 
     assert summary["stopped"] == [True, STOP_AFTER]
     assert summary["first_resumed_step"] == STOP_AFTER + 1, "resume must start after the stop checkpoint, not the crashed step 5"
+    assert summary["replayed"] == [STOP_AFTER], "the stop checkpoint kept the one step since the periodic save before it"
     assert len(losses["straight"]) == STEPS
     assert losses["before_stop"] + losses["after_resume"] == losses["straight"]
     assert summary["records"] == [
@@ -166,7 +171,8 @@ def _corrupt_newest_then_resume(rank: int, world_size: int, root: str) -> None:
         Path(f"{root}/summary.json").write_text(json.dumps({
             "straight": [p.loss for p in straight if p.loss is not None],
             "before": [p.step for p in before if p.loss is not None],
-            "after": [[p.step, p.loss] for p in after if p.loss is not None],
+            "after": [[p.step, p.loss] for p in after if p.loss is not None and p.attempt is None],
+            "replayed": [p.step for p in after if p.attempt is not None],
             "events": events,
         }))
 
@@ -179,6 +185,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path: Path) -> N
     resumed_steps = [step for step, _ in summary["after"]]
     assert resumed_steps == list(range(3, STEPS + 1)), "resume must use step 2, the newest checkpoint that verifies"
     assert [loss for _, loss in summary["after"]] == summary["straight"][2:]
+    assert summary["replayed"] == [1, 2], "the points step 2's checkpoint kept, not those of the corrupt step 4"
     restored, corrupt = ([event for event in summary["events"] if ("is corrupt" in event[0]) == flag] for flag in (False, True))
     assert [details["restored_step"] for _, details in restored] == [2] and restored[0][1]["restore_s"] > 0
     [[message, details]] = corrupt

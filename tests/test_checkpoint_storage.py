@@ -22,6 +22,7 @@ from tests.ray_cluster import running_control_plane, wait_for_state
 from workers.checkpoint import (
     begin_save,
     checkpoint_dir,
+    checkpoint_metrics,
     commit_save,
     committed_checkpoints,
     find_resume_point,
@@ -84,7 +85,8 @@ def _save_stop_corrupt_resume(rank: int, world_size: int, root: str, s3_root: st
         Path(root, "summary.json").write_text(json.dumps({
             "straight": [[p.step, p.loss] for p in straight if p.loss is not None],
             "before": [[p.step, p.loss] for p in before if p.loss is not None],
-            "after": [[p.step, p.loss] for p in after if p.loss is not None],
+            "after": [[p.step, p.loss] for p in after if p.loss is not None and p.attempt is None],
+            "replayed": [p.step for p in after if p.attempt is not None],  # what the resumed checkpoint kept
             "records": [record.model_dump() for record in records],
             "events": events,
         }))
@@ -98,6 +100,7 @@ def test_two_ranks_on_s3_save_async_resume_skip_corrupt_and_keep_newest_plus_bes
 
     assert [step for step, _ in summary["before"]] == list(range(1, STOP_AT + 1))
     assert [step for step, _ in summary["after"]] == list(range(3, STEPS + 1)), "resume must skip the corrupt step 4 for step 2"
+    assert summary["replayed"] == [1, 2], "step 2's checkpoint keeps its steps' points in S3 too"
     # S3 storage changes nothing numerically: the stopped and resumed run is the local straight run.
     assert [loss for step, loss in summary["before"] + summary["after"]] == [straight[s] for s in range(1, STOP_AT + 1)] + [straight[s] for s in range(3, STEPS + 1)]
     restored, corrupt = ([event for event in summary["events"] if ("is corrupt" in event[0]) == flag] for flag in (False, True))
@@ -122,7 +125,8 @@ def test_two_ranks_on_s3_save_async_resume_skip_corrupt_and_keep_newest_plus_bes
     s3.invalidate_cache()
     assert sorted(name.rsplit("/", 1)[-1] for name in s3.ls(s3_root)) == [f"step-{step:08d}" for step in kept]
     final = json.loads(s3.cat_file(f"{checkpoint_dir(s3_root, STEPS)}/manifest.json"))
-    assert set(final["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert set(final["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "metrics.json"}
+    assert [point["step"] for point in checkpoint_metrics(committed_checkpoints(s3_root)[-1])] == [5, 6]
 
     straight_model, s3_model = build_bundle(S3_SPEC).model, build_bundle(S3_SPEC).model
     load_model_weights(checkpoint_dir(tmp_path / "straight", STEPS), straight_model)

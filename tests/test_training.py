@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 from service.reports import CheckpointRecord, MetricPoint
 from service.spec import JobSpec, parse_spec_text
+from workers.checkpoint import checkpoint_metrics, committed_checkpoints
 from workers.training import TrainContext, run_training
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -62,3 +64,30 @@ def test_retry_of_a_finished_run_does_not_train_again(tmp_path: Path, single_ran
 
     assert (retried.step, retried.checkpoint_uri, retried.val_loss) == (3, first.checkpoint_uri, first.val_loss)
     assert checkpoints == [] and [(p.step, p.loss) for p in metrics] == [(3, None)]
+
+
+def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Path, single_rank_group: None) -> None:
+    """Each checkpoint keeps rank 0's points since the previous one, naming the attempt that ran them: the attempt
+    that resumes from it replays them, in case its predecessor died before they were forwarded."""
+    spec = JobSpec(name="replay", model="mlp", model_options={"n_train": 64, "n_val": 16},
+                   train={"steps": 8, "global_batch_size": 8, "micro_batch_size": 8}, checkpoint={"every_steps": 2, "keep": 10})
+    first: list[MetricPoint] = []
+    calls = itertools.count(1)
+    stopped = run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), on_metric=first.append,
+                                              should_stop=lambda: next(calls) >= 5, attempt=1))
+    assert (stopped.step, stopped.stopped) == (5, True)
+
+    kept = {checkpoint.step: checkpoint_metrics(checkpoint) for checkpoint in committed_checkpoints(tmp_path / "own")}
+    assert {step: [point["step"] for point in points] for step, points in kept.items()} == {2: [1, 2], 4: [3, 4], 5: [5]}
+    assert all(point["attempt"] == 1 for points in kept.values() for point in points)
+
+    second: list[MetricPoint] = []
+    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), on_metric=second.append, attempt=2))
+    assert second[0] == first[4].model_copy(update={"attempt": 1}), "the resumed checkpoint's point, as attempt 1 ran it"
+    assert [(point.step, point.attempt) for point in second if point.loss is not None] == [(5, 1), (6, None), (7, None), (8, None)]
+
+    # Another job's checkpoint (resume_from) is a starting point, not this job's history: nothing is replayed.
+    other: list[MetricPoint] = []
+    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-2", str(tmp_path / "other"), on_metric=other.append,
+                                    resume_from_root=str(tmp_path / "own"), attempt=1))
+    assert [point.step for point in other if point.loss is not None] == [], "resumed from a finished run: no step left"

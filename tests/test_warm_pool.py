@@ -7,6 +7,8 @@ session's cluster, whose dispatcher keeps a pool of its own.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("scenario", ["fills_the_node_and_each_warm_worker_serves_one_claimant",
                                       "claim_takes_only_workers_on_the_slots_nodes",
-                                      "a_node_holding_a_placement_group_is_not_refilled"])
+                                      "a_node_holding_a_placement_group_is_not_refilled",
+                                      "a_claimed_worker_ends_with_its_driver"])
 def test_warm_pool(scenario: str) -> None:
     result = subprocess.run([sys.executable, "-m", "tests.test_warm_pool", scenario], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=240)
@@ -53,7 +56,7 @@ def fills_the_node_and_each_warm_worker_serves_one_claimant(node: str) -> None:
 
     claimed = claim_workers([node, node, node], "attempt-a", cpus=1)
     assert sorted(claimed) == [0, 1], "two idle workers, so the third position must start cold"
-    assert not any(ray.get([actor.claim.remote("attempt-b", 1) for actor in claimed.values()])), "claimed twice"
+    assert not any(ray.get([actor.claim.remote("attempt-b", 1, "ff") for actor in claimed.values()])), "claimed twice"
     assert claim_workers([node], "attempt-b", cpus=1) == {}
     assert sorted(status["claimant"] for status in _pool(node).values()) == ["attempt-a", "attempt-a"]
 
@@ -95,6 +98,41 @@ def a_node_holding_a_placement_group_is_not_refilled(node: str) -> None:
     remove_placement_group(busy)
     keeper.tick(active_claimants=set())
     _wait_for(lambda: pool_by_node().get(node), "a worker started once the node is idle", timeout_s=30)
+    WarmPoolKeeper(per_node=0).tick(active_claimants=set())
+
+
+_CLAIMING_DRIVER = """
+import sys, time, ray
+from workers.warm_pool import claim_workers
+ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
+print("claimed", sorted(claim_workers([sys.argv[3]], "attempt-d", cpus=1)), flush=True)
+time.sleep(600)
+"""
+
+
+def a_claimed_worker_ends_with_its_driver(node: str) -> None:
+    """A pool worker is detached, so Ray would keep it after its driver dies: it must end itself, or it would go on
+    training the attempt beside the one that replaces it."""
+    keeper = WarmPoolKeeper(per_node=2)
+    keeper.tick(active_claimants=set())
+    _wait_for(lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
+              "two warm pool workers")
+    mine = claim_workers([node], "attempt-e", cpus=1)  # this process is the claimant's live driver
+    driver = subprocess.Popen([sys.executable, "-c", _CLAIMING_DRIVER, ray.get_runtime_context().gcs_address,
+                               NAMESPACE, node], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "claimed [0]"
+        assert sorted(status["claimant"] for status in _pool(node).values()) == ["attempt-d", "attempt-e"]
+        time.sleep(3.0)  # no heartbeats from either driver: silence alone is no reason to end
+        assert len(_pool(node)) == 2, "a claimed worker ended while its driver lived"
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    killed = time.monotonic()
+    _wait_for(lambda: [status["claimant"] for status in _pool(node).values()] == ["attempt-e"],
+              "the dead driver's pool worker gone", timeout_s=15)
+    print(f"the dead driver's worker ended {time.monotonic() - killed:.1f}s after it", flush=True)
+    ray.kill(mine[0], no_restart=True)
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())
 
 

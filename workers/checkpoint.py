@@ -1,7 +1,8 @@
 """Sharded, atomically committed checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards plus ``manifest.json``, which rank 0
-writes last, after every rank's shards are written. The storage root is a local directory or any
+A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards, ``metrics.json`` (rank 0's metric points since
+the previous save, replayed by an attempt that resumes from it) and ``manifest.json``, which rank 0 writes
+last, after every rank's shards are written. The storage root is a local directory or any
 fsspec URI (workers/checkpoint_storage.py). A directory without a valid manifest is an interrupted
 save and is never resumed from. The manifest lists every file of the checkpoint with its size (and
 the sha256 of DCP's small ``.metadata``); a checkpoint whose files no longer match is corrupt and
@@ -49,6 +50,7 @@ from workers.data.stream import DataPosition
 from workers.strategies.zero1 import local_optimizer
 
 MANIFEST_NAME = "manifest.json"
+METRICS_NAME = "metrics.json"
 DCP_METADATA_NAME = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -132,6 +134,14 @@ def verify_checkpoint(checkpoint: CommittedCheckpoint) -> str | None:
     return None
 
 
+def checkpoint_metrics(checkpoint: CommittedCheckpoint) -> list[dict[str, Any]]:
+    """The metric points rank 0 recorded between the previous save and this one ([] for a checkpoint without them)."""
+    if METRICS_NAME not in checkpoint.manifest.get("files", {}):
+        return []
+    storage, location = storage_for(checkpoint.path)
+    return json.loads(storage.read_bytes(storage.join(location, METRICS_NAME)) or b"[]")
+
+
 def find_resume_point(storage_root: str | Path) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
     """The newest committed checkpoint that verifies (or None), and the newer committed ones skipped
     as corrupt, each with what is wrong, newest first."""
@@ -171,6 +181,7 @@ class PendingSave:
     keep_best: KeepBestSpec | None = None
     future: Future | None = None  # None: written synchronously
     staged: Future | None = None  # done once the state is copied: only then may training change it
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # rank 0's points of the steps up to this one
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -205,13 +216,15 @@ def begin_save(
     process_group: dist.ProcessGroup | None = None,
     metric_value: float | None = None,
     stager: AsyncStager | None = None,
+    metrics: list[dict[str, Any]] | None = None,
 ) -> PendingSave:
     """Collective: start writing this rank's shards. With ``process_group`` (a gloo group used for
     nothing else) the write is asynchronous: the state is staged into a copy and written by a
     background thread; otherwise it is written before returning. Nothing is committed yet.
     ``metric_value``: this checkpoint's value of ``checkpoint.keep_best``'s metric. ``stager``: reuse its staging
     buffers (from ``checkpoint_stager``; the previous save that used them must have finished); it may stage in the
-    background, so call ``wait_staged`` on the result before changing the state."""
+    background, so call ``wait_staged`` on the result before changing the state. ``metrics`` (rank 0): the metric
+    points since the previous save, kept with the checkpoint (``checkpoint_metrics``)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     storage, root = storage_for(storage_root)
     path = storage.join(root, f"step-{step:08d}")
@@ -231,7 +244,7 @@ def begin_save(
     keep_best = spec.checkpoint.keep_best
     if keep_best is not None:
         manifest.update(metric=keep_best.metric, metric_value=metric_value)
-    pending = PendingSave(root, step, path, manifest, spec.checkpoint.keep, keep_best)
+    pending = PendingSave(root, step, path, manifest, spec.checkpoint.keep, keep_best, metrics=list(metrics or []))
     if process_group is None:
         dcp.save(state, storage_writer=_storage_writer(path))
         dist.barrier()
@@ -250,6 +263,8 @@ def commit_save(pending: PendingSave) -> CommittedSave:
     metadata are written): write the manifest last, then apply retention."""
     pending.wait()
     storage, _ = storage_for(pending.path)
+    if pending.metrics:
+        storage.write_text_atomically(storage.join(pending.path, METRICS_NAME), json.dumps(pending.metrics))
     files = {
         name: size
         for name, size in sorted(storage.files(pending.path).items())

@@ -81,10 +81,12 @@ class Outcome:
 
 class JobDriver:
     def __init__(self, spec: JobSpec, job_id: str, placement_group_name: str, storage_uri: str, reporter: Reporter,
-                 failures_so_far: int = 0, claimant: str | None = None) -> None:
-        """`claimant`: this attempt's Ray submission id, under which it takes warm pool workers (None: it never does)."""
+                 failures_so_far: int = 0, claimant: str | None = None, attempt: int = 1) -> None:
+        """`claimant`: this attempt's Ray submission id, under which it takes warm pool workers (None: it never does).
+        `attempt`: this attempt's number, which the metric points its checkpoints keep name."""
         self.spec = spec
         self.job_id = job_id
+        self.attempt = attempt
         self.placement_group_name = placement_group_name
         self.storage_root = f"{storage_uri.rstrip('/')}/{job_id}"
         # JobSpec.resume_from: the other job's storage, resumed from while this job has no checkpoint of its own.
@@ -140,7 +142,7 @@ class JobDriver:
 
     def _supervise(self) -> Outcome:
         """Run the group until it finishes, loses workers, or stops at a checkpoint to grow."""
-        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root)
+        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt)
         pending = list(futures)
         heartbeats = Heartbeats(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
         lost: list[RankedWorker] = []
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
     try:
         code = JobDriver(spec, args.job_id, args.placement_group, args.storage_uri, reporter, args.failures,
-                         claimant=submission_id_for(args.job_id, args.attempt)).run()
+                         claimant=submission_id_for(args.job_id, args.attempt), attempt=args.attempt).run()
     finally:
         # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
         # rerun a finished job as a failed attempt.

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from service.reports import CheckpointRecord, MetricPoint, RankMemory
 from service.spec import JobSpec
-from workers.checkpoint import (CommittedCheckpoint, CommittedSave, PendingSave, begin_save, checkpoint_stager, commit_save,
-                                find_resume_point, load_checkpoint)
+from workers.checkpoint import (CommittedCheckpoint, CommittedSave, PendingSave, begin_save, checkpoint_dir,
+                                checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point, load_checkpoint)
 from workers.checkpoint_storage import LocalStorage, storage_for
 from workers.data.audit import SampleAudit
 from workers.data.stream import DataPosition, GlobalBatchStream
@@ -70,6 +70,8 @@ class TrainContext:
     resume_from_root: str | None = None
     # Rank 0 only: something the job's event log should say (message, details), e.g. a corrupt checkpoint skipped.
     on_event: Callable[[str, dict[str, Any]], None] = _ignore_event
+    # The job attempt this run serves: the metric points a checkpoint keeps name it.
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,19 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
             "resumed_from_step": latest.step if latest is not None else 0,
         })
     saved_step = step
+    # Rank 0's metric points not yet kept in a checkpoint. Each save keeps those of its steps, and an attempt that
+    # resumes replays them: its predecessor may have died before its driver forwarded them. Without periodic saves
+    # there is nothing to resume from mid-run, so nothing is kept.
+    unsaved_metrics: list[dict[str, Any]] = []
+
+    def record_metric(point: MetricPoint) -> None:
+        ctx.on_metric(point)
+        if spec.checkpoint.every_steps:
+            unsaved_metrics.append(point.model_dump(exclude_none=True) | {"attempt": ctx.attempt})
+
+    if latest is not None and ctx.rank == 0 and latest.path == checkpoint_dir(ctx.storage_root, latest.step):
+        for point in checkpoint_metrics(latest):  # this job's own history only, not resume_from's
+            ctx.on_metric(MetricPoint.model_validate(point))
 
     # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
     batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if parallel.schedule else 1)
@@ -152,7 +167,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
                             dp_rank=dims.dp_rank(mesh), dp=dims.dp, pipeline_batch_size=batch_size)
         validated_at = (step, val_loss)
         if ctx.rank == 0:
-            ctx.on_metric(MetricPoint(step=step, val_loss=val_loss, world_size=ctx.world_size))
+            record_metric(MetricPoint(step=step, val_loss=val_loss, world_size=ctx.world_size))
         return val_loss
 
     def checkpoint_metric() -> float | None:
@@ -180,10 +195,12 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         nonlocal in_flight
         settle(block=True)
         metric_value = checkpoint_metric()
+        kept = [point for point in unsaved_metrics if point["step"] <= step]
+        unsaved_metrics[:] = [point for point in unsaved_metrics if point["step"] > step]
         began = time.perf_counter()
         pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
                              optimizers=parallel.optimizers, process_group=save_group if asynchronous else None,
-                             metric_value=metric_value, stager=stager)
+                             metric_value=metric_value, stager=stager, metrics=kept)
         save_timing[pending.path] = (began, time.perf_counter() - began)
         if asynchronous:
             in_flight = pending
@@ -242,7 +259,7 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         if audit is not None:
             audit.record(step, stream.position.epoch, step_sample_ids)
         if ctx.rank == 0:
-            ctx.on_metric(
+            record_metric(
                 MetricPoint(
                     step=step,
                     loss=loss,

@@ -8,8 +8,8 @@ each bundle it was given and starts cold workers only where none is idle.
 Resources stay with placement groups: a pool worker holds no CPU of its own (it is created with
 `num_cpus=0`); once claimed it trains on the CPUs its job's bundle reserved on that same node. A claimed
 worker serves that one job attempt and is killed with it (never reused: a training run leaves process
-state behind). The keeper kills claimed workers whose attempt is no longer active, should a driver die
-without cleaning up. GPU workers are not pooled: Ray gives GPU ids to the actor that holds the bundle.
+state behind). Should the driver die without cleaning up, a claimed worker exits once the cluster reports the
+driver's Ray job dead; as a backstop the keeper kills claimed workers whose attempt is no longer active. GPU workers are not pooled: Ray gives GPU ids to the actor that holds the bundle.
 Pool workers are detached actors, so they survive a restart of the control plane.
 """
 
@@ -87,12 +87,13 @@ def claim_workers(nodes: list[str | None], claimant: str, cpus: float) -> dict[i
     idle = {node: [statuses[name][0] for name in pool.get(node, [])
                    if name in statuses and statuses[name][1]["warm"] and statuses[name][1]["claimant"] is None]
             for node in wanted}
+    owner = ray.get_runtime_context().get_job_id()  # the calling driver's: a claimed worker ends with it
     claimed: dict[int, Any] = {}
     for position, node in enumerate(nodes):
         while node is not None and idle.get(node):
             actor = idle[node].pop(0)
             try:
-                if ray.get(actor.claim.remote(claimant, cpus), timeout=STATUS_TIMEOUT_S):
+                if ray.get(actor.claim.remote(claimant, cpus, owner), timeout=STATUS_TIMEOUT_S):
                     claimed[position] = actor
                     break
             except (RayActorError, GetTimeoutError):

@@ -8,9 +8,11 @@ The training loop itself never talks to the control plane.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -22,6 +24,11 @@ _CONCURRENT_CALLS = 8
 # Heartbeats and the pool's status calls have threads of their own: they never queue behind the calls above, so a
 # busy worker is not taken for a lost one.
 _CONTROL_CALLS = 2
+# A claimed pool worker is detached, so Ray does not end it with its driver: after this long without a heartbeat it
+# asks the cluster whether the driver's Ray job is still alive, and exits if not (see `_end_with_owner`).
+_OWNER_SILENCE_S = 1.0
+
+log = logging.getLogger("ringmaster.worker")
 
 
 def _free_port(host: str) -> int:
@@ -50,6 +57,7 @@ class TrainWorker:
         self._cpus = cpus
         self._uses_gpu = uses_gpu
         self._claimant: str | None = None
+        self._last_heartbeat = time.monotonic()
         self._lock = threading.Lock()
         self._group_lock = threading.Lock()
         self._metrics: list[dict[str, Any]] = []
@@ -70,14 +78,32 @@ class TrainWorker:
             return {"claimant": self._claimant, "warm": not self._warm.is_alive()}
 
     @ray.method(concurrency_group="control")
-    def claim(self, claimant: str, cpus: float) -> bool:
+    def claim(self, claimant: str, cpus: float, owner_job_id: str) -> bool:
         """Take this idle pool worker for one job attempt, training on `cpus` CPUs of a bundle on this node; False
-        when another attempt claimed it first. A claimed worker serves that attempt only and ends with it."""
+        when another attempt claimed it first. A claimed worker serves that attempt only and ends with it: with the
+        Ray job `owner_job_id` (hex) of the attempt's driver."""
         with self._lock:
             if self._claimant is not None:
                 return False
             self._claimant, self._cpus = claimant, cpus
-            return True
+        threading.Thread(target=self._end_with_owner, args=(owner_job_id,), name="owner-watch", daemon=True).start()
+        return True
+
+    def _end_with_owner(self, owner_job_id: str) -> None:
+        """Exit once the claiming driver's Ray job is dead. Ray ends the workers a driver created along with it; a pool
+        worker is detached, and would otherwise go on training the attempt and committing its checkpoints beside the
+        attempt that replaces it. Asks the cluster only after a silence: a live driver heartbeats every half second."""
+        gcs = ray._private.worker.global_worker.gcs_client
+        while True:
+            time.sleep(_OWNER_SILENCE_S / 2)
+            if time.monotonic() - self._last_heartbeat < _OWNER_SILENCE_S:
+                continue
+            jobs = gcs.get_all_job_info(job_or_submission_id=owner_job_id, skip_submission_job_info_field=True,
+                                        skip_is_running_tasks_field=True)
+            if all(job.is_dead for job in jobs.values()):
+                log.warning("the driver (Ray job %s) of attempt %s is gone; this pool worker ends with it",
+                            owner_job_id, self._claimant)
+                os._exit(1)
 
     def placement(self) -> dict[str, Any]:
         """Where this actor landed: its node id (the rank-ordering key), IP and process."""
@@ -103,6 +129,7 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> int:
+        self._last_heartbeat = time.monotonic()
         return self.generation
 
     def join(self, generation: int, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
@@ -123,7 +150,7 @@ class TrainWorker:
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
     def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],
-              resume_from_root: str | None = None) -> dict[str, Any]:
+              resume_from_root: str | None = None, attempt: int = 1) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
@@ -138,7 +165,7 @@ class TrainWorker:
             rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
             storage_root=storage_root, on_metric=self._record_metric, on_checkpoint=self._record_checkpoint,
             should_stop=self._stop.is_set, on_memory=self._record_memory, ranks_per_node=tuple(ranks_per_node),
-            generation=generation, on_event=self._record_event, resume_from_root=resume_from_root,
+            generation=generation, on_event=self._record_event, resume_from_root=resume_from_root, attempt=attempt,
         )
         try:
             result = run_training(spec, context)

@@ -130,10 +130,10 @@ class WorkerGroup:
             for worker in self.workers
         ])
 
-    def train(self, job_id: str, storage_root: str, resume_from_root: str | None = None) -> dict[Any, RankedWorker]:
+    def train(self, job_id: str, storage_root: str, resume_from_root: str | None = None, attempt: int = 1) -> dict[Any, RankedWorker]:
         spec_json, layout = self.spec.model_dump_json(), self.ranks_per_node
         return {
-            worker.actor.train.remote(self.generation, spec_json, job_id, storage_root, layout, resume_from_root): worker
+            worker.actor.train.remote(self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt): worker
             for worker in self.workers
         }
 

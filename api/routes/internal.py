@@ -21,7 +21,7 @@ from service.reports import DriverReport
 router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(400, 401, 404, 409, 413))
 
 # Report fields stored in 32-bit INTEGER columns (PostgreSQL's limit; SQLite would take more and differ).
-_INT32_FIELDS = {"metrics": ("step", "world_size"), "checkpoints": ("step", "world_size"), "memory": ("rank", "dp", "tp", "pp")}
+_INT32_FIELDS = {"metrics": ("step", "world_size", "attempt"), "checkpoints": ("step", "world_size"), "memory": ("rank", "dp", "tp", "pp")}
 _INT32_MAX = 2**31 - 1
 
 
@@ -38,11 +38,21 @@ def _check_int32(report: DriverReport) -> None:
         raise InvalidSpec(errors)
 
 
+def _check_metric_attempts(report: DriverReport, attempt: int) -> None:
+    """A replayed point names the earlier attempt that ran its step; no point can come from a later attempt."""
+    errors = [{"type": "less_than_equal", "loc": ["metrics", index, "attempt"], "input": point.attempt,
+               "msg": f"must be at most the reporting attempt ({attempt})"}
+              for index, point in enumerate(report.metrics) if point.attempt is not None and point.attempt > attempt]
+    if errors:
+        raise InvalidSpec(errors)
+
+
 @router.post("/jobs/{job_id}/attempts/{attempt}/report", dependencies=[Depends(check_report_token)])
 def report(job_id: str, attempt: Annotated[int, Path(ge=1)], body: DriverReport, session: SessionDep) -> ReportAck:
     # Metric values may be NaN or infinite (a diverging loss); the free-form details are stored as JSON, which may not.
     check_document(body.details, loc=("details",))
     check_document(body.model_dump(exclude={"details"}), finite=False)
     _check_int32(body)
+    _check_metric_attempts(body, attempt)
     result = jobs.apply_driver_report(session, job_id, attempt, body)
     return ReportAck(state=result.state, accepted=result.accepted)
