@@ -98,8 +98,12 @@ class TrainWorker:
             time.sleep(_OWNER_SILENCE_S / 2)
             if time.monotonic() - self._last_heartbeat < _OWNER_SILENCE_S:
                 continue
-            jobs = gcs.get_all_job_info(job_or_submission_id=owner_job_id, skip_submission_job_info_field=True,
-                                        skip_is_running_tasks_field=True)
+            try:
+                jobs = gcs.get_all_job_info(job_or_submission_id=owner_job_id, skip_submission_job_info_field=True,
+                                            skip_is_running_tasks_field=True, timeout=_OWNER_SILENCE_S * 5)
+            except Exception as error:  # noqa: BLE001 — the GCS restarting or slow: not a verdict on the driver
+                log.warning("cannot ask the cluster about Ray job %s (%s); asking again", owner_job_id, error)
+                continue
             if all(job.is_dead for job in jobs.values()):
                 log.warning("the driver (Ray job %s) of attempt %s is gone; this pool worker ends with it",
                             owner_job_id, self._claimant)
