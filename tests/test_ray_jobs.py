@@ -139,3 +139,32 @@ def test_a_job_starts_in_warm_pool_workers_which_end_with_it(client: RingmasterC
         assert time.monotonic() < deadline, "the job's pool workers outlived it"
         time.sleep(0.5)
     assert _cluster_is_idle(15)
+
+
+def test_a_cancelled_jobs_driver_stops_itself_when_ray_does_not_stop_it(client: RingmasterClient, monkeypatch):
+    """The control plane answers the driver's next report with CANCELLED: the driver frees its workers and bundles on
+    its own. Here the dispatcher's Ray job stop and placement-group release reach nothing, as when the dashboard stalls."""
+    from ray.job_submission import JobSubmissionClient
+
+    from service.ray_cluster import RayCluster
+    from workers.warm_pool import pool_workers
+
+    monkeypatch.setattr(RayCluster, "stop", lambda self, submission_id: None)
+    monkeypatch.setattr(RayCluster, "release", lambda self, name: None)
+    job = client.submit(_spec("e2e-cancel-unheard", train={"steps": 100000, "global_batch_size": 8, "micro_batch_size": 4}))
+    _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
+    deadline = time.monotonic() + 60
+    while not client.metrics(job["id"])["items"]:
+        assert time.monotonic() < deadline, "no training step was reported"
+        time.sleep(0.25)
+    cancelled = client.cancel(job["id"])
+    assert cancelled["state"] == "CANCELLED"
+    assert _cluster_is_idle(15), f"resources still held after cancel: {ray.available_resources()}"
+    assert not any(status["claimant"] == cancelled["ray_job_id"] for status in pool_workers().values())
+
+    jobs_api = JobSubmissionClient(client.job(job["id"])["dashboard_url"].split("/#")[0])
+    deadline = time.monotonic() + 30
+    while str(jobs_api.get_job_status(cancelled["ray_job_id"]).value) != "SUCCEEDED":
+        assert time.monotonic() < deadline, f"the driver did not end: {jobs_api.get_job_status(cancelled['ray_job_id'])}"
+        time.sleep(0.25)
+    assert "the control plane ended this attempt (job CANCELLED): stopping" in jobs_api.get_job_logs(cancelled["ray_job_id"])

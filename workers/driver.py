@@ -71,7 +71,8 @@ def is_communication_failure(error: RayTaskError) -> bool:
 
 @dataclass
 class Outcome:
-    """How one run of the group ended: finished, lost workers, wants to grow, or the user's code failed."""
+    """How one run of the group ended: finished, lost workers, wants to grow, the user's code failed, or the control
+    plane ended the attempt (cancelled, or superseded)."""
 
     kind: str
     results: list[dict[str, Any]] = field(default_factory=list)
@@ -123,6 +124,9 @@ class JobDriver:
                     final = outcome.results[0]
                     self.reporter.report(state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}")
                     return 0
+                if outcome.kind == "ended":
+                    log.info("the control plane ended this attempt (job %s): stopping", self.reporter.ended_state)
+                    return 0
                 if outcome.kind == "user_error":
                     return self._fail(outcome.reason)
                 if outcome.kind == "lost":
@@ -150,6 +154,8 @@ class JobDriver:
         stopping = False
         next_drain = time.monotonic() + DRAIN_INTERVAL_S
         while pending and not (lost or errors):
+            if self.reporter.ended.is_set():
+                return Outcome("ended")  # cancelled, or superseded: the finally blocks free the workers and bundles
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
             for ref in done:
                 try:
@@ -249,7 +255,8 @@ class JobDriver:
         return int(available.get("CPU", 0) // need.cpus_per_worker)
 
     def _regroup(self, outcome: Outcome) -> bool:
-        """Keep the survivors, add workers where bundles can be placed now, form the next generation."""
+        """Keep the survivors, add workers where bundles can be placed now, form the next generation. False: the job
+        failed (reported), or the control plane ended the attempt meanwhile."""
         started = time.monotonic()
         before = self.group.world_size
         if outcome.kind == "lost":
@@ -286,6 +293,9 @@ class JobDriver:
                 break
             for worker in added:
                 ray.kill(worker.actor, no_restart=True)
+            if self.reporter.ended.is_set():
+                log.info("the control plane ended this attempt (job %s) while it waited for capacity", self.reporter.ended_state)
+                return False
             if time.monotonic() > give_up:
                 self._fail(f"{outcome.reason}; only {len(members)} of workers.min {self.spec.workers.min} can be placed")
                 return False

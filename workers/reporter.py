@@ -1,6 +1,8 @@
 """Sends the driver's reports to the control plane; buffers and replays while it is unreachable.
 
-Replays are safe because the control plane upserts metrics by step and checkpoints by URI.
+Replays are safe because the control plane upserts metrics by step and checkpoints by URI. Each answer says
+whether the attempt is still the job's live one: once it is not (the job was cancelled, or a newer attempt took
+over), `ended` is set and the driver stops on its own, without waiting for Ray to deliver the stop.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Reporter:
         self._wake = threading.Event()
         self._closed = False
         self._interval = flush_interval_s
+        self.ended = threading.Event()  # the control plane ignores this attempt now
+        self.ended_state: str | None = None  # the job's state when it said so
         self._thread = threading.Thread(target=self._flush_loop, name="reporter", daemon=True)
         self._thread.start()
 
@@ -67,8 +71,20 @@ class Reporter:
                 return False
             if response.status_code >= 400:
                 log.error("control plane refused a report (%s): %s", response.status_code, response.text[:500])
+            else:
+                self._read_ack(response)
             with self._lock:
                 self._pending.popleft()
+
+    def _read_ack(self, response: httpx.Response) -> None:
+        try:
+            ack = response.json()
+        except ValueError:
+            return
+        if ack.get("accepted") is False and not self.ended.is_set():
+            self.ended_state = ack.get("state")
+            self.ended.set()
+            log.warning("the control plane no longer takes this attempt's reports (job %s)", self.ended_state)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Flush what is left, retrying until timeout_s; True when everything was delivered."""
