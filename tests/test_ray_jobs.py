@@ -36,6 +36,20 @@ def _cluster_is_idle(timeout_s: float) -> bool:
     return False
 
 
+def _cancel_once_training(client: RingmasterClient, name: str) -> tuple[dict, dict]:
+    """Submit a long job, cancel it after its first reported step, and check the cluster is idle soon after."""
+    job = client.submit(_spec(name, train={"steps": 100000, "global_batch_size": 8, "micro_batch_size": 4}))
+    _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
+    deadline = time.monotonic() + 60
+    while not client.metrics(job["id"])["items"]:
+        assert time.monotonic() < deadline, "no training step was reported"
+        time.sleep(0.25)
+    cancelled = client.cancel(job["id"])
+    assert cancelled["state"] == "CANCELLED"
+    assert _cluster_is_idle(15), f"resources still held after cancel: {ray.available_resources()}"
+    return job, cancelled
+
+
 def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: RingmasterClient):
     job = client.submit(_spec("e2e-ddp"))
     assert job["state"] == "QUEUED"
@@ -68,15 +82,7 @@ def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: R
 
 
 def test_cancel_running_job_stops_it_and_frees_ray_resources(client: RingmasterClient):
-    job = client.submit(_spec("e2e-cancel", train={"steps": 100000, "global_batch_size": 8, "micro_batch_size": 4}))
-    _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
-    deadline = time.monotonic() + 60
-    while not client.metrics(job["id"])["items"]:
-        assert time.monotonic() < deadline, "no training step was reported"
-        time.sleep(0.25)
-    cancelled = client.cancel(job["id"])
-    assert cancelled["state"] == "CANCELLED"
-    assert _cluster_is_idle(15), f"resources still held after cancel: {ray.available_resources()}"
+    job, cancelled = _cancel_once_training(client, "e2e-cancel")
     from ray.job_submission import JobSubmissionClient
 
     jobs_api = JobSubmissionClient(client.job(job["id"])["dashboard_url"].split("/#")[0])
@@ -151,15 +157,7 @@ def test_a_cancelled_jobs_driver_stops_itself_when_ray_does_not_stop_it(client: 
 
     monkeypatch.setattr(RayCluster, "stop", lambda self, submission_id: None)
     monkeypatch.setattr(RayCluster, "release", lambda self, name: None)
-    job = client.submit(_spec("e2e-cancel-unheard", train={"steps": 100000, "global_batch_size": 8, "micro_batch_size": 4}))
-    _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
-    deadline = time.monotonic() + 60
-    while not client.metrics(job["id"])["items"]:
-        assert time.monotonic() < deadline, "no training step was reported"
-        time.sleep(0.25)
-    cancelled = client.cancel(job["id"])
-    assert cancelled["state"] == "CANCELLED"
-    assert _cluster_is_idle(15), f"resources still held after cancel: {ray.available_resources()}"
+    job, cancelled = _cancel_once_training(client, "e2e-cancel-unheard")
     assert not any(status["claimant"] == cancelled["ray_job_id"] for status in pool_workers().values())
 
     jobs_api = JobSubmissionClient(client.job(job["id"])["dashboard_url"].split("/#")[0])

@@ -9,8 +9,9 @@ Resources stay with placement groups: a pool worker holds no CPU of its own (it 
 `num_cpus=0`); once claimed it trains on the CPUs its job's bundle reserved on that same node. A claimed
 worker serves that one job attempt and is killed with it (never reused: a training run leaves process
 state behind). Should the driver die without cleaning up, a claimed worker exits once the cluster reports the
-driver's Ray job dead; as a backstop the keeper kills claimed workers whose attempt is no longer active. GPU workers are not pooled: Ray gives GPU ids to the actor that holds the bundle.
-Pool workers are detached actors, so they survive a restart of the control plane.
+driver's Ray job dead; as a backstop the keeper kills claimed workers whose attempt is no longer active.
+GPU workers are not pooled: Ray gives GPU ids to the actor that holds the bundle. Pool workers are detached
+actors, so they survive a restart of the control plane.
 """
 
 from __future__ import annotations
