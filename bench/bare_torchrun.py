@@ -90,6 +90,7 @@ def main() -> None:
         steady_steps = args.steps - args.skip_steps
         report = {"steps_per_s_steady": steady_steps / steady_seconds, "steps": args.steps, "world_size": world_size, "final_loss": global_loss}
         print(json.dumps(report), flush=True)
+    dist.barrier()  # no rank tears the group down while a peer is still in a collective (seen: an abort at exit)
     dist.destroy_process_group()
 
 

@@ -75,8 +75,8 @@ class RingmasterClient:
     def events(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/events")
 
-    def metrics(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics")
+    def metrics(self, job_id: str, limit: int = 1000, offset: int = 0) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params={"limit": limit, "offset": offset})
 
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -35,6 +36,8 @@ _LOG_TAIL = 4000
 _DRIVER_EXIT_GRACE_S = 30.0
 _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
+# A driver reports every second while its job trains; one that reported this recently is not asked after in Ray.
+_REPORTING_DRIVER_ALIVE_S = 3.0
 
 
 class Dispatcher:
@@ -176,18 +179,24 @@ class Dispatcher:
         """Reconcile the database with Ray: an active job whose Ray job died or vanished outside the
         driver's control (driver killed, Ray head restarted) is resubmitted as a new attempt, which
         resumes from the latest committed checkpoint and counts against max_failures. A job whose
-        Ray job is alive is adopted as it is: never started twice."""
+        Ray job is alive is adopted as it is: never started twice. Once adopted, Ray is asked about a job
+        only while its driver is quiet: a report in the last few seconds shows the driver alive."""
+        current_attempt = (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt)
         with self.sessions() as session:
-            active = session.scalars(select(Job).where(Job.state.in_([s.value for s in ACTIVE]))).all()
-        for job in active:
+            active = session.execute(select(Job, Attempt.last_report_at).outerjoin(Attempt, current_attempt)
+                                     .where(Job.state.in_([s.value for s in ACTIVE]))).all()
+        for job, last_report_at in active:
             try:
-                self._reconcile(job)
+                self._reconcile(job, last_report_at)
             except Exception:  # noqa: BLE001 — one job's Ray or database error must not stall the others
                 log.exception("reconciling job %s failed", job.id, extra={"job_id": job.id})
 
-    def _reconcile(self, job: Job) -> None:
+    def _reconcile(self, job: Job, last_report_at: datetime | None = None) -> None:
         if job.submission_id is None:
             return
+        if job.submission_id in self._seen_alive and last_report_at is not None and \
+                (utcnow() - last_report_at).total_seconds() < _REPORTING_DRIVER_ALIVE_S:
+            return  # its driver just reported: alive, and Ray need not be asked (a dashboard call per job per pass)
         context = {"job_id": job.id, "attempt": job.attempt, "submission_id": job.submission_id}
         ray_status = self.cluster.status(job.submission_id)
         if ray_status is not None and ray_status not in _RAY_TERMINAL:

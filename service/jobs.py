@@ -223,8 +223,9 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
     job = lock_job(session, job_id)
     if attempt_number != job.attempt or job.state not in ACTIVE:
         return ReportResult(state=JobState(job.state), accepted=False)
+    attempt = session.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == attempt_number)).one()
+    attempt.last_report_at = utcnow()  # a replay too: either way the driver is alive
     if report.seq is not None:
-        attempt = session.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == attempt_number)).one()
         if report.seq <= attempt.last_report_seq:
             return ReportResult(state=JobState(job.state), accepted=True)  # a replay: applied already
         attempt.last_report_seq = report.seq

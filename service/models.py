@@ -154,6 +154,8 @@ class Attempt(Base):
     outcome: Mapped[str | None] = mapped_column(String(32))
     # The driver numbers its reports; one at or below this was applied already (a replay).
     last_report_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # When the driver's last report arrived (this replica's clock): a driver that reports is alive.
+    last_report_at: Mapped[datetime | None]
     # SHA-256 of the secret the driver reports with; only this attempt's driver holds the secret.
     report_token_hash: Mapped[str | None] = mapped_column(String(64))
     # The most workers the tenant's quota granted at admission: the driver never grows past it.

@@ -39,9 +39,10 @@ def running_control_plane(data_dir: Path, **settings_overrides: Any) -> Iterator
         stop_head(head)
 
 
-def wait_for_state(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240) -> dict:
+def wait_for_state(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240,
+                   poll_s: float = 0.25) -> dict:
     deadline = time.monotonic() + timeout_s
     while (job := client.job(job_id))["state"] not in states:
         assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s}s"
-        time.sleep(0.25)
+        time.sleep(poll_s)
     return job

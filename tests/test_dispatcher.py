@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from datetime import timedelta
 
 import pytest
+from sqlalchemy import select
 
 from service import jobs
 from service.db import Database
@@ -32,6 +34,7 @@ class FakeCluster:
         self.refuse_submit = False
         self.duplicates: list[str] = []
         self.warm_pool_calls: list[tuple[int, set[str]]] = []
+        self.status_calls: list[str] = []
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         need = int(sum(bundle.get("CPU", 0) for bundle in bundles))
@@ -53,6 +56,7 @@ class FakeCluster:
         self.ray_status[submission_id] = "RUNNING"
 
     def status(self, submission_id: str) -> str | None:
+        self.status_calls.append(submission_id)
         return self.ray_status.get(submission_id)
 
     def stop(self, submission_id: str) -> None:
@@ -78,6 +82,14 @@ def _spec(name: str, workers: int, priority: int = 0) -> JobSpec:
 def _submit(db: Database, spec: JobSpec) -> str:
     with db.sessions() as session, session.begin():
         return jobs.submit_job(session, spec).id
+
+
+def _age_last_report(db: Database, job_id: str, seconds: float) -> None:
+    """As if the current attempt's driver last reported `seconds` ago."""
+    with db.sessions() as session, session.begin():
+        job = session.get(Job, job_id)
+        attempt = session.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == job.attempt)).one()
+        attempt.last_report_at -= timedelta(seconds=seconds)
 
 
 def _state(db: Database, job_id: str) -> JobState:
@@ -169,7 +181,8 @@ def test_job_lost_more_than_max_failures_times_fails_with_the_reason(db, dispatc
     dispatcher.run_once()
     with db.sessions() as session, session.begin():
         jobs.apply_driver_report(session, job_id, 2, DriverReport(state="RUNNING"))
-    cluster.ray_status.pop(f"ringmaster-{job_id}-2")  # the Ray head restarted and forgot it
+    _age_last_report(db, job_id, seconds=10)  # the driver went quiet: the Ray head restarted and forgot its job
+    cluster.ray_status.pop(f"ringmaster-{job_id}-2")
     dispatcher.run_once()
     with db.sessions() as session:
         job = session.get(Job, job_id)
@@ -186,6 +199,31 @@ def test_running_ray_job_is_adopted_not_resubmitted(db, dispatcher):
     restarted.run_once()
     assert list(cluster.submitted) == [f"ringmaster-{job_id}-1"] and cluster.duplicates == []
     assert _state(db, job_id) == JobState.ADMITTED
+
+
+def test_ray_is_asked_about_a_job_only_once_adopted_and_while_its_driver_is_quiet(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    job_id = _submit(db, _spec("reporting", workers=2))
+    submission = f"ringmaster-{job_id}-1"
+    dispatcher.run_once()
+    with db.sessions() as session, session.begin():
+        jobs.apply_driver_report(session, job_id, 1, DriverReport(state="RUNNING"))
+    cluster.status_calls.clear()
+    dispatcher.run_once()
+    dispatcher.run_once()
+    assert cluster.status_calls == [], "a driver that just reported is alive"
+
+    restarted = Dispatcher(db.sessions, cluster, dispatcher.settings, owner="after-restart")
+    restarted.run_once()
+    restarted.run_once()
+    assert cluster.status_calls == [submission], "a dispatcher new to the job asks Ray once, to adopt it"
+
+    _age_last_report(db, job_id, seconds=10)
+    cluster.ray_status[submission] = "FAILED"  # the driver was killed after its last report
+    restarted.run_once()
+    assert cluster.status_calls == [submission, submission]
+    with db.sessions() as session:
+        assert session.get(Job, job_id).attempt == 2, "a quiet driver's dead Ray job is found and resubmitted"
 
 
 def test_cancel_stops_the_ray_job_and_frees_the_placement_group(db, dispatcher):

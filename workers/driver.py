@@ -38,8 +38,9 @@ from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, pl
 log = logging.getLogger("ringmaster.driver")
 
 POLL_INTERVAL_S = 0.1
-# Rank 0's metrics are fetched this often: each fetch takes the GIL from its training thread.
-DRAIN_INTERVAL_S = 0.5
+# Rank 0's metrics are fetched, and reported, this often: each fetch takes the GIL from its training thread, and
+# each report is a database transaction, both on CPUs that training may share.
+DRAIN_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus one interval)
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?

@@ -24,6 +24,9 @@ _CONCURRENT_CALLS = 8
 # Heartbeats and the pool's status calls have threads of their own: they never queue behind the calls above, so a
 # busy worker is not taken for a lost one.
 _CONTROL_CALLS = 2
+# The calls made every second or so for a worker's whole life (heartbeat, drain, pool status) record no Ray task
+# events (enable_task_events=False): those would cost GCS work on CPUs training may share, and bury the job's real
+# tasks in the dashboard.
 # A claimed pool worker is detached, so Ray does not end it with its driver: after this long without a heartbeat it
 # asks the cluster whether the driver's Ray job is still alive, and exits if not (see `_end_with_owner`).
 _OWNER_SILENCE_S = 1.0
@@ -71,7 +74,7 @@ class TrainWorker:
         self._warm = threading.Thread(target=warm_up, name="warm-up", daemon=True)
         self._warm.start()
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="control", enable_task_events=False)
     def pool_status(self) -> dict[str, Any]:
         """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, and whether it is warm."""
         with self._lock:
@@ -131,7 +134,7 @@ class TrainWorker:
         """Returns once the training stack is imported: a standby is ready to join a group at once."""
         self._warm.join()
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="control", enable_task_events=False)
     def heartbeat(self) -> int:
         self._last_heartbeat = time.monotonic()
         return self.generation
@@ -195,6 +198,7 @@ class TrainWorker:
         with self._lock:
             self._events.append({"message": message, "details": details})
 
+    @ray.method(enable_task_events=False)
     def drain(self) -> dict[str, list[dict[str, Any]]]:
         """Hand over what this rank recorded since the last drain (metrics, checkpoints and events come
         from rank 0 only, memory from every rank)."""
