@@ -191,7 +191,7 @@ class Dispatcher:
             except Exception:  # noqa: BLE001 — one job's Ray or database error must not stall the others
                 log.exception("reconciling job %s failed", job.id, extra={"job_id": job.id})
 
-    def _reconcile(self, job: Job, last_report_at: datetime | None = None) -> None:
+    def _reconcile(self, job: Job, last_report_at: datetime | None) -> None:
         if job.submission_id is None:
             return
         if job.submission_id in self._seen_alive and last_report_at is not None and \

@@ -195,8 +195,8 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         nonlocal in_flight
         settle(block=True)
         metric_value = checkpoint_metric()
-        kept = [point for point in unsaved_metrics if point["step"] <= step]
-        unsaved_metrics[:] = [point for point in unsaved_metrics if point["step"] > step]
+        kept = unsaved_metrics.copy()  # every point so far: none is of a later step than this save's
+        unsaved_metrics.clear()
         began = time.perf_counter()
         pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
                              optimizers=parallel.optimizers, process_group=save_group if asynchronous else None,

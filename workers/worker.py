@@ -3,7 +3,9 @@
 A threaded actor, so the driver can drain metrics, send heartbeats and re-form the group while
 `train` runs. Each group the actor joins has a generation: joining a new one aborts the old, and a
 training call from an old generation (stuck behind a frozen peer) never tears down the new group.
-The training loop itself never talks to the control plane.
+The training loop itself never talks to the control plane. The calls made every second or so for a
+worker's whole life (heartbeat, drain, pool status) record no Ray task events: those would cost GCS
+work on CPUs training may share, and bury the job's real tasks in the dashboard.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ _CONCURRENT_CALLS = 8
 # Heartbeats and the pool's status calls have threads of their own: they never queue behind the calls above, so a
 # busy worker is not taken for a lost one.
 _CONTROL_CALLS = 2
-# The calls made every second or so for a worker's whole life (heartbeat, drain, pool status) record no Ray task
-# events (enable_task_events=False): those would cost GCS work on CPUs training may share, and bury the job's real
-# tasks in the dashboard.
 # A claimed pool worker is detached, so Ray does not end it with its driver: after this long without a heartbeat it
 # asks the cluster whether the driver's Ray job is still alive, and exits if not (see `_end_with_owner`).
 _OWNER_SILENCE_S = 1.0
