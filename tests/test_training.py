@@ -67,24 +67,31 @@ def test_retry_of_a_finished_run_does_not_train_again(tmp_path: Path, single_ran
 
 
 def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Path, single_rank_group: None) -> None:
-    """Each checkpoint keeps rank 0's points since the previous one, naming the attempt that ran them: the attempt
-    that resumes from it replays them, in case its predecessor died before they were forwarded."""
+    """Each checkpoint keeps rank 0's points the control plane has not confirmed storing, naming the attempt that
+    ran them: the attempt that resumes from it replays them, in case its predecessor died before they were stored."""
     spec = JobSpec(name="replay", model="mlp", model_options={"n_train": 64, "n_val": 16},
                    train={"steps": 8, "global_batch_size": 8, "micro_batch_size": 8}, checkpoint={"every_steps": 2, "keep": 10})
     first: list[MetricPoint] = []
     calls = itertools.count(1)
+    # The driver confirms the first two points once a third exists, then goes quiet (dies, or the control plane is down).
     stopped = run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), on_metric=first.append,
-                                              should_stop=lambda: next(calls) >= 5, attempt=1))
+                                              should_stop=lambda: next(calls) >= 5, attempt=1,
+                                              metrics_confirmed=lambda: 2 if len(first) > 2 else 0))
     assert (stopped.step, stopped.stopped) == (5, True)
 
     kept = {checkpoint.step: checkpoint_metrics(checkpoint) for checkpoint in committed_checkpoints(tmp_path / "own")}
-    assert {step: [point["step"] for point in points] for step, points in kept.items()} == {2: [1, 2], 4: [3, 4], 5: [5]}
+    assert {step: [point["step"] for point in points] for step, points in kept.items()} == {2: [1, 2], 4: [3, 4], 5: [3, 4, 5]}
     assert all(point["attempt"] == 1 for points in kept.values() for point in points)
 
     second: list[MetricPoint] = []
     run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), on_metric=second.append, attempt=2))
-    assert second[0] == first[4].model_copy(update={"attempt": 1}), "the resumed checkpoint's point, as attempt 1 ran it"
-    assert [(point.step, point.attempt) for point in second if point.loss is not None] == [(5, 1), (6, None), (7, None), (8, None)]
+    assert second[:3] == [point.model_copy(update={"attempt": 1}) for point in first[2:5]], \
+        "the resumed checkpoint's points, as attempt 1 ran them"
+    assert [(point.step, point.attempt) for point in second if point.loss is not None] == \
+        [(3, 1), (4, 1), (5, 1), (6, None), (7, None), (8, None)]
+    # Nothing of attempt 2's was confirmed: its next save keeps the replayed points too, under attempt 1 still.
+    kept_at_6 = checkpoint_metrics(next(c for c in committed_checkpoints(tmp_path / "own") if c.step == 6))
+    assert [(point["step"], point["attempt"]) for point in kept_at_6] == [(3, 1), (4, 1), (5, 1), (6, 2)]
 
     # Another job's checkpoint (resume_from) is a starting point, not this job's history: nothing is replayed.
     other: list[MetricPoint] = []

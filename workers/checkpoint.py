@@ -1,8 +1,8 @@
 """Sharded, atomically committed checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards, ``metrics.json`` (rank 0's metric points since
-the previous save, replayed by an attempt that resumes from it) and ``manifest.json``, which rank 0 writes
-last, after every rank's shards are written. The storage root is a local directory or any
+A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards, ``metrics.json`` (rank 0's metric points the
+control plane had not confirmed storing, replayed by an attempt that resumes from it) and ``manifest.json``,
+which rank 0 writes last, after every rank's shards are written. The storage root is a local directory or any
 fsspec URI (workers/checkpoint_storage.py). A directory without a valid manifest is an interrupted
 save and is never resumed from. The manifest lists every file of the checkpoint with its size (and
 the sha256 of DCP's small ``.metadata``); a checkpoint whose files no longer match is corrupt and
@@ -135,7 +135,8 @@ def verify_checkpoint(checkpoint: CommittedCheckpoint) -> str | None:
 
 
 def checkpoint_metrics(checkpoint: CommittedCheckpoint) -> list[dict[str, Any]]:
-    """The metric points rank 0 recorded between the previous save and this one ([] for a checkpoint without them)."""
+    """The metric points rank 0 had recorded and the control plane had not confirmed storing when this checkpoint
+    was saved ([] for a checkpoint without them)."""
     if METRICS_NAME not in checkpoint.manifest.get("files", {}):
         return []
     storage, location = storage_for(checkpoint.path)
@@ -181,7 +182,7 @@ class PendingSave:
     keep_best: KeepBestSpec | None = None
     future: Future | None = None  # None: written synchronously
     staged: Future | None = None  # done once the state is copied: only then may training change it
-    metrics: list[dict[str, Any]] = field(default_factory=list)  # rank 0's points of the steps up to this one
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # rank 0's points not yet stored by the control plane
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -224,7 +225,7 @@ def begin_save(
     ``metric_value``: this checkpoint's value of ``checkpoint.keep_best``'s metric. ``stager``: reuse its staging
     buffers (from ``checkpoint_stager``; the previous save that used them must have finished); it may stage in the
     background, so call ``wait_staged`` on the result before changing the state. ``metrics`` (rank 0): the metric
-    points since the previous save, kept with the checkpoint (``checkpoint_metrics``)."""
+    points the control plane has not confirmed storing, kept with the checkpoint (``checkpoint_metrics``)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     storage, root = storage_for(storage_root)
     path = storage.join(root, f"step-{step:08d}")

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,11 @@ class JobDriver:
         self.slots: list[Slot] = []
         self.lost_nodes: set[str] = set()
         self._memory_pending: set[int] = set()
+        # This training call's metric points from rank 0: how many were forwarded, as of which report (seq, count),
+        # and how many the control plane has answered for. Rank 0 hears the last, so its checkpoints keep the rest.
+        self._metrics_forwarded = 0
+        self._metric_reports: deque[tuple[int, int]] = deque()
+        self._metrics_confirmed = 0
 
     def run(self) -> int:
         """Train to the end; 0 when the job succeeded, 1 when it failed (reported either way)."""
@@ -147,6 +153,8 @@ class JobDriver:
 
     def _supervise(self) -> Outcome:
         """Run the group until it finishes, loses workers, or stops at a checkpoint to grow."""
+        self._metrics_forwarded, self._metrics_confirmed = 0, 0
+        self._metric_reports.clear()
         futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt)
         pending = list(futures)
         heartbeats = Heartbeats(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
@@ -214,21 +222,32 @@ class JobDriver:
         sources = [worker for worker in self.group.workers if worker.rank == 0 or worker.rank in self._memory_pending]
         if not sources:
             return  # every worker is gone
+        confirmed = self._confirmed_metrics()
         try:
-            drained = ray.get([worker.actor.drain.remote() for worker in sources], timeout=PROBE_TIMEOUT_S)
+            drained = ray.get([worker.actor.drain.remote(confirmed if worker.rank == 0 else None) for worker in sources],
+                              timeout=PROBE_TIMEOUT_S)
         except (RayActorError, ray.exceptions.GetTimeoutError):
             return  # the heartbeats will name who is gone
         memory = [RankMemory(**measured) for batch in drained for measured in batch["memory"]]
         self._memory_pending -= {measured.rank for measured in memory}
         first = drained[0]
         if first["metrics"] or first["checkpoints"] or memory:
-            self.reporter.report(
+            seq = self.reporter.report(
                 metrics=[MetricPoint(**point) for point in first["metrics"]],
                 checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
                 memory=memory,
             )
+            if first["metrics"]:
+                self._metrics_forwarded += len(first["metrics"])
+                self._metric_reports.append((seq, self._metrics_forwarded))
         for event in first.get("events", []):
             self.reporter.report(message=event["message"], details=event["details"])
+
+    def _confirmed_metrics(self) -> int:
+        """How many of rank 0's points in this training call the control plane has answered for."""
+        while self._metric_reports and self._metric_reports[0][0] <= self.reporter.handled_seq:
+            self._metrics_confirmed = self._metric_reports.popleft()[1]
+        return self._metrics_confirmed
 
     # -- re-forming ---------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class Reporter:
         self._wake = threading.Event()
         self._closed = False
         self._interval = flush_interval_s
+        self.handled_seq = 0  # every report up to this one was answered: stored, or refused for good (4xx)
         self.ended = threading.Event()  # the control plane ignores this attempt now
         self.ended_state: str | None = None  # the job's state when it said so
         self._thread = threading.Thread(target=self._flush_loop, name="reporter", daemon=True)
@@ -39,13 +40,15 @@ class Reporter:
 
     def report(self, *, state: str | None = None, message: str | None = None,
                metrics: list[MetricPoint] | None = None, checkpoints: list[CheckpointRecord] | None = None,
-               memory: list[RankMemory] | None = None, details: dict[str, Any] | None = None) -> None:
+               memory: list[RankMemory] | None = None, details: dict[str, Any] | None = None) -> int:
+        """Queue a report; returns its sequence number (compare with `handled_seq`)."""
         with self._lock:
             self._seq += 1
             report = DriverReport(seq=self._seq, state=state, message=message, details=details or {},
                                   metrics=metrics or [], checkpoints=checkpoints or [], memory=memory or [])
             self._pending.append(report)
         self._wake.set()
+        return report.seq
 
     def _flush_loop(self) -> None:
         while not self._closed:
@@ -75,6 +78,7 @@ class Reporter:
                 self._read_ack(response)
             with self._lock:
                 self._pending.popleft()
+                self.handled_seq = report.seq
 
     def _read_ack(self, response: httpx.Response) -> None:
         try:

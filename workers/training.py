@@ -8,6 +8,7 @@ only runs micro-steps on what it was handed.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from contextlib import nullcontext
@@ -48,6 +49,10 @@ def _ignore_event(message: str, details: dict[str, Any]) -> None:
     """Default event callback for a context that has nobody to report to."""
 
 
+def _none_confirmed() -> int:
+    return 0
+
+
 @dataclass
 class TrainContext:
     """Where this rank runs and how it talks to its driver; the process group already exists."""
@@ -72,6 +77,9 @@ class TrainContext:
     on_event: Callable[[str, dict[str, Any]], None] = _ignore_event
     # The job attempt this run serves: the metric points a checkpoint keeps name it.
     attempt: int = 1
+    # Rank 0: how many of the points this run passed to on_metric (counted in order) the control plane has stored.
+    # Each checkpoint keeps the others, so the attempt that resumes from it can report them.
+    metrics_confirmed: Callable[[], int] = _none_confirmed
 
 
 @dataclass(frozen=True)
@@ -127,19 +135,22 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
             "resumed_from_step": latest.step if latest is not None else 0,
         })
     saved_step = step
-    # Rank 0's metric points not yet kept in a checkpoint. Each save keeps those of its steps, and an attempt that
-    # resumes replays them: its predecessor may have died before its driver forwarded them. Without periodic saves
-    # there is nothing to resume from mid-run, so nothing is kept.
-    unsaved_metrics: list[dict[str, Any]] = []
+    # Rank 0's metric points the control plane has not confirmed storing, as (position in on_metric order, point).
+    # Each save keeps them, and an attempt that resumes replays them: its predecessor's driver may have died before
+    # forwarding them (or while the control plane was down). Without periodic saves there is nothing to resume from
+    # mid-run, so nothing is kept.
+    recorded = itertools.count()
+    unconfirmed_metrics: list[tuple[int, dict[str, Any]]] = []
 
     def record_metric(point: MetricPoint) -> None:
         ctx.on_metric(point)
-        if spec.checkpoint.every_steps:
-            unsaved_metrics.append(point.model_dump(exclude_none=True) | {"attempt": ctx.attempt})
+        position = next(recorded)
+        if spec.checkpoint.every_steps:  # a replayed point keeps the attempt that ran it
+            unconfirmed_metrics.append((position, {"attempt": ctx.attempt} | point.model_dump(exclude_none=True)))
 
     if latest is not None and ctx.rank == 0 and latest.path == checkpoint_dir(ctx.storage_root, latest.step):
         for point in checkpoint_metrics(latest):  # this job's own history only, not resume_from's
-            ctx.on_metric(MetricPoint.model_validate(point))
+            record_metric(MetricPoint.model_validate(point))
 
     # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
     batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if parallel.schedule else 1)
@@ -195,8 +206,9 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
         nonlocal in_flight
         settle(block=True)
         metric_value = checkpoint_metric()
-        kept = unsaved_metrics.copy()  # every point so far: none is of a later step than this save's
-        unsaved_metrics.clear()
+        confirmed = ctx.metrics_confirmed()
+        unconfirmed_metrics[:] = [(position, point) for position, point in unconfirmed_metrics if position >= confirmed]
+        kept = [point for _, point in unconfirmed_metrics]
         began = time.perf_counter()
         pending = begin_save(ctx.storage_root, spec, step=step, position=stream.position, model_parts=parallel.parts,
                              optimizers=parallel.optimizers, process_group=save_group if asynchronous else None,

@@ -63,6 +63,7 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._group_lock = threading.Lock()
         self._metrics: list[dict[str, Any]] = []
+        self._metrics_confirmed = 0  # of the current training call's points, how many the control plane stored
         self._checkpoints: list[dict[str, Any]] = []
         self._memory: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
@@ -150,6 +151,10 @@ class TrainWorker:
                 _abort_process_group()
             self.generation = generation
             self._stop.clear()
+            with self._lock:
+                # The new group's training counts its points from zero. An earlier group's undrained points are
+                # replayed from the checkpoint the new group resumes from, which kept them.
+                self._metrics, self._metrics_confirmed = [], 0
             if self._uses_gpu:
                 torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
             dist.init_process_group("nccl" if self._uses_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
@@ -172,6 +177,7 @@ class TrainWorker:
             storage_root=storage_root, on_metric=self._record_metric, on_checkpoint=self._record_checkpoint,
             should_stop=self._stop.is_set, on_memory=self._record_memory, ranks_per_node=tuple(ranks_per_node),
             generation=generation, on_event=self._record_event, resume_from_root=resume_from_root, attempt=attempt,
+            metrics_confirmed=lambda: self._metrics_confirmed,
         )
         try:
             result = run_training(spec, context)
@@ -198,10 +204,13 @@ class TrainWorker:
             self._events.append({"message": message, "details": details})
 
     @ray.method(enable_task_events=False)
-    def drain(self) -> dict[str, list[dict[str, Any]]]:
+    def drain(self, metrics_confirmed: int | None = None) -> dict[str, list[dict[str, Any]]]:
         """Hand over what this rank recorded since the last drain (metrics, checkpoints and events come
-        from rank 0 only, memory from every rank)."""
+        from rank 0 only, memory from every rank). `metrics_confirmed`: how many of this training call's metric
+        points the control plane has stored by now (checkpoints keep the rest)."""
         with self._lock:
+            if metrics_confirmed is not None:
+                self._metrics_confirmed = max(self._metrics_confirmed, metrics_confirmed)
             metrics, self._metrics = self._metrics, []
             checkpoints, self._checkpoints = self._checkpoints, []
             memory, self._memory = self._memory, []
