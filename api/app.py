@@ -15,15 +15,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 
-from api.errors import FiniteJSONResponse, install_error_handlers
-from api.limits import BodySizeLimit
-from api.routes import health, internal, jobs, metrics, plan, tenants
-from service import telemetry
-from service.auth import ensure_local_admin_token
-from service.db import Database, upgrade_schema
-from service.job_plan import ClusterShapeProvider
-from service.settings import Settings, get_settings
-from service.spec import JobSpec
+from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
+from ringmaster.api.limits import BodySizeLimit
+from ringmaster.api.routes import health, internal, jobs, metrics, plan, tenants
+from ringmaster.service import telemetry
+from ringmaster.service.auth import ensure_local_admin_token
+from ringmaster.service.db import Database, upgrade_schema
+from ringmaster.service.job_plan import ClusterShapeProvider
+from ringmaster.service.settings import Settings, get_settings
+from ringmaster.service.spec import JobSpec
 
 LogsProvider = Callable[[str], str]
 """Returns the log text of a Ray job given its submission id; raises service.errors.LogsUnavailable."""

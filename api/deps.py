@@ -15,11 +15,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from service import auth
-from service.auth import Principal
-from service.db import Database, session_scope
-from service.job_plan import ClusterShape
-from service.settings import Settings
+from ringmaster.service import auth
+from ringmaster.service.auth import Principal
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.job_plan import ClusterShape
+from ringmaster.service.settings import Settings
 
 _user_token = HTTPBearer(auto_error=False, scheme_name="token",
                          description="An API token (`ringmaster token create`) as `Authorization: Bearer <token>`.")

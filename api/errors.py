@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
-from service.auth import Forbidden, TokenNotFound, Unauthorized
-from service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable, PlanError
-from service.states import IllegalTransition
-from service.tenants import InvalidTenant, TenantNotFound
+from ringmaster.service.auth import Forbidden, TokenNotFound, Unauthorized
+from ringmaster.service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable, PlanError
+from ringmaster.service.states import IllegalTransition
+from ringmaster.service.tenants import InvalidTenant, TenantNotFound
 
 log = logging.getLogger(__name__)
 

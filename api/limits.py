@@ -18,7 +18,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import InvalidSpec
+from ringmaster.service.errors import InvalidSpec
 
 MAX_DEPTH = 32
 MAX_VALUES = 10_000

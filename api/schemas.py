@@ -8,12 +8,12 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from api.limits import check_document
-from service import jobs, planner, tenants
-from service.errors import InvalidSpec
-from service.models import ApiToken, Checkpoint, Job, JobEvent, Metric, Tenant
-from service.settings import Settings
-from service.states import JobState
+from ringmaster.api.limits import check_document
+from ringmaster.service import jobs, planner, tenants
+from ringmaster.service.errors import InvalidSpec
+from ringmaster.service.models import ApiToken, Checkpoint, Job, JobEvent, Metric, Tenant
+from ringmaster.service.settings import Settings
+from ringmaster.service.states import JobState
 
 Row = TypeVar("Row")
 Item = TypeVar("Item", bound=BaseModel)

@@ -13,14 +13,14 @@ from urllib.parse import urlsplit
 import uvicorn
 from fastapi import FastAPI
 
-from api.app import create_app
-from service.client import RingmasterClient
-from service.dispatcher import Dispatcher
-from service.embedded_ray import RayHead, start_head, stop_head
-from service.errors import LogsUnavailable
-from service.logs import configure_logging
-from service.ray_cluster import RayCluster
-from service.settings import Settings
+from ringmaster.api.app import create_app
+from ringmaster.service.client import RingmasterClient
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
+from ringmaster.service.errors import LogsUnavailable
+from ringmaster.service.logs import configure_logging
+from ringmaster.service.ray_cluster import RayCluster
+from ringmaster.service.settings import Settings
 
 log = logging.getLogger(__name__)
 

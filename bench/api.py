@@ -49,14 +49,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.app import create_app  # noqa: E402
-from service import auth, jobs  # noqa: E402
-from service.db import session_scope  # noqa: E402
-from service.dispatcher import Dispatcher  # noqa: E402
-from service.logs import configure_logging  # noqa: E402
-from service.models import Job  # noqa: E402
-from service.reports import DriverReport  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from ringmaster.api.app import create_app  # noqa: E402
+from ringmaster.service import auth, jobs  # noqa: E402
+from ringmaster.service.db import session_scope  # noqa: E402
+from ringmaster.service.dispatcher import Dispatcher  # noqa: E402
+from ringmaster.service.logs import configure_logging  # noqa: E402
+from ringmaster.service.models import Job  # noqa: E402
+from ringmaster.service.reports import DriverReport  # noqa: E402
+from ringmaster.service.settings import Settings  # noqa: E402
 
 T = TypeVar("T")
 SPEC: dict[str, object] = {"name": "bench", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"steps": 10}}

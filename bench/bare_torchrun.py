@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from workers.data.pysource import pysource_splits
-from workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
+from ringmaster.workers.data.pysource import pysource_splits
+from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
 
 def parse_args() -> argparse.Namespace:

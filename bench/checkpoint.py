@@ -43,7 +43,7 @@ WORLD_SIZE = 2
 
 
 def _spec(args: argparse.Namespace, steps: int):
-    from service.spec import JobSpec
+    from ringmaster.service.spec import JobSpec
 
     return JobSpec(
         name="bench-checkpoint",
@@ -58,9 +58,9 @@ def _spec(args: argparse.Namespace, steps: int):
 def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    import workers.checkpoint as checkpoint_module
-    import workers.training as training
-    from workers.training import TrainContext, run_training
+    import ringmaster.workers.checkpoint as checkpoint_module
+    import ringmaster.workers.training as training
+    from ringmaster.workers.training import TrainContext, run_training
 
     results: dict = {}
     original_begin, original_load = training.begin_save, training.load_checkpoint

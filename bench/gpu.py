@@ -27,10 +27,10 @@ from torch.utils.data import DataLoader, RandomSampler
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.reports import MetricPoint  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from workers.models import build_bundle  # noqa: E402
-from workers.training import TrainContext, run_training  # noqa: E402
+from ringmaster.service.reports import MetricPoint  # noqa: E402
+from ringmaster.service.spec import JobSpec  # noqa: E402
+from ringmaster.workers.models import build_bundle  # noqa: E402
+from ringmaster.workers.training import TrainContext, run_training  # noqa: E402
 
 GPU_MODEL = {"n_layers": 12, "dim": 768, "n_heads": 12, "seq_len": 512}
 DRY_RUN_MODEL = {"n_layers": 2, "dim": 64, "n_heads": 4, "seq_len": 64, "max_corpus_bytes": 262_144}

@@ -28,11 +28,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service import planner  # noqa: E402
-from service.job_plan import predicted_rank_state  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
+from ringmaster.service import planner  # noqa: E402
+from ringmaster.service.job_plan import predicted_rank_state  # noqa: E402
+from ringmaster.service.spec import JobSpec  # noqa: E402
 from tests.process_group import run_on_ranks  # noqa: E402
-from workers.training import TrainContext, run_training  # noqa: E402
+from ringmaster.workers.training import TrainContext, run_training  # noqa: E402
 
 # name: (strategy, workers, node layout, micro_batch_size, parallel)
 CASES = {

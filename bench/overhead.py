@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.client import RingmasterClient  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from ringmaster.service.client import RingmasterClient  # noqa: E402
+from ringmaster.service.settings import Settings  # noqa: E402
 from tests.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
 
 def wait_for_warm_pool(workers: int, timeout_s: float = 180.0) -> float:
     """Seconds until `workers` idle pool workers are warm."""
-    from workers.warm_pool import pool_workers
+    from ringmaster.workers.warm_pool import pool_workers
 
     started = time.monotonic()
     while True:

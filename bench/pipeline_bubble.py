@@ -38,11 +38,11 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.spec import JobSpec  # noqa: E402
+from ringmaster.service.spec import JobSpec  # noqa: E402
 from tests.process_group import run_on_ranks  # noqa: E402
-from workers.models import ModelBundle, build_bundle  # noqa: E402
-from workers.parallel_dims import ParallelDims  # noqa: E402
-from workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize  # noqa: E402
+from ringmaster.workers.models import ModelBundle, build_bundle  # noqa: E402
+from ringmaster.workers.parallel_dims import ParallelDims  # noqa: E402
+from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize  # noqa: E402
 
 MICRO_BATCH = 4
 MODEL_OPTIONS = {"n_layers": 8, "dim": 128, "n_heads": 4, "seq_len": 64, "max_corpus_bytes": 16_384}

@@ -68,8 +68,8 @@ def _train_loop(config: dict) -> None:
     import torch
     import torch.nn.functional as F
 
-    from workers.data.pysource import pysource_splits
-    from workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
+    from ringmaster.workers.data.pysource import pysource_splits
+    from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
     torch.set_num_threads(1)
     context = ray.train.get_context()

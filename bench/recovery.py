@@ -38,7 +38,7 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
-from service.client import RingmasterClient  # noqa: E402
+from ringmaster.service.client import RingmasterClient  # noqa: E402
 from tests.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
 
 KILL_AFTER_STEP = 30
@@ -63,7 +63,7 @@ def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: 
 
 
 def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
-    from workers.warm_pool import pool_workers
+    from ringmaster.workers.warm_pool import pool_workers
 
     idle_pool = {name for name, status in pool_workers().items() if status["claimant"] is None}
     actors = [actor for actor in list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])

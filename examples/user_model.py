@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from workers.models import ModelBundle
+from ringmaster.workers.models import ModelBundle
 
 
 class BigramLanguageModel(nn.Module):

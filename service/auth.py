@@ -24,10 +24,10 @@ from pathlib import Path
 from sqlalchemy import Engine, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import session_scope
-from service.errors import RingmasterError
-from service.models import DEFAULT_TENANT, ApiToken, Attempt, utcnow
-from service.tenants import ensure_tenant
+from ringmaster.service.db import session_scope
+from ringmaster.service.errors import RingmasterError
+from ringmaster.service.models import DEFAULT_TENANT, ApiToken, Attempt, utcnow
+from ringmaster.service.tenants import ensure_tenant
 
 TOKEN_PREFIX = "rm_"
 TOKEN_CACHE_TTL_S = 5.0

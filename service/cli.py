@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from service.client import ApiError, RingmasterClient
-from service.planner import GB, format_bytes
-from service.settings import get_settings
+from ringmaster.service.client import ApiError, RingmasterClient
+from ringmaster.service.planner import GB, format_bytes
+from ringmaster.service.settings import get_settings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -51,7 +51,7 @@ def _fail(message: str) -> None:
 def serve(port: Annotated[Optional[int], typer.Option(help="API port (RINGMASTER_API_PORT).")] = None,
           host: Annotated[Optional[str], typer.Option(help="API host (RINGMASTER_API_HOST).")] = None) -> None:
     """Run the API server and the dispatcher (and an embedded Ray head unless RINGMASTER_RAY_ADDRESS is set)."""
-    from api.server import run_server  # the composition root lives with the API, which may import the service
+    from ringmaster.api.server import run_server  # the composition root lives with the API, which may import the service
 
     overrides = {key: value for key, value in {"api_port": port, "api_host": host}.items() if value is not None}
     run_server(get_settings().model_copy(update=overrides))
@@ -244,7 +244,7 @@ def _gb(value: float | None) -> str:
 @app.command()
 def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] = None) -> None:
     """Start everything locally, train examples/tiny-gpt.yaml over REST, and show it to the end."""
-    from api.server import BackgroundServer
+    from ringmaster.api.server import BackgroundServer
 
     spec_path = spec or _example("tiny-gpt.yaml")
     settings = get_settings()
@@ -274,7 +274,7 @@ def _example(name: str) -> Path:
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Bring the database schema to the newest version."""
-    from service.db import upgrade_schema
+    from ringmaster.service.db import upgrade_schema
 
     url = get_settings().resolved_database_url()
     upgrade_schema(url)
@@ -284,7 +284,7 @@ def db_upgrade() -> None:
 @contextmanager
 def _database_session() -> Iterator[Session]:
     """One transaction on the settings' database, its schema brought up to date first."""
-    from service.db import Database, session_scope, upgrade_schema
+    from ringmaster.service.db import Database, session_scope, upgrade_schema
 
     url = get_settings().resolved_database_url()
     upgrade_schema(url)
@@ -303,7 +303,7 @@ def token_create(
     description: Annotated[Optional[str], typer.Option(help="Who or what holds it.")] = None,
 ) -> None:
     """Make a token and print it once: only its hash is stored."""
-    from service import auth, tenants
+    from ringmaster.service import auth, tenants
 
     try:
         with _database_session() as session:
@@ -320,7 +320,7 @@ def token_create(
 @token_app.command("list")
 def token_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's tokens.")] = None) -> None:
     """Every token (never its secret)."""
-    from service import auth
+    from ringmaster.service import auth
 
     with _database_session() as session:
         rows = [(str(t.id), t.tenant, "yes" if t.admin else "", t.description or "", f"{t.created_at:%Y-%m-%d %H:%M:%S}",
@@ -334,7 +334,7 @@ def token_list(tenant: Annotated[Optional[str], typer.Option(help="Only this ten
 @token_app.command("revoke")
 def token_revoke(token_id: Annotated[int, typer.Argument(help="The token's id, from `ringmaster token list`.")]) -> None:
     """Refuse the token from the next request on."""
-    from service import auth
+    from ringmaster.service import auth
 
     try:
         with _database_session() as session:
@@ -365,7 +365,7 @@ JobsOption = Annotated[Optional[str], typer.Option("--jobs", help="Jobs it may h
 @tenant_app.command("create")
 def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
     """Add a tenant; an omitted quota is unlimited."""
-    from service import tenants
+    from ringmaster.service import tenants
 
     quota = tenants.Quota(_quota_value(gpus, int, "--gpus"), _quota_value(cpus, float, "--cpus"), _quota_value(jobs, int, "--jobs"))
     try:
@@ -381,7 +381,7 @@ def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, j
 @tenant_app.command("quota")
 def tenant_quota(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
     """Change the quotas given (a number, or 'unlimited'); the others stay as they are."""
-    from service import tenants
+    from ringmaster.service import tenants
 
     try:
         with _database_session() as session:
@@ -400,7 +400,7 @@ def tenant_quota(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jo
 @tenant_app.command("list")
 def tenant_list() -> None:
     """Every tenant with its quotas and what its jobs hold now."""
-    from service import tenants
+    from ringmaster.service import tenants
 
     table = Table("tenant", "GPUs", "CPUs", "jobs")
     with _database_session() as session:

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from service.settings import Settings
+from ringmaster.service.settings import Settings
 
 
 class ApiError(RuntimeError):

@@ -108,7 +108,7 @@ def session_scope(sessions: sessionmaker[Session]) -> Iterator[Session]:
 def alembic_config(connection: Connection) -> Config:
     """Alembic configuration without an alembic.ini: the scripts ship inside the package."""
     config = Config()
-    config.set_main_option("script_location", str(resources.files("service") / "migrations"))
+    config.set_main_option("script_location", str(resources.files("ringmaster.service") / "migrations"))
     config.attributes["connection"] = connection
     return config
 

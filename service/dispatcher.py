@@ -21,13 +21,13 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import auth, jobs, queue, telemetry, tenants
-from service.models import Attempt, Job, utcnow
-from service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
-from service.reports import REPORT_TOKEN_ENV
-from service.settings import Settings
-from service.spec import JobSpec
-from service.states import ACTIVE, JobState
+from ringmaster.service import auth, jobs, queue, telemetry, tenants
+from ringmaster.service.models import Attempt, Job, utcnow
+from ringmaster.service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
+from ringmaster.service.reports import REPORT_TOKEN_ENV
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import ACTIVE, JobState
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Dispatcher:
     def _entrypoint(self, job: Job, attempt: int, group_name: str, spec: JobSpec) -> str:
         spec_b64 = base64.b64encode(spec.model_dump_json().encode()).decode()
         return (
-            f"{self.settings.driver_python} -m workers.driver --job-id {job.id} --attempt {attempt} "
+            f"{self.settings.driver_python} -m ringmaster.workers.driver --job-id {job.id} --attempt {attempt} "
             + (f"--ray-address {self.cluster.gcs_address} " if self.cluster.gcs_address else "")
             + f"--failures {job.failures} "
             f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "

@@ -10,10 +10,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service import planner
-from service.errors import InvalidSpec, PlanError
-from service.settings import Settings
-from service.spec import JobSpec, WorkersSpec
+from ringmaster.service import planner
+from ringmaster.service.errors import InvalidSpec, PlanError
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec, WorkersSpec
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import ColumnElement, Select, func, insert, or_, select
 from sqlalchemy.orm import Session, make_transient_to_detached
 
-from service.auth import SYSTEM, Principal
-from service.errors import InvalidSpec, JobConflict, JobNotFound
-from service import telemetry, tenants
-from service.job_plan import ClusterShape, plan_submission, predicted_rank_state
-from service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
-from service.planner import StateMemory
-from service.reports import DriverReport, MetricPoint
-from service.spec import JobSpec
-from service.states import ACTIVE, TERMINAL, JobState, check_transition
+from ringmaster.service.auth import SYSTEM, Principal
+from ringmaster.service.errors import InvalidSpec, JobConflict, JobNotFound
+from ringmaster.service import telemetry, tenants
+from ringmaster.service.job_plan import ClusterShape, plan_submission, predicted_rank_state
+from ringmaster.service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
+from ringmaster.service.planner import StateMemory
+from ringmaster.service.reports import DriverReport, MetricPoint
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import ACTIVE, TERMINAL, JobState, check_transition
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

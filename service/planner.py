@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from service.errors import PlanError
+from ringmaster.service.errors import PlanError
 
 GB = 10**9
 

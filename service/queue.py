@@ -15,9 +15,9 @@ from datetime import timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import session_scope
-from service.models import Job, utcnow
-from service.states import JobState
+from ringmaster.service.db import session_scope
+from ringmaster.service.models import Job, utcnow
+from ringmaster.service.states import JobState
 
 
 def claim_next(sessions: sessionmaker[Session], owner: str, lease_s: float, skip_ids: Set[str] = frozenset()) -> Job | None:

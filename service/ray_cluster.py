@@ -85,7 +85,7 @@ class RayCluster:
     def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
         """Top up the cluster's warm worker pool on every node; kill pool workers whose job attempt has ended."""
         self._connect()
-        from workers.warm_pool import WarmPoolKeeper  # imports ray (not torch): only once the cluster is in use
+        from ringmaster.workers.warm_pool import WarmPoolKeeper  # imports ray (not torch): only once the cluster is in use
 
         if self._warm_pool is None or self._warm_pool.per_node != per_node:
             self._warm_pool = WarmPoolKeeper(per_node, {"env_vars": {"PYTHONPATH": code_path}} if code_path else None)

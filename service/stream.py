@@ -12,9 +12,9 @@ from typing import Any
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from service.jobs import get_job
-from service.models import JobEvent, Metric
-from service.states import TERMINAL, JobState
+from ringmaster.service.jobs import get_job
+from ringmaster.service.models import JobEvent, Metric
+from ringmaster.service.states import TERMINAL, JobState
 
 
 @dataclass(frozen=True)

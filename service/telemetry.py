@@ -24,9 +24,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, and_, event, func, select
 from sqlalchemy.orm import Session
 
-from service.db import Database, session_scope
-from service.models import Job, JobEvent, Metric
-from service.states import JobState
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.models import Job, JobEvent, Metric
+from ringmaster.service.states import JobState
 
 _PENDING = "ringmaster_telemetry"
 # Seconds: from one second (a busy loop) to an hour (a cluster that scales up).

@@ -14,10 +14,10 @@ from typing import Any
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
-from service.errors import RingmasterError
-from service.models import Attempt, Job, Tenant
-from service.spec import JobSpec
-from service.states import ACTIVE
+from ringmaster.service.errors import RingmasterError
+from ringmaster.service.models import Attempt, Job, Tenant
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import ACTIVE
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
 _NAME = re.compile(NAME_PATTERN)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service import auth
-from service.db import session_scope
-from service.models import DEFAULT_TENANT
+from ringmaster.service import auth
+from ringmaster.service.db import session_scope
+from ringmaster.service.models import DEFAULT_TENANT
 
 
 def mint(app: FastAPI, tenant: str = DEFAULT_TENANT, *, admin: bool = False) -> str:

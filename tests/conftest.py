@@ -12,7 +12,7 @@ import torch.distributed as dist
 from sqlalchemy import Engine, create_engine
 
 from process_group import free_port
-from service.db import Database, upgrade_schema
+from ringmaster.service.db import Database, upgrade_schema
 
 POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models import ModelBundle
-from workers.models.mlp import build as build_mlp
+from ringmaster.workers.models import ModelBundle
+from ringmaster.workers.models.mlp import build as build_mlp
 
 
 class PacedModel(nn.Module):

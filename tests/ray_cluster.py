@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from api.server import BackgroundServer
-from service.client import RingmasterClient
-from service.embedded_ray import start_head, stop_head
-from service.settings import Settings
+from ringmaster.api.server import BackgroundServer
+from ringmaster.service.client import RingmasterClient
+from ringmaster.service.embedded_ray import start_head, stop_head
+from ringmaster.service.settings import Settings
 
 CLUSTER_CPUS = 4
 REPO_ROOT = Path(__file__).resolve().parents[1]

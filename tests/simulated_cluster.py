@@ -19,9 +19,9 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from api.server import BackgroundServer
-from service.embedded_ray import CLUSTER_SYSTEM_CONFIG
-from service.settings import Settings
+from ringmaster.api.server import BackgroundServer
+from ringmaster.service.embedded_ray import CLUSTER_SYSTEM_CONFIG
+from ringmaster.service.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

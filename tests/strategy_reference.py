@@ -15,8 +15,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DistributedSampler, default_collate
 
-from service.spec import JobSpec
-from workers.models import build_bundle
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.models import build_bundle
 
 SEED = 3
 GLOBAL_BATCH = 16

@@ -10,13 +10,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from ringmaster.api.app import create_app
 from api_tokens import authorize
-from service.auth import new_report_token
-from service.db import Database, session_scope
-from service.errors import LogsUnavailable
-from service.jobs import get_job, mark_admitted, requeue
-from service.settings import Settings
+from ringmaster.service.auth import new_report_token
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.errors import LogsUnavailable
+from ringmaster.service.jobs import get_job, mark_admitted, requeue
+from ringmaster.service.settings import Settings
 
 DASHBOARD = "http://ray-head:8265"
 SPEC = {"name": "mnist-ish", "model": "mlp", "workers": {"min": 1, "max": 2}, "train": {"global_batch_size": 16, "micro_batch_size": 4}}

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from process_group import run_on_ranks
-import workers.checkpoint as checkpoint_module
-from service.spec import JobSpec
-from workers.checkpoint import (
+import ringmaster.workers.checkpoint as checkpoint_module
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.checkpoint import (
     MANIFEST_NAME,
     TrainingProgress,
     apply_retention,
@@ -29,9 +29,9 @@ from workers.checkpoint import (
     save_checkpoint,
     usable_checkpoints,
 )
-from workers.data.stream import DataPosition
-from workers.models import build_bundle
-from workers.training import TrainContext, run_training
+from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.training import TrainContext, run_training
 
 STEPS = 6
 STOP_AFTER = 3
@@ -271,7 +271,7 @@ def test_async_save_does_not_block_training(tmp_path: Path) -> None:
 def _background_saves_and_a_two_step_run(rank: int, world_size: int, root: str) -> None:
     """Runs on each rank: 6 steps with saves after steps 2 and 4 staged in the background (made slow) while training
     goes on, and a run of 2 steps whose final save is synchronous."""
-    import workers.training as training
+    import ringmaster.workers.training as training
 
     make_stager = training.checkpoint_stager
 

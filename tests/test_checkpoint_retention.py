@@ -13,16 +13,16 @@ from pydantic import ValidationError
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from api.schemas import CheckpointOut
+from ringmaster.api.schemas import CheckpointOut
 from process_group import run_on_ranks
-from service.db import Database, session_scope
-from service.jobs import apply_driver_report, get_job, list_checkpoints, list_events, mark_admitted, submit_job
-from service.reports import CheckpointRecord, DriverReport
-from service.spec import JobSpec
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.jobs import apply_driver_report, get_job, list_checkpoints, list_events, mark_admitted, submit_job
+from ringmaster.service.reports import CheckpointRecord, DriverReport
+from ringmaster.service.spec import JobSpec
 from test_checkpoint import SPEC, STEPS
-from workers.checkpoint import checkpoint_dir, committed_checkpoints, load_model_weights
-from workers.models import ModelBundle, build_bundle
-from workers.training import TrainContext, run_training
+from ringmaster.workers.checkpoint import checkpoint_dir, committed_checkpoints, load_model_weights
+from ringmaster.workers.models import ModelBundle, build_bundle
+from ringmaster.workers.training import TrainContext, run_training
 
 VAL_SPEC = JobSpec.model_validate({**SPEC.model_dump(), "checkpoint": {"every_steps": 2, "keep": 1, "keep_best": {"metric": "val_loss"}}})
 

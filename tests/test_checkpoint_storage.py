@@ -16,10 +16,10 @@ import torch
 from moto.server import ThreadedMotoServer
 
 from process_group import run_on_ranks
-from service.spec import JobSpec, KeepBestSpec
+from ringmaster.service.spec import JobSpec, KeepBestSpec
 from test_checkpoint import SPEC, STEPS
 from tests.ray_cluster import running_control_plane, wait_for_state
-from workers.checkpoint import (
+from ringmaster.workers.checkpoint import (
     begin_save,
     checkpoint_dir,
     checkpoint_metrics,
@@ -29,10 +29,10 @@ from workers.checkpoint import (
     load_checkpoint,
     load_model_weights,
 )
-from workers.checkpoint_storage import FsspecStorage, LocalStorage, storage_for
-from workers.data.stream import DataPosition
-from workers.models import build_bundle
-from workers.training import TrainContext, run_training
+from ringmaster.workers.checkpoint_storage import FsspecStorage, LocalStorage, storage_for
+from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.training import TrainContext, run_training
 
 BUCKET = "ringmaster-checkpoints"
 STOP_AT = 4

@@ -25,13 +25,13 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 from sqlalchemy import Engine, text
 
-from service import auth
-from service.client import ApiError, RingmasterClient
-from service.db import Database, session_scope, upgrade_schema
-from service.embedded_ray import RayHead, start_head, stop_head
-from service.models import DEFAULT_TENANT
+from ringmaster.service import auth
+from ringmaster.service.client import ApiError, RingmasterClient
+from ringmaster.service.db import Database, session_scope, upgrade_schema
+from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
+from ringmaster.service.models import DEFAULT_TENANT
 from tests.ray_cluster import CLUSTER_CPUS, REPO_ROOT, _free_port
-from workers.checkpoint import committed_checkpoints
+from ringmaster.workers.checkpoint import committed_checkpoints
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ class Server:
             RINGMASTER_CODE_PATH=str(REPO_ROOT),
         )
         with open(self.data_dir / "server.log", "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], cwd=REPO_ROOT, env=env,
+            self.process = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "serve"], cwd=REPO_ROOT, env=env,
                                             stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 90
         client = api(self)
@@ -250,7 +250,7 @@ def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, 
     driver = JobSubmissionClient(ray_head.dashboard_url).get_job_info(first_attempt).driver_info
     assert driver is not None and driver.pid, "Ray does not know the driver's process"
     command_line = Path(f"/proc/{driver.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    assert "workers.driver" in command_line and job_id in command_line, command_line
+    assert "ringmaster.workers.driver" in command_line and job_id in command_line, command_line
     os.kill(int(driver.pid), signal.SIGKILL)
 
     done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 120, server)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
-from service.db import Database, make_engine, session_scope
-from service.jobs import submit_job
-from service.models import Job
-from service.spec import JobSpec
+from ringmaster.service.db import Database, make_engine, session_scope
+from ringmaster.service.jobs import submit_job
+from ringmaster.service.models import Job
+from ringmaster.service.spec import JobSpec
 
 
 def test_timestamps_come_back_timezone_aware_utc(db: Database) -> None:

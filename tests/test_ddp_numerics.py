@@ -12,10 +12,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import default_collate
 
 from process_group import run_on_ranks
-from service.spec import JobSpec
-from workers.checkpoint import latest_committed, load_model_weights
-from workers.models import build_bundle
-from workers.training import TrainContext, run_training
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.checkpoint import latest_committed, load_model_weights
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.training import TrainContext, run_training
 
 WORLD_SIZE = 2
 SEED = 3

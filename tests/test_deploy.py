@@ -34,7 +34,7 @@ import pytest
 import yaml
 from sqlalchemy import make_url
 
-from service.settings import Settings
+from ringmaster.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -29,14 +29,14 @@ from sqlalchemy import (
     select,
 )
 
-from service import jobs
-from service.db import Database, session_scope, upgrade_schema
-from service.dispatcher import Dispatcher
-from service.models import Attempt, Job, JobEvent, utcnow
-from service.reports import DriverReport
-from service.settings import Settings
-from service.spec import JobSpec
-from service.states import TERMINAL, JobState
+from ringmaster.service import jobs
+from ringmaster.service.db import Database, session_scope, upgrade_schema
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.models import Attempt, Job, JobEvent, utcnow
+from ringmaster.service.reports import DriverReport
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import TERMINAL, JobState
 
 pytestmark = pytest.mark.postgres
 

@@ -10,14 +10,14 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from service import jobs
-from service.db import Database
-from service.dispatcher import Dispatcher
-from service.models import Attempt, Job
-from service.reports import DriverReport
-from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
+from ringmaster.service import jobs
+from ringmaster.service.db import Database
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.models import Attempt, Job
+from ringmaster.service.reports import DriverReport
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import JobState
 
 
 class FakeCluster:
@@ -129,7 +129,7 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
     dispatcher.run_once()
     submission_id = f"ringmaster-{job_id}-1"
     entrypoint = cluster.submitted[submission_id].split()
-    assert entrypoint[:3] == ["python3", "-m", "workers.driver"]
+    assert entrypoint[:3] == ["python3", "-m", "ringmaster.workers.driver"]
     carried = json.loads(base64.b64decode(entrypoint[entrypoint.index("--spec-b64") + 1]))
     assert JobSpec.model_validate(carried) == spec
     assert entrypoint[entrypoint.index("--api-url") + 1] == "http://control-plane:8765"

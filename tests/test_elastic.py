@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from ray.util.state import list_actors, list_nodes
 
-from service.client import RingmasterClient
+from ringmaster.service.client import RingmasterClient
 from tests.ray_cluster import wait_for_state
 from tests.simulated_cluster import SimulatedCluster, control_plane_on
-from workers.data.audit import read_effective_samples
+from ringmaster.workers.data.audit import read_effective_samples
 
 pytestmark = pytest.mark.integration
 

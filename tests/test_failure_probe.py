@@ -8,8 +8,8 @@ import time
 import pytest
 import ray
 
-from service.spec import JobSpec
-from workers.worker_group import RankedWorker, WorkerGroup
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.worker_group import RankedWorker, WorkerGroup
 
 
 @ray.remote(num_cpus=0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from service.db import Database, session_scope
-from service.errors import JobConflict
-from service.jobs import (
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.errors import JobConflict
+from ringmaster.service.jobs import (
     apply_driver_report,
     attempts_to_close,
     close_attempt,
@@ -18,10 +18,10 @@ from service.jobs import (
     submit_job,
     transition,
 )
-from service.models import Attempt, Job, JobEvent
-from service.reports import DriverReport
-from service.spec import JobSpec
-from service.states import IllegalTransition, JobState
+from ringmaster.service.models import Attempt, Job, JobEvent
+from ringmaster.service.reports import DriverReport
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import IllegalTransition, JobState
 
 
 def _submit(db: Database, max_failures: int = 3) -> str:

@@ -8,8 +8,8 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
-from service.db import alembic_config, make_engine, upgrade_schema
-from service.models import Base
+from ringmaster.service.db import alembic_config, make_engine, upgrade_schema
+from ringmaster.service.models import Base
 
 TABLES = {"jobs", "job_events", "attempts", "metrics", "checkpoints", "memory_measurements", "tenants", "api_tokens"}
 

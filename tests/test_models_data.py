@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from service.spec import BUILTIN_MODELS, JobSpec, parse_spec_text
-from workers.data.pysource import ByteWindows, is_validation_file, stdlib_corpus, stdlib_source_files
-from workers.models import EntrypointError, ModelBundle, build_bundle
-from workers.models.registry import BUILTIN_ENTRYPOINTS
-from workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
+from ringmaster.service.spec import BUILTIN_MODELS, JobSpec, parse_spec_text
+from ringmaster.workers.data.pysource import ByteWindows, is_validation_file, stdlib_corpus, stdlib_source_files
+from ringmaster.workers.models import EntrypointError, ModelBundle, build_bundle
+from ringmaster.workers.models.registry import BUILTIN_ENTRYPOINTS
+from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SMALL_CORPUS = 65_536
@@ -138,5 +138,5 @@ def test_bad_entrypoint_is_a_clear_error_naming_it(entrypoint: str, options: dic
 
 
 def test_builtin_model_rejects_unknown_options() -> None:
-    with pytest.raises(EntrypointError, match="workers.models.tiny_gpt:build"):
+    with pytest.raises(EntrypointError, match="ringmaster.workers.models.tiny_gpt:build"):
         build_bundle(_spec("tiny-gpt", model_options={"layers": 3}))

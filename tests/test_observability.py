@@ -14,16 +14,16 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
+from ringmaster.api.app import create_app
 from api_tokens import authorize, mint
 from test_dispatcher import FakeCluster
-from service.db import Database, session_scope
-from service.dispatcher import Dispatcher
-from service.jobs import apply_driver_report, get_job, mark_admitted, transition
-from service.models import DEFAULT_TENANT
-from service.reports import DriverReport
-from service.settings import Settings
-from service.states import JobState
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.jobs import apply_driver_report, get_job, mark_admitted, transition
+from ringmaster.service.models import DEFAULT_TENANT
+from ringmaster.service.reports import DriverReport
+from ringmaster.service.settings import Settings
+from ringmaster.service.states import JobState
 
 SPEC = {"name": "observed", "model": "mlp", "workers": {"min": 1, "max": 2}, "train": {"global_batch_size": 16, "micro_batch_size": 4}}
 
@@ -237,8 +237,8 @@ def test_stream_of_unknown_job_is_404(client: TestClient) -> None:
 
 
 def test_client_stream_and_watch_progress(client: TestClient) -> None:
-    from service.cli import _progress
-    from service.client import ApiError, RingmasterClient
+    from ringmaster.service.cli import _progress
+    from ringmaster.service.client import ApiError, RingmasterClient
 
     job_id = _submit(client)
     _drive(client, job_id)
@@ -258,12 +258,12 @@ def test_json_logs_carry_the_job_id(client: TestClient) -> None:
     import io
     import logging
 
-    from service.logs import JsonFormatter
+    from ringmaster.service.logs import JsonFormatter
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("service.jobs")
+    logger = logging.getLogger("ringmaster.service.jobs")
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)
@@ -276,4 +276,4 @@ def test_json_logs_carry_the_job_id(client: TestClient) -> None:
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     admitted = [r for r in records if r.get("to_state") == "ADMITTED"]
     assert len(admitted) == 1 and admitted[0]["job_id"] == job_id and admitted[0]["level"] == "INFO"
-    assert admitted[0]["logger"] == "service.jobs" and job_id in admitted[0]["message"] and admitted[0]["ts"].endswith("Z")
+    assert admitted[0]["logger"] == "ringmaster.service.jobs" and job_id in admitted[0]["message"] and admitted[0]["ts"].endswith("Z")

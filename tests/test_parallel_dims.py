@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from process_group import run_on_ranks
-from service.spec import JobSpec
-from workers.parallel_dims import ParallelDims, PlacementError
-from workers.worker_group import RankedWorker, WorkerGroup
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.parallel_dims import ParallelDims, PlacementError
+from ringmaster.workers.worker_group import RankedWorker, WorkerGroup
 
 # (strategy, parallel, node layout) for 4 ranks
 LAYOUTS = {

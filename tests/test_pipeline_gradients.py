@@ -10,11 +10,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from process_group import run_on_ranks
-from service.spec import JobSpec
+from ringmaster.service.spec import JobSpec
 from strategy_reference import strategy_spec, train_reference
-from workers.models import build_bundle
-from workers.models.tiny_gpt_parallelize import pipeline_stage
-from workers.training import TrainContext, run_training
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.models.tiny_gpt_parallelize import pipeline_stage
+from ringmaster.workers.training import TrainContext, run_training
 
 WORLD_SIZE = 2
 STEPS = 2

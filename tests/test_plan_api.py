@@ -11,12 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from api.app import create_app
+from ringmaster.api.app import create_app
 from api_tokens import authorize
-from service import cli
-from service.client import RingmasterClient
-from service.planner import builtin_model_size
-from service.settings import Settings
+from ringmaster.service import cli
+from ringmaster.service.client import RingmasterClient
+from ringmaster.service.planner import builtin_model_size
+from ringmaster.service.settings import Settings
 
 
 @pytest.fixture

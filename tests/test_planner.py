@@ -8,8 +8,8 @@ from fractions import Fraction
 
 import pytest
 
-from service.errors import PlanError
-from service.planner import (
+from ringmaster.service.errors import PlanError
+from ringmaster.service.planner import (
     GB,
     PRECISIONS,
     Cluster,
@@ -217,7 +217,7 @@ def test_when_nothing_fits_the_reasons_say_what_would() -> None:
     assert "or GPUs with at least 52.00 GB (fsdp zero3 over 4)" in result.reasons
 
 
-@pytest.mark.parametrize("modules", ["service.planner", "service.planner, service.job_plan, service.cli, api.app"])
+@pytest.mark.parametrize("modules", ["ringmaster.service.planner", "ringmaster.service.planner, ringmaster.service.job_plan, ringmaster.service.cli, ringmaster.api.app"])
 def test_the_planner_and_the_control_plane_import_neither_torch_nor_ray(modules: str) -> None:
     code = f"import sys, {modules}; assert not {{'torch', 'ray'}} & {{m.split('.')[0] for m in sys.modules}}"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from service.planner import BUILTIN_SIZE_DEFAULTS, builtin_model_size
-from workers.models import mlp, tiny_gpt
+from ringmaster.service.planner import BUILTIN_SIZE_DEFAULTS, builtin_model_size
+from ringmaster.workers.models import mlp, tiny_gpt
 
 
 def _count(module: Any) -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
-from service.db import Database, session_scope
-from service.jobs import cancel_job, submit_job
-from service.models import Job, utcnow
-from service.queue import claim_next, release
-from service.spec import JobSpec
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.jobs import cancel_job, submit_job
+from ringmaster.service.models import Job, utcnow
+from ringmaster.service.queue import claim_next, release
+from ringmaster.service.spec import JobSpec
 
 
 def _submit(db: Database, name: str, priority: int = 0, age_s: float = 0.0) -> str:

@@ -10,7 +10,7 @@ import pytest
 import ray
 import yaml
 
-from service.client import RingmasterClient
+from ringmaster.service.client import RingmasterClient
 from tests.ray_cluster import CLUSTER_CPUS, REPO_ROOT, wait_for_state as _wait
 
 pytestmark = pytest.mark.integration
@@ -125,7 +125,7 @@ def test_exception_in_user_code_fails_the_job_once_with_its_traceback(client: Ri
 
 
 def test_a_job_starts_in_warm_pool_workers_which_end_with_it(client: RingmasterClient):
-    from workers.warm_pool import pool_workers
+    from ringmaster.workers.warm_pool import pool_workers
 
     def pool() -> list[dict]:
         return list(pool_workers().values())
@@ -152,8 +152,8 @@ def test_a_cancelled_jobs_driver_stops_itself_when_ray_does_not_stop_it(client: 
     its own. Here the dispatcher's Ray job stop and placement-group release reach nothing, as when the dashboard stalls."""
     from ray.job_submission import JobSubmissionClient
 
-    from service.ray_cluster import RayCluster
-    from workers.warm_pool import pool_workers
+    from ringmaster.service.ray_cluster import RayCluster
+    from ringmaster.workers.warm_pool import pool_workers
 
     monkeypatch.setattr(RayCluster, "stop", lambda self, submission_id: None)
     monkeypatch.setattr(RayCluster, "release", lambda self, name: None)

@@ -7,11 +7,11 @@ import logging
 import pytest
 from test_dispatcher import FakeCluster, _spec, _submit
 
-from service.db import Database
-from service.dispatcher import Dispatcher
-from service.models import Job
-from service.settings import Settings
-from service.states import JobState
+from ringmaster.service.db import Database
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.models import Job
+from ringmaster.service.settings import Settings
+from ringmaster.service.states import JobState
 
 
 class FlakyStatusCluster(FakeCluster):
@@ -35,7 +35,7 @@ def test_a_job_ray_cannot_answer_for_does_not_stall_the_others(db: Database, cap
     dispatcher.run_once()
     cluster.broken = f"ringmaster-{unanswered}-1"
     cluster.ray_status[f"ringmaster-{lost}-1"] = "FAILED"  # its driver was killed
-    with caplog.at_level(logging.INFO, logger="service.dispatcher"):
+    with caplog.at_level(logging.INFO, logger="ringmaster.service.dispatcher"):
         dispatcher.run_once()
     with db.sessions() as session:
         assert (session.get(Job, lost).attempt, session.get(Job, lost).failures) == (2, 1)

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.limits import MAX_DEPTH, MAX_VALUES
+from ringmaster.api.app import create_app
+from ringmaster.api.limits import MAX_DEPTH, MAX_VALUES
 from api_tokens import authorize
-from service.auth import new_report_token
-from service.db import session_scope
-from service.jobs import get_job, mark_admitted
-from service.settings import Settings
+from ringmaster.service.auth import new_report_token
+from ringmaster.service.db import session_scope
+from ringmaster.service.jobs import get_job, mark_admitted
+from ringmaster.service.settings import Settings
 
 LIMIT = 64 * 1024
 SPEC = {"name": "limited", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"global_batch_size": 4, "micro_batch_size": 4}}

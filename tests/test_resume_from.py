@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from process_group import run_on_ranks
-from service.client import RingmasterClient
-from service.db import Database, session_scope
-from service.errors import InvalidSpec
-from service.jobs import submit_job
-from service.spec import JobSpec
+from ringmaster.service.client import RingmasterClient
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.errors import InvalidSpec
+from ringmaster.service.jobs import submit_job
+from ringmaster.service.spec import JobSpec
 from test_checkpoint import SPEC, STEPS
 from tests.ray_cluster import wait_for_state
-from workers.checkpoint import committed_checkpoints
-from workers.training import TrainContext, run_training
+from ringmaster.workers.checkpoint import committed_checkpoints
+from ringmaster.workers.training import TrainContext, run_training
 
 STOP_AFTER = 4
 

@@ -21,13 +21,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from api.app import create_app
+from ringmaster.api.app import create_app
 from api_tokens import mint
-from service.auth import new_report_token
-from service.db import session_scope
-from service.jobs import cancel_job, get_job, mark_admitted, submit_job
-from service.settings import Settings
-from service.spec import JobSpec
+from ringmaster.service.auth import new_report_token
+from ringmaster.service.db import session_scope
+from ringmaster.service.jobs import cancel_job, get_job, mark_admitted, submit_job
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec
 
 EXAMPLES_PER_OPERATION = 30
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,

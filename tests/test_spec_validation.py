@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from service.spec import JobSpec, parse_spec_text
+from ringmaster.service.spec import JobSpec, parse_spec_text
 
 
 def _errors(**fields: Any) -> list[ErrorDetails]:

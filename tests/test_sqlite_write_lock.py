@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from service.db import SQLITE_BUSY_TIMEOUT_MS, Database, session_scope, upgrade_schema
+from ringmaster.service.db import SQLITE_BUSY_TIMEOUT_MS, Database, session_scope, upgrade_schema
 
 # Far below the busy timeout: a writer that found the lock still held would wait all of it.
 PROMPT_S = SQLITE_BUSY_TIMEOUT_MS / 1000 / 5

@@ -6,7 +6,7 @@ from itertools import product
 
 import pytest
 
-from service.states import TERMINAL, IllegalTransition, JobState, check_transition
+from ringmaster.service.states import TERMINAL, IllegalTransition, JobState, check_transition
 
 Q, A, R, V, S, F, C = (JobState.QUEUED, JobState.ADMITTED, JobState.RUNNING, JobState.RECOVERING,
                        JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.client import RingmasterClient
-from service.spec import JobSpec
+from ringmaster.service.client import RingmasterClient
+from ringmaster.service.spec import JobSpec
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
 from tests.ray_cluster import wait_for_state
-from workers.checkpoint import load_model_weights
-from workers.models import build_bundle
+from ringmaster.workers.checkpoint import load_model_weights
+from ringmaster.workers.models import build_bundle
 
 pytestmark = pytest.mark.integration
 

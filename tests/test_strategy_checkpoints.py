@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from process_group import run_on_ranks
-from service.spec import JobSpec
+from ringmaster.service.spec import JobSpec
 from strategy_reference import strategy_spec, train_reference
-from workers.checkpoint import latest_committed, load_model_weights
-from workers.models import build_bundle
-from workers.training import TrainContext, run_training
+from ringmaster.workers.checkpoint import latest_committed, load_model_weights
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.training import TrainContext, run_training
 
 WORLD_SIZE = 2
 STEPS, STOP_AFTER = 4, 2

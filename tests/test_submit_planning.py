@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from ringmaster.api.app import create_app
 from api_tokens import authorize
-from service.auth import new_report_token
-from service.db import session_scope
-from service.job_plan import ClusterShape
-from service.jobs import apply_driver_report, get_job, mark_admitted
-from service.reports import DriverReport
-from service.settings import Settings
+from ringmaster.service.auth import new_report_token
+from ringmaster.service.db import session_scope
+from ringmaster.service.job_plan import ClusterShape
+from ringmaster.service.jobs import apply_driver_report, get_job, mark_admitted
+from ringmaster.service.reports import DriverReport
+from ringmaster.service.settings import Settings
 
 USER_7B = {
     "name": "big", "model": "examples.user_model:build", "model_parameters": 7 * 10**9,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from sqlalchemy import event, inspect, text
 
-from service import jobs
-from service.db import Database, session_scope
-from service.models import Job
-from service.spec import JobSpec
-from service.states import JobState
+from ringmaster.service import jobs
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.models import Job
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import JobState
 
 SPEC = {"name": "rows", "model": "mlp", "workers": {"min": 1, "max": 2}, "train": {"steps": 10}}
 

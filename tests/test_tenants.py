@@ -16,17 +16,17 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from api.app import create_app
+from ringmaster.api.app import create_app
 from api_tokens import mint
-from service import auth, cli, tenants
-from service.db import Database, alembic_config, make_engine, session_scope, upgrade_schema
-from service.dispatcher import Dispatcher
-from service.auth import Principal
-from service.jobs import apply_driver_report, mark_admitted, submit_job
-from service.models import Attempt, Job, Tenant
-from service.reports import REPORT_TOKEN_ENV, DriverReport
-from service.settings import Settings
-from service.spec import JobSpec
+from ringmaster.service import auth, cli, tenants
+from ringmaster.service.db import Database, alembic_config, make_engine, session_scope, upgrade_schema
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.auth import Principal
+from ringmaster.service.jobs import apply_driver_report, mark_admitted, submit_job
+from ringmaster.service.models import Attempt, Job, Tenant
+from ringmaster.service.reports import REPORT_TOKEN_ENV, DriverReport
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec
 from test_dispatcher import FakeCluster
 
 SPEC = {"name": "tenant-job", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"global_batch_size": 4, "micro_batch_size": 4}}

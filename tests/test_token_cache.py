@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 from sqlalchemy.orm import ORMExecuteState, sessionmaker
 
-from api.app import create_app
-from service import auth
-from service.db import Database, session_scope
-from service.settings import Settings
+from ringmaster.api.app import create_app
+from ringmaster.service import auth
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.settings import Settings
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from service.reports import CheckpointRecord, MetricPoint
-from service.spec import JobSpec, parse_spec_text
-from workers.checkpoint import checkpoint_metrics, committed_checkpoints
-from workers.training import TrainContext, run_training
+from ringmaster.service.reports import CheckpointRecord, MetricPoint
+from ringmaster.service.spec import JobSpec, parse_spec_text
+from ringmaster.workers.checkpoint import checkpoint_metrics, committed_checkpoints
+from ringmaster.workers.training import TrainContext, run_training
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from service.ray_cluster import NAMESPACE
-from workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
+from ringmaster.service.ray_cluster import NAMESPACE
+from ringmaster.workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def a_node_holding_a_placement_group_is_not_refilled(node: str) -> None:
 
 _CLAIMING_DRIVER = """
 import sys, time, ray
-from workers.warm_pool import claim_workers
+from ringmaster.workers.warm_pool import claim_workers
 ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
 print("claimed", sorted(claim_workers([sys.argv[3]], "attempt-d", cpus=1)), flush=True)
 time.sleep(600)

@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
-from service.spec import JobSpec, KeepBestSpec
-from workers.checkpoint_storage import CheckpointStorage, storage_for
-from workers.data.stream import DataPosition
-from workers.strategies.zero1 import local_optimizer
+from ringmaster.service.spec import JobSpec, KeepBestSpec
+from ringmaster.workers.checkpoint_storage import CheckpointStorage, storage_for
+from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.strategies.zero1 import local_optimizer
 
 MANIFEST_NAME = "manifest.json"
 METRICS_NAME = "metrics.json"

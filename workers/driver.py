@@ -1,4 +1,4 @@
-"""The job driver: the entrypoint of each Ray job ringmaster submits (`python -m workers.driver`).
+"""The job driver: the entrypoint of each Ray job ringmaster submits (`python -m ringmaster.workers.driver`).
 
 A controller loop over a worker group. It takes the placement group the dispatcher reserved,
 forms the group, streams what the workers record to the control plane, and when workers are lost
@@ -29,12 +29,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util import get_placement_group
 from ray.util.placement_group import remove_placement_group
 
-from service.ray_cluster import NAMESPACE, submission_id_for
-from service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
-from service.spec import JobSpec
-from workers.reporter import Reporter
-from workers.standby import StandbyPool
-from workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
+from ringmaster.service.ray_cluster import NAMESPACE, submission_id_for
+from ringmaster.service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.reporter import Reporter
+from ringmaster.workers.standby import StandbyPool
+from ringmaster.workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
 
 log = logging.getLogger("ringmaster.driver")
 
@@ -344,7 +344,7 @@ class JobDriver:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workers.driver", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ringmaster.workers.driver", description=__doc__)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--ray-address", help="the cluster's GCS address; without it, the one the Jobs API gives the driver")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from service.spec import JobSpec
+from ringmaster.service.spec import JobSpec
 
 
 class PlacementError(ValueError):

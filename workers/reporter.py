@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from service.reports import CheckpointRecord, DriverReport, MetricPoint, RankMemory
+from ringmaster.service.reports import CheckpointRecord, DriverReport, MetricPoint, RankMemory
 
 log = logging.getLogger(__name__)
 

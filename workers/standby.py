@@ -18,9 +18,9 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from service.ray_cluster import worker_bundles
-from service.spec import WorkersSpec
-from workers.worker_group import RankedWorker, Slot, WorkerGroup
+from ringmaster.service.ray_cluster import worker_bundles
+from ringmaster.service.spec import WorkersSpec
+from ringmaster.workers.worker_group import RankedWorker, Slot, WorkerGroup
 
 
 log = logging.getLogger("ringmaster.standby")

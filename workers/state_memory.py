@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from service.reports import RankMemory
-from workers.parallel_dims import ParallelDims
-from workers.strategies import ParallelModel
-from workers.strategies.zero1 import local_optimizer
+from ringmaster.service.reports import RankMemory
+from ringmaster.workers.parallel_dims import ParallelDims
+from ringmaster.workers.strategies import ParallelModel
+from ringmaster.workers.strategies.zero1 import local_optimizer
 
 
 def measure_rank_memory(rank: int, parallel: ParallelModel, dims: ParallelDims, parameter_count: int) -> RankMemory:

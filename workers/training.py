@@ -21,18 +21,18 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from service.reports import CheckpointRecord, MetricPoint, RankMemory
-from service.spec import JobSpec
-from workers.checkpoint import (CommittedCheckpoint, CommittedSave, PendingSave, begin_save, checkpoint_dir,
+from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.checkpoint import (CommittedCheckpoint, CommittedSave, PendingSave, begin_save, checkpoint_dir,
                                 checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point, load_checkpoint)
-from workers.checkpoint_storage import LocalStorage, storage_for
-from workers.data.audit import SampleAudit
-from workers.data.stream import DataPosition, GlobalBatchStream
-from workers.models import build_bundle
-from workers.models.registry import LossFn
-from workers.parallel_dims import ParallelDims
-from workers.state_memory import measure_rank_memory
-from workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
+from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
+from ringmaster.workers.data.audit import SampleAudit
+from ringmaster.workers.data.stream import DataPosition, GlobalBatchStream
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.models.registry import LossFn
+from ringmaster.workers.parallel_dims import ParallelDims
+from ringmaster.workers.state_memory import measure_rank_memory
+from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
 
 VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-batch is cheap
 

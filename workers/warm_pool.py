@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers.worker import TrainWorker
+from ringmaster.workers.worker import TrainWorker
 
 log = logging.getLogger("ringmaster.warm_pool")
 

@@ -42,7 +42,7 @@ def _free_port(host: str) -> int:
 def _import_training_stack() -> None:
     import torch._dynamo  # noqa: F401 — DistributedDataParallel imports it on construction
 
-    import workers.training  # noqa: F401
+    import ringmaster.workers.training  # noqa: F401
 
 
 def _import_training_stack_in_background() -> None:
@@ -123,7 +123,7 @@ class TrainWorker:
 
     def resume_step(self, storage_root: str, resume_from_root: str | None) -> int:
         """The step training will resume from (0: from scratch), chosen as training chooses it."""
-        from workers.checkpoint import find_resume_point
+        from ringmaster.workers.checkpoint import find_resume_point
 
         latest = find_resume_point(storage_root)[0]
         if latest is None and resume_from_root is not None:
@@ -167,8 +167,8 @@ class TrainWorker:
 
         # The group formed while the warm-up thread imported the rest; training needs all of it.
         self._warm.join()
-        from service.spec import JobSpec
-        from workers.training import TrainContext, run_training
+        from ringmaster.service.spec import JobSpec
+        from ringmaster.workers.training import TrainContext, run_training
 
         spec = JobSpec.model_validate_json(spec_json)
         device = torch.device("cuda", 0) if self._uses_gpu else torch.device("cpu")

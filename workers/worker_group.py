@@ -16,9 +16,9 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.spec import JobSpec
-from workers.warm_pool import claim_workers
-from workers.worker import TrainWorker
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.warm_pool import claim_workers
+from ringmaster.workers.worker import TrainWorker
 
 
 @dataclass(frozen=True)

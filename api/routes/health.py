@@ -6,8 +6,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.deps import DatabaseDep
-from api.schemas import Health
+from ringmaster.api.deps import DatabaseDep
+from ringmaster.api.schemas import Health
 
 router = APIRouter(tags=["health"])
 

@@ -10,13 +10,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 
-from api.deps import SessionDep, check_report_token
-from api.errors import error_responses
-from api.limits import check_document
-from api.schemas import ReportAck
-from service import jobs
-from service.errors import InvalidSpec
-from service.reports import DriverReport
+from ringmaster.api.deps import SessionDep, check_report_token
+from ringmaster.api.errors import error_responses
+from ringmaster.api.limits import check_document
+from ringmaster.api.schemas import ReportAck
+from ringmaster.service import jobs
+from ringmaster.service.errors import InvalidSpec
+from ringmaster.service.reports import DriverReport
 
 router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(400, 401, 404, 409, 413))
 

@@ -13,16 +13,16 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from api.deps import CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep, read_cluster_shape
-from api.errors import FiniteJSONResponse, error_responses, finite_values
-from api.limits import check_document, load_json, load_yaml
-from api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
-from service import jobs
-from service.db import Database, session_scope
-from service.errors import InvalidSpec, JobConflict, LogsUnavailable
-from service.spec import JobSpec
-from service.stream import Cursor, read_batch
-from service.states import JobState
+from ringmaster.api.deps import CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep, read_cluster_shape
+from ringmaster.api.errors import FiniteJSONResponse, error_responses, finite_values
+from ringmaster.api.limits import check_document, load_json, load_yaml
+from ringmaster.api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
+from ringmaster.service import jobs
+from ringmaster.service.db import Database, session_scope
+from ringmaster.service.errors import InvalidSpec, JobConflict, LogsUnavailable
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.stream import Cursor, read_batch
+from ringmaster.service.states import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 404))
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import CurrentPrincipal
-from api.errors import error_responses
-from api.schemas import PlanOut, PlanRequest
-from service import planner
+from ringmaster.api.deps import CurrentPrincipal
+from ringmaster.api.errors import error_responses
+from ringmaster.api.schemas import PlanOut, PlanRequest
+from ringmaster.service import planner
 
 router = APIRouter(prefix="/v1", tags=["plan"], responses=error_responses(400, 401, 413))
 

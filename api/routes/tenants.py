@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, status
 
-from api.deps import AdminPrincipal, CurrentPrincipal, SessionDep
-from api.errors import error_responses
-from api.schemas import PrincipalOut, QuotaIn, TenantOut, TokenCreatedOut, TokenIn, TokenOut
-from service import auth, tenants
+from ringmaster.api.deps import AdminPrincipal, CurrentPrincipal, SessionDep
+from ringmaster.api.errors import error_responses
+from ringmaster.api.schemas import PrincipalOut, QuotaIn, TenantOut, TokenCreatedOut, TokenIn, TokenOut
+from ringmaster.service import auth, tenants
 
 router = APIRouter(prefix="/v1", tags=["tenants"], responses=error_responses(400, 401, 403, 413))
 

@@ -1,5 +1,5 @@
 """Models as plug-ins: built-ins and user entrypoints share one contract (see registry.py)."""
 
-from workers.models.registry import EntrypointError, ModelBundle, build_bundle
+from ringmaster.workers.models.registry import EntrypointError, ModelBundle, build_bundle
 
 __all__ = ["EntrypointError", "ModelBundle", "build_bundle"]

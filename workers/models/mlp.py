@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.data.synthetic import synthetic_regression_splits
-from workers.models.registry import ModelBundle
+from ringmaster.workers.data.synthetic import synthetic_regression_splits
+from ringmaster.workers.models.registry import ModelBundle
 
 
 class MLPRegressor(nn.Module):

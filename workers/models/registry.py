@@ -16,16 +16,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
-from service.spec import USER_DATA, JobSpec
-from workers.data.pysource import pysource_splits
-from workers.data.synthetic import synthetic_regression_splits
+from ringmaster.service.spec import USER_DATA, JobSpec
+from ringmaster.workers.data.pysource import pysource_splits
+from ringmaster.workers.data.synthetic import synthetic_regression_splits
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
 PipelineStageFn = Callable[[nn.Module, int, int], nn.Module]
 OutputLossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
-BUILTIN_ENTRYPOINTS = {"mlp": "workers.models.mlp:build", "tiny-gpt": "workers.models.tiny_gpt:build"}
+BUILTIN_ENTRYPOINTS = {"mlp": "ringmaster.workers.models.mlp:build", "tiny-gpt": "ringmaster.workers.models.tiny_gpt:build"}
 
 # A user model may train on a built-in corpus (spec.data); it is built from the model_options it names.
 BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset, Dataset]]] = {

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.data.pysource import DEFAULT_MAX_CORPUS_BYTES, pysource_splits
-from workers.models.registry import ModelBundle
-from workers.models.tiny_gpt_parallelize import apply_tensor_parallel, pipeline_stage
+from ringmaster.workers.data.pysource import DEFAULT_MAX_CORPUS_BYTES, pysource_splits
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.models.tiny_gpt_parallelize import apply_tensor_parallel, pipeline_stage
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 if TYPE_CHECKING:
-    from workers.models.tiny_gpt import TinyGPT
+    from ringmaster.workers.models.tiny_gpt import TinyGPT
 
 
 def apply_tensor_parallel(model: TinyGPT, tp_mesh: DeviceMesh) -> None:

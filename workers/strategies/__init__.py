@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from workers.models.registry import ModelBundle
-from workers.strategies.ddp import parallelize_ddp
-from workers.strategies.fsdp import parallelize_fsdp
-from workers.strategies.parallel_model import OptimizerConfig, ParallelModel, ParallelSetup
-from workers.strategies.pipeline import parallelize_pipeline
-from workers.strategies.tensor import parallelize_tensor
-from workers.strategies.three_d import parallelize_3d
-from workers.strategies.zero1 import parallelize_zero1
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.ddp import parallelize_ddp
+from ringmaster.workers.strategies.fsdp import parallelize_fsdp
+from ringmaster.workers.strategies.parallel_model import OptimizerConfig, ParallelModel, ParallelSetup
+from ringmaster.workers.strategies.pipeline import parallelize_pipeline
+from ringmaster.workers.strategies.tensor import parallelize_tensor
+from ringmaster.workers.strategies.three_d import parallelize_3d
+from ringmaster.workers.strategies.zero1 import parallelize_zero1
 
 Parallelize = Callable[[ModelBundle, ParallelSetup], ParallelModel]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.models.registry import ModelBundle
-from workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 
 
 def parallelize_ddp(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from workers.models.registry import ModelBundle
-from workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 
 
 def parallelize_fsdp(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:

@@ -13,8 +13,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.optim import Optimizer
 
-from service.spec import JobSpec
-from workers.parallel_dims import ParallelDims
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from typing import Callable
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from workers.models.registry import ModelBundle
-from workers.strategies.ddp import wrap_ddp
-from workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.ddp import wrap_ddp
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 

@@ -9,9 +9,9 @@ from functools import partial
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
-from workers.models.registry import ModelBundle
-from workers.strategies.fsdp import mixed_precision, without_gradient_sync
-from workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.fsdp import mixed_precision, without_gradient_sync
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 
 
 def parallelize_tensor(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:

@@ -9,11 +9,11 @@ from functools import partial
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from workers.models.registry import ModelBundle
-from workers.strategies.fsdp import apply_fsdp, without_gradient_sync
-from workers.strategies.parallel_model import ParallelModel, ParallelSetup
-from workers.strategies.pipeline import build_pipeline
-from workers.strategies.tensor import apply_tensor_parallel
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.fsdp import apply_fsdp, without_gradient_sync
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.strategies.pipeline import build_pipeline
+from ringmaster.workers.strategies.tensor import apply_tensor_parallel
 
 
 def parallelize_3d(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:

@@ -6,9 +6,9 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from workers.models.registry import ModelBundle
-from workers.strategies.ddp import wrap_ddp
-from workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.ddp import wrap_ddp
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 
 
 def parallelize_zero1(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
