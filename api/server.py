@@ -25,6 +25,14 @@ from ringmaster.service.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def _warm_pool(per_node: int, runtime_env: dict | None):
+    """The composition root hands the control plane the workers' warm pool (imported only once the cluster is used:
+    it imports ray, not torch)."""
+    from ringmaster.workers.warm_pool import WarmPoolKeeper
+
+    return WarmPoolKeeper(per_node, runtime_env)
+
+
 class ControlPlane:
     """Owns the embedded Ray head (when no cluster is named) and the dispatcher thread."""
 
@@ -43,7 +51,7 @@ class ControlPlane:
             host = urlsplit(settings.ray_address if "://" in settings.ray_address else f"//{settings.ray_address}").hostname
             settings = settings.model_copy(update={"ray_dashboard_url": f"http://{host}:8265"})
         self.settings = settings
-        self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url)
+        self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url, warm_pool_factory=_warm_pool)
         self.cluster.connect()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

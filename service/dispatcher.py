@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ringmaster.service import auth, jobs, queue, telemetry, tenants
 from ringmaster.service.models import Attempt, Job, utcnow
-from ringmaster.service.ray_cluster import ClusterBackend, placement_group_name, submission_id_for, worker_bundles
+from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
+from ringmaster.service.ray_cluster import ClusterBackend
 from ringmaster.service.reports import REPORT_TOKEN_ENV
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec

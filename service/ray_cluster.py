@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
-log = logging.getLogger(__name__)
+from ringmaster.service.naming import NAMESPACE
 
-NAMESPACE = "ringmaster"
+log = logging.getLogger(__name__)
 
 
 class ClusterBackend(Protocol):
@@ -28,29 +29,30 @@ class ClusterBackend(Protocol):
     def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None: ...
 
 
-def placement_group_name(job_id: str, attempt: int) -> str:
-    return f"ringmaster-{job_id}-{attempt}"
+class WarmPool(Protocol):
+    """The cluster's pool of idle warm workers (workers/warm_pool.py), topped up by the dispatcher."""
+
+    per_node: int
+
+    def tick(self, active_claimants: set[str]) -> None: ...
 
 
-def submission_id_for(job_id: str, attempt: int) -> str:
-    """Derived from job and attempt, so resubmitting the same attempt is refused by Ray, not run twice."""
-    return f"ringmaster-{job_id}-{attempt}"
-
-
-def worker_bundles(gpus_per_worker: int, cpus_per_worker: float, count: int) -> list[dict[str, float]]:
-    bundle = {"GPU": float(gpus_per_worker)} if gpus_per_worker > 0 else {"CPU": float(cpus_per_worker)}
-    return [dict(bundle) for _ in range(count)]
+# per_node, the pool workers' runtime_env -> a pool; the composition root supplies it (it lives with the workers).
+WarmPoolFactory = Callable[[int, dict | None], WarmPool]
 
 
 class RayCluster:
     """A Ray cluster reached through its GCS (placement groups) and dashboard (Jobs API)."""
 
-    def __init__(self, address: str, dashboard_url: str) -> None:
+    def __init__(self, address: str, dashboard_url: str, warm_pool_factory: WarmPoolFactory | None = None) -> None:
+        """`warm_pool_factory`: builds the warm pool keep_warm tops up; None keeps no pool."""
         self.address = address
         self.dashboard_url = dashboard_url.rstrip("/")
         self._jobs = None
         self._lock = threading.Lock()
-        self._warm_pool = None
+        self._warm_pool_factory = warm_pool_factory
+        self._warm_pool: WarmPool | None = None
+        self._connected = False
 
     @property
     def gcs_address(self) -> str | None:
@@ -67,9 +69,16 @@ class RayCluster:
         from ray.job_submission import JobSubmissionClient
 
         with self._lock:
-            if not ray.is_initialized():
-                ray.init(address=self.address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                         log_to_driver=False, configure_logging=False)
+            if not self._connected:
+                if ray.is_initialized() and ray.get_runtime_context().gcs_address != self.address:
+                    # The process is connected to another cluster (Ray allows one connection per process): leave it
+                    # rather than place this cluster's jobs there.
+                    log.warning("leaving Ray cluster %s to join %s", ray.get_runtime_context().gcs_address, self.address)
+                    ray.shutdown()
+                if not ray.is_initialized():
+                    ray.init(address=self.address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                             log_to_driver=False, configure_logging=False)
+                self._connected = True
             if self._jobs is None:
                 self._jobs = JobSubmissionClient(self.dashboard_url)
         return ray, self._jobs
@@ -78,17 +87,18 @@ class RayCluster:
         import ray
 
         with self._lock:
-            if ray.is_initialized():
+            if self._connected and ray.is_initialized():
                 ray.shutdown()
+            self._connected = False
             self._jobs = None
 
     def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
         """Top up the cluster's warm worker pool on every node; kill pool workers whose job attempt has ended."""
+        if self._warm_pool_factory is None:
+            return
         self._connect()
-        from ringmaster.workers.warm_pool import WarmPoolKeeper  # imports ray (not torch): only once the cluster is in use
-
         if self._warm_pool is None or self._warm_pool.per_node != per_node:
-            self._warm_pool = WarmPoolKeeper(per_node, {"env_vars": {"PYTHONPATH": code_path}} if code_path else None)
+            self._warm_pool = self._warm_pool_factory(per_node, {"env_vars": {"PYTHONPATH": code_path}} if code_path else None)
         self._warm_pool.tick(active_submissions)
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:

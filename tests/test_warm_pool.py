@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from ringmaster.service.ray_cluster import NAMESPACE
+from ringmaster.service.naming import NAMESPACE
 from ringmaster.workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util import get_placement_group
 from ray.util.placement_group import remove_placement_group
 
-from ringmaster.service.ray_cluster import NAMESPACE, submission_id_for
+from ringmaster.service.naming import NAMESPACE, submission_id_for
 from ringmaster.service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.reporter import Reporter

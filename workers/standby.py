@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from ringmaster.service.ray_cluster import worker_bundles
+from ringmaster.service.naming import worker_bundles
 from ringmaster.service.spec import WorkersSpec
 from ringmaster.workers.worker_group import RankedWorker, Slot, WorkerGroup
 
