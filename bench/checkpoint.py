@@ -35,9 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from process_group import free_port  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 
 WORLD_SIZE = 2
 
@@ -59,8 +58,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     import ringmaster.workers.checkpoint as checkpoint_module
-    import ringmaster.workers.training as training
-    from ringmaster.workers.training import TrainContext, run_training
+    import ringmaster.workers.trainer.checkpointer as training
+    from harness.sinks import CallbackSink
+    from ringmaster.workers.trainer import TrainContext, run_training
 
     results: dict = {}
     original_begin, original_load = training.begin_save, training.load_checkpoint
@@ -88,8 +88,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
         begin_times = []
         training.begin_save = lambda *a, **kw: timed_begin(*a, synchronous=mode == "sync", **kw)
         walls: list[float] = []
-        run_training(_spec(args, args.steps), TrainContext(rank, WORLD_SIZE, torch.device("cpu"), mode, f"{root}/{mode}",
-                                                           on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None))
+        run_training(_spec(args, args.steps), TrainContext(rank, WORLD_SIZE, torch.device("cpu"), mode, f"{root}/{mode}", sink=CallbackSink(on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None)))
         results[mode] = walls
         results[f"{mode}_begin_s"] = begin_times[:-1]  # periodic saves only (the last is the final, synchronous one)
     training.begin_save = original_begin

@@ -3,7 +3,7 @@
     python bench/memory.py [--dim 128] [--layers 4]
 
 Each strategy trains tiny-gpt for one step on local gloo ranks through the real loop
-(workers.training.run_training); each rank measures the bytes of its parameters, gradients and
+(workers.trainer.run_training); each rank measures the bytes of its parameters, gradients and
 optimizer state from its own tensors after the first optimizer step (what the driver reports).
 The prediction is the control plane's own, service.job_plan.predicted_rank_state (the planner's
 ZeRO arithmetic: 16 bytes/parameter split by tp × pp and the ZeRO stage's sharding); for hybrid
@@ -31,8 +31,9 @@ sys.path.insert(0, str(REPO))
 from ringmaster.service import planner  # noqa: E402
 from ringmaster.service.job_plan import predicted_rank_state  # noqa: E402
 from ringmaster.service.spec import JobSpec  # noqa: E402
-from tests.process_group import run_on_ranks  # noqa: E402
-from ringmaster.workers.training import TrainContext, run_training  # noqa: E402
+from harness.process_group import run_on_ranks  # noqa: E402
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training  # noqa: E402
 
 # name: (strategy, workers, node layout, micro_batch_size, parallel)
 CASES = {
@@ -58,7 +59,7 @@ def _spec(name: str, args: argparse.Namespace) -> JobSpec:
 
 def _measure(rank: int, world_size: int, spec_json: str, layout: tuple[int, ...] | None, root: str) -> None:
     measured = []
-    context = TrainContext(rank, world_size, torch.device("cpu"), "memory", root, on_memory=measured.append, ranks_per_node=layout)
+    context = TrainContext(rank, world_size, torch.device("cpu"), "memory", root, sink=CallbackSink(on_memory=measured.append), ranks_per_node=layout)
     run_training(JobSpec.model_validate_json(spec_json), context)
     Path(root, f"rank{rank}.json").write_text(measured[0].model_dump_json())
 

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ringmaster.service import planner
+from ringmaster.service.catalogue import BUILTIN_MODELS, STRATEGIES
 from ringmaster.service.errors import InvalidSpec, PlanError
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec, WorkersSpec
@@ -94,7 +95,7 @@ def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None
 
 def job_model_size(spec: JobSpec) -> planner.ModelSize | None:
     """A built-in is sized from its model_options; a user model by model_parameters (None when not given)."""
-    if spec.model in planner.BUILTIN_SIZE_DEFAULTS:
+    if spec.model in BUILTIN_MODELS:
         if spec.model_parameters is not None:
             raise InvalidSpec([_error("value_error", ("model_parameters",),
                                       f"built-in model {spec.model!r} is sized from model_options; leave model_parameters unset")])
@@ -217,7 +218,7 @@ def _option_fields(option: planner.Option) -> str:
 
 
 def _shard(spec: JobSpec) -> str | None:
-    return spec.parallel.shard if spec.strategy in ("fsdp", "3d") else None
+    return spec.parallel.shard if spec.strategy in STRATEGIES and STRATEGIES[spec.strategy].shards else None
 
 
 def _name(spec: JobSpec) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from ringmaster.service.catalogue import BUILTIN_MODELS, STRATEGIES
 from ringmaster.service.errors import PlanError
 
 GB = 10**9
@@ -89,14 +90,6 @@ class ModelSize:
     description: str = ""
 
 
-_TINY_GPT_SIZE = {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}
-_MLP_SIZE = {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2}
-# The builders' options that do not change the model's size (data options), so planning ignores them.
-_DATA_OPTIONS = {"tiny-gpt": ("max_corpus_bytes",), "mlp": ("n_train", "n_val", "noise", "data_seed")}
-BUILTIN_SIZE_DEFAULTS: dict[str, dict[str, int]] = {"tiny-gpt": _TINY_GPT_SIZE, "mlp": _MLP_SIZE}
-"""The size options of each built-in and their defaults (the builders' own defaults; a test keeps them equal)."""
-
-
 def tiny_gpt_parameters(n_layers: int, n_heads: int, dim: int, seq_len: int, vocab: int) -> int:
     """Parameters of workers/models/tiny_gpt.py: untied token table and head, a position table, L blocks, a norm.
 
@@ -115,12 +108,12 @@ def mlp_parameters(in_dim: int, hidden: int, out_dim: int, depth: int) -> int:
 
 def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
     """A built-in's size from its model_options, so a job on a built-in never has to state it."""
-    if name not in BUILTIN_SIZE_DEFAULTS:
-        raise PlanError(f"model must be a built-in ({', '.join(BUILTIN_SIZE_DEFAULTS)}), got {name!r}", field="model")
-    defaults = BUILTIN_SIZE_DEFAULTS[name]
-    unknown = sorted(set(options) - set(defaults) - set(_DATA_OPTIONS[name]))
+    if name not in BUILTIN_MODELS:
+        raise PlanError(f"model must be a built-in ({', '.join(BUILTIN_MODELS)}), got {name!r}", field="model")
+    defaults, data_options = BUILTIN_MODELS[name].size_defaults, BUILTIN_MODELS[name].data_options
+    unknown = sorted(set(options) - set(defaults) - set(data_options))
     if unknown:
-        accepted = ", ".join([*defaults, *_DATA_OPTIONS[name]])
+        accepted = ", ".join([*defaults, *data_options])
         raise PlanError(f"{name} has no option {unknown[0]!r}; its options are {accepted}", field=f"model_options.{unknown[0]}")
     size: dict[str, int] = {}
     for key, default in defaults.items():
@@ -350,14 +343,11 @@ class Option:
 # pipelines (idle bubble), then their 3-D composition. Within a tier, fewer model-parallel splits first.
 _TIERS = {("ddp", None): 0, ("zero1", None): 1, ("fsdp", "zero2"): 2, ("fsdp", "hybrid"): 3, ("fsdp", "zero3"): 4,
           ("tensor", None): 5, ("pipeline", None): 6, ("3d", "zero3"): 7}
-_ZERO = {None: 0, "zero2": 2, "zero3": 3, "hybrid": 3}
 
 
 def strategy_zero_stage(strategy: str, shard: str | None) -> int:
     """The ZeRO stage a JobSpec strategy runs its data-parallel axis at."""
-    if strategy == "zero1":
-        return 1
-    return _ZERO[shard] if strategy in ("fsdp", "3d") else 0
+    return STRATEGIES[strategy].zero_stage(shard)
 
 
 def evaluate(model: ModelSize, cluster: Cluster, workload: Workload, strategy: str, shard: str | None, layout: Layout) -> Option:

@@ -13,9 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-BUILTIN_MODELS = ("mlp", "tiny-gpt")
-BUILTIN_DATA = {"mlp": "synthetic", "tiny-gpt": "pysource"}
-USER_DATA = "user"
+from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, STRATEGIES, STRATEGY_NAMES, USER_DATA
+
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
 
@@ -51,9 +50,6 @@ class TrainSpec(_Strict):
     precision: Literal["fp32", "bf16"] = "fp32"
     weight_decay: float = Field(default=0.0, ge=0)
     record_sample_ids: bool = Field(default=False, description="Write which sample ids each step used under the job's storage (data audit).")
-
-
-STRATEGIES = ("ddp", "zero1", "fsdp", "pipeline", "tensor", "3d", "auto")
 
 
 class ParallelSpec(_Strict):
@@ -94,7 +90,7 @@ class JobSpec(_Strict):
     model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
     model_parameters: int | None = Field(default=None, ge=1, description="Parameter count of a user model, for the planner "
                                          "(strategy auto, the fit check against workers.gpu_memory_gb); built-ins are sized from model_options.")
-    strategy: Literal["ddp", "zero1", "fsdp", "pipeline", "tensor", "3d", "auto"] = "ddp"
+    strategy: Literal[STRATEGY_NAMES] = "ddp"  # type: ignore[valid-type] — the catalogue's names
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     workers: WorkersSpec = Field(default_factory=WorkersSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
@@ -120,12 +116,13 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
+        builtin = BUILTIN_MODELS.get(self.model)
         if self.data is None:
-            self.data = BUILTIN_DATA.get(self.model, USER_DATA)
-        if self.model in BUILTIN_DATA and self.data != BUILTIN_DATA[self.model]:
-            raise ValueError(f"data: model {self.model!r} trains on {BUILTIN_DATA[self.model]!r}, got {self.data!r}")
-        if self.model not in BUILTIN_DATA and self.data not in (USER_DATA, *BUILTIN_DATA.values()):
-            raise ValueError(f"data: must be 'user' (from the entrypoint) or one of {sorted(set(BUILTIN_DATA.values()))}, got {self.data!r}")
+            self.data = builtin.corpus if builtin else USER_DATA
+        if builtin and self.data != builtin.corpus:
+            raise ValueError(f"data: model {self.model!r} trains on {builtin.corpus!r}, got {self.data!r}")
+        if not builtin and self.data not in (USER_DATA, *CORPORA):
+            raise ValueError(f"data: must be 'user' (from the entrypoint) or one of {list(CORPORA)}, got {self.data!r}")
         self._check_parallel_fields()
         train = self.train
         for world in range(self.workers.min, self.workers.max + 1):
@@ -148,14 +145,21 @@ class JobSpec(_Strict):
 
     def _check_parallel_fields(self) -> None:
         parallel, strategy = self.parallel, self.strategy
-        if strategy in ("ddp", "zero1", "fsdp", "auto") and (parallel.tp, parallel.pp) != (1, 1):
-            raise ValueError(f"parallel.tp and parallel.pp apply to strategies tensor, pipeline and 3d, not {strategy!r}")
-        if strategy == "tensor" and (parallel.tp < 2 or parallel.pp != 1):
-            raise ValueError("strategy 'tensor' needs parallel.tp >= 2 and parallel.pp = 1")
-        if strategy == "pipeline" and (parallel.pp < 2 or parallel.tp != 1):
-            raise ValueError("strategy 'pipeline' needs parallel.pp >= 2 and parallel.tp = 1")
-        if parallel.shard == "hybrid" and strategy not in ("fsdp", "3d"):
-            raise ValueError(f"parallel.shard 'hybrid' applies to strategies fsdp and 3d, not {strategy!r}")
+        entry = STRATEGIES.get(strategy)  # None for auto, which the planner resolves
+        splits = entry.splits if entry else frozenset()
+        degrees = {"tp": parallel.tp, "pp": parallel.pp}
+        if not splits and (parallel.tp, parallel.pp) != (1, 1):
+            splitting = [name for name, other in STRATEGIES.items() if other.splits]
+            raise ValueError(f"parallel.tp and parallel.pp apply to strategies {', '.join(splitting[:-1])} and "
+                             f"{splitting[-1]}, not {strategy!r}")
+        if entry and entry.requires:
+            needs = [f"parallel.{name} >= 2" for name in sorted(entry.requires)]
+            needs += [f"parallel.{name} = 1" for name in degrees if name not in splits]
+            if any(degrees[name] < 2 for name in entry.requires) or any(degrees[name] != 1 for name in degrees if name not in splits):
+                raise ValueError(f"strategy {strategy!r} needs {' and '.join(needs)}")
+        if parallel.shard == "hybrid" and not (entry and entry.shards):
+            sharding = [name for name, other in STRATEGIES.items() if other.shards]
+            raise ValueError(f"parallel.shard 'hybrid' applies to strategies {' and '.join(sharding)}, not {strategy!r}")
         if parallel.schedule == "interleaved1f1b" and parallel.pp > 1 and parallel.microbatches % parallel.pp:
             raise ValueError(f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b")
 

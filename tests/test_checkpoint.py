@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 import ringmaster.workers.checkpoint as checkpoint_module
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint import (
@@ -31,7 +31,8 @@ from ringmaster.workers.checkpoint import (
 )
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.models import build_bundle
-from ringmaster.workers.training import TrainContext, run_training
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training
 
 STEPS = 6
 STOP_AFTER = 3
@@ -51,7 +52,7 @@ def _uninterrupted_then_interrupted_and_resumed(rank: int, world_size: int, root
     runs: dict[str, list] = {"straight": [], "before_stop": [], "after_resume": [], "checkpoints": []}
 
     def context(storage: str, metrics: list, **callbacks) -> TrainContext:
-        return TrainContext(rank, world_size, torch.device("cpu"), "resume", f"{root}/{storage}", on_metric=metrics.append, **callbacks)
+        return TrainContext(rank, world_size, torch.device("cpu"), "resume", f"{root}/{storage}", sink=CallbackSink(on_metric=metrics.append, **callbacks))
 
     run_training(SPEC, context("straight", runs["straight"]))
     calls = itertools.count(1)
@@ -159,16 +160,14 @@ CORRUPT_STOP = 4
 def _corrupt_newest_then_resume(rank: int, world_size: int, root: str) -> None:
     """Straight run; a run stopped at step 4 (checkpoints 2 and 4), its step-4 shard truncated, then resumed."""
     straight, before, after, events = [], [], [], []
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/straight", on_metric=straight.append))
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)))
     calls = itertools.count(1)
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", on_metric=before.append,
-                                    should_stop=lambda: next(calls) >= CORRUPT_STOP))
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", sink=CallbackSink(on_metric=before.append, should_stop=lambda: next(calls) >= CORRUPT_STOP)))
     shard = Path(checkpoint_dir(f"{root}/corrupt", CORRUPT_STOP)) / "__0_0.distcp"
     if rank == 0:
         shard.write_bytes(shard.read_bytes()[:100])
     dist.barrier()
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", on_metric=after.append,
-                                    on_event=lambda message, details: events.append([message, details])))
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", sink=CallbackSink(on_metric=after.append, on_event=lambda message, details: events.append([message, details]))))
     if rank == 0:
         Path(f"{root}/summary.json").write_text(json.dumps({
             "straight": [p.loss for p in straight if p.loss is not None],
@@ -246,8 +245,7 @@ def _train_while_save_is_held(rank: int, world_size: int, root: str) -> None:
         if point.step == 4:
             release.touch()
 
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "held", str(storage), on_metric=on_metric,
-                                    on_checkpoint=lambda record: log.append(["checkpoint", record.step, record.final])))
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "held", str(storage), sink=CallbackSink(on_metric=on_metric, on_checkpoint=lambda record: log.append(["checkpoint", record.step, record.final]))))
     if rank == 0:
         Path(root, "log.json").write_text(json.dumps(log))
 
@@ -271,7 +269,7 @@ def test_async_save_does_not_block_training(tmp_path: Path) -> None:
 def _background_saves_and_a_two_step_run(rank: int, world_size: int, root: str) -> None:
     """Runs on each rank: 6 steps with saves after steps 2 and 4 staged in the background (made slow) while training
     goes on, and a run of 2 steps whose final save is synchronous."""
-    import ringmaster.workers.training as training
+    import ringmaster.workers.trainer.checkpointer as training
 
     make_stager = training.checkpoint_stager
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from ringmaster.api.schemas import CheckpointOut
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.jobs import apply_driver_report, get_job, list_checkpoints, list_events, mark_admitted, submit_job
 from ringmaster.service.reports import CheckpointRecord, DriverReport
@@ -22,7 +22,8 @@ from ringmaster.service.spec import JobSpec
 from test_checkpoint import SPEC, STEPS
 from ringmaster.workers.checkpoint import checkpoint_dir, committed_checkpoints, load_model_weights
 from ringmaster.workers.models import ModelBundle, build_bundle
-from ringmaster.workers.training import TrainContext, run_training
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training
 
 VAL_SPEC = JobSpec.model_validate({**SPEC.model_dump(), "checkpoint": {"every_steps": 2, "keep": 1, "keep_best": {"metric": "val_loss"}}})
 
@@ -31,8 +32,7 @@ def _with_and_without_validation_at_checkpoints(rank: int, world_size: int, root
     runs: dict[str, dict[str, list]] = {}
     for name, spec in (("plain", SPEC), ("best", VAL_SPEC)):
         metrics, records = [], []
-        result = run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), name, f"{root}/{name}",
-                                                 on_metric=metrics.append, on_checkpoint=records.append))
+        result = run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), name, f"{root}/{name}", sink=CallbackSink(on_metric=metrics.append, on_checkpoint=records.append)))
         runs[name] = {
             "losses": [[p.step, p.loss] for p in metrics if p.loss is not None],
             "val": [[p.step, p.val_loss] for p in metrics if p.val_loss is not None],

@@ -15,10 +15,10 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 from ringmaster.service.spec import JobSpec, KeepBestSpec
 from test_checkpoint import SPEC, STEPS
-from tests.ray_cluster import running_control_plane, wait_for_state
+from harness.ray_cluster import running_control_plane, wait_for_state
 from ringmaster.workers.checkpoint import (
     begin_save,
     checkpoint_dir,
@@ -32,7 +32,8 @@ from ringmaster.workers.checkpoint import (
 from ringmaster.workers.checkpoint_storage import FsspecStorage, LocalStorage, storage_for
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.models import build_bundle
-from ringmaster.workers.training import TrainContext, run_training
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training
 
 BUCKET = "ringmaster-checkpoints"
 STOP_AT = 4
@@ -69,10 +70,9 @@ def _save_stop_corrupt_resume(rank: int, world_size: int, root: str, s3_root: st
     straight, before, after, records, events = [], [], [], [], []
 
     def context(storage: str, metrics: list, **callbacks) -> TrainContext:
-        return TrainContext(rank, world_size, torch.device("cpu"), "s3", storage, on_metric=metrics.append,
-                            on_checkpoint=records.append, **callbacks)
+        return TrainContext(rank, world_size, torch.device("cpu"), "s3", storage, sink=CallbackSink(on_metric=metrics.append, on_checkpoint=records.append, **callbacks))
 
-    run_training(S3_SPEC, TrainContext(rank, world_size, torch.device("cpu"), "local", f"{root}/straight", on_metric=straight.append))
+    run_training(S3_SPEC, TrainContext(rank, world_size, torch.device("cpu"), "local", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)))
     calls = itertools.count(1)
     run_training(S3_SPEC, context(s3_root, before, should_stop=lambda: next(calls) >= STOP_AT))
     if rank == 0:

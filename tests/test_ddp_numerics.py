@@ -11,11 +11,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import default_collate
 
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint import latest_committed, load_model_weights
 from ringmaster.workers.models import build_bundle
-from ringmaster.workers.training import TrainContext, run_training
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training
 
 WORLD_SIZE = 2
 SEED = 3
@@ -59,7 +60,7 @@ def _train_every_model(rank: int, world_size: int, root: str) -> None:
         for model in MODEL_OPTIONS:
             step_gradients.clear()
             points = []
-            context = TrainContext(rank, world_size, torch.device("cpu"), "numerics", f"{root}/{model}", on_metric=points.append)
+            context = TrainContext(rank, world_size, torch.device("cpu"), "numerics", f"{root}/{model}", sink=CallbackSink(on_metric=points.append))
             run_training(numerics_spec(model), context)
             if rank == 0:
                 Path(f"{root}/{model}/losses.json").write_text(json.dumps([p.loss for p in points if p.loss is not None]))

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 from ringmaster.service.spec import JobSpec
 from strategy_reference import strategy_spec, train_reference
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.models.tiny_gpt_parallelize import pipeline_stage
-from ringmaster.workers.training import TrainContext, run_training
+from ringmaster.workers.trainer import TrainContext, run_training
 
 WORLD_SIZE = 2
 STEPS = 2

@@ -11,29 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import InvalidSpec
 from ringmaster.service.jobs import submit_job
 from ringmaster.service.spec import JobSpec
 from test_checkpoint import SPEC, STEPS
-from tests.ray_cluster import wait_for_state
+from harness.ray_cluster import wait_for_state
 from ringmaster.workers.checkpoint import committed_checkpoints
-from ringmaster.workers.training import TrainContext, run_training
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training
 
 STOP_AFTER = 4
 
 
 def _train_stop_then_continue_in_another_job(rank: int, world_size: int, root: str) -> None:
     straight, first, second = [], [], []
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "s", f"{root}/straight", on_metric=straight.append))
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "s", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)))
     calls = itertools.count(1)
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "a", f"{root}/job-a", on_metric=first.append,
-                                    should_stop=lambda: next(calls) >= STOP_AFTER))
+    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "a", f"{root}/job-a", sink=CallbackSink(on_metric=first.append, should_stop=lambda: next(calls) >= STOP_AFTER)))
     spec_b = SPEC.model_copy(update={"resume_from": "job-a"})
-    run_training(spec_b, TrainContext(rank, world_size, torch.device("cpu"), "b", f"{root}/job-b", on_metric=second.append,
-                                      resume_from_root=f"{root}/job-a"))
+    run_training(spec_b, TrainContext(rank, world_size, torch.device("cpu"), "b", f"{root}/job-b", sink=CallbackSink(on_metric=second.append), resume_from_root=f"{root}/job-a"))
     if rank == 0:
         Path(root, "summary.json").write_text(json.dumps({
             name: [[p.step, p.loss] for p in points if p.loss is not None]
@@ -85,10 +84,9 @@ def _straight_and_stopped_at_two_ranks(rank: int, world_size: int, root: str) ->
     for strategy in RESIZE_STRATEGIES:
         straight, stopped = [], []
         spec = _resize_spec(strategy)
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "s", f"{root}/{strategy}/straight", on_metric=straight.append))
+        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "s", f"{root}/{strategy}/straight", sink=CallbackSink(on_metric=straight.append)))
         calls = itertools.count(1)
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "a", f"{root}/{strategy}/job-a", on_metric=stopped.append,
-                                        should_stop=lambda: next(calls) >= RESIZE_STOP_AFTER))
+        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "a", f"{root}/{strategy}/job-a", sink=CallbackSink(on_metric=stopped.append, should_stop=lambda: next(calls) >= RESIZE_STOP_AFTER)))
         if rank == 0:
             Path(root, strategy, "two-ranks.json").write_text(json.dumps({
                 name: [[p.step, p.loss, p.world_size] for p in points if p.loss is not None]
@@ -100,8 +98,7 @@ def _resume_from_job_a(rank: int, world_size: int, root: str) -> None:
     for strategy in RESIZE_STRATEGIES:
         resumed = []
         spec = _resize_spec(strategy).model_copy(update={"resume_from": "job-a"})
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "b", f"{root}/{strategy}/job-b-{world_size}",
-                                        on_metric=resumed.append, resume_from_root=f"{root}/{strategy}/job-a"))
+        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "b", f"{root}/{strategy}/job-b-{world_size}", sink=CallbackSink(on_metric=resumed.append), resume_from_root=f"{root}/{strategy}/job-a"))
         if rank == 0:
             Path(root, strategy, f"b-{world_size}.json").write_text(json.dumps([[p.step, p.loss, p.world_size] for p in resumed if p.loss is not None]))
 

@@ -11,13 +11,14 @@ import torch
 from ringmaster.service.reports import CheckpointRecord, MetricPoint
 from ringmaster.service.spec import JobSpec, parse_spec_text
 from ringmaster.workers.checkpoint import checkpoint_metrics, committed_checkpoints
-from ringmaster.workers.training import TrainContext, run_training
+from harness.sinks import CallbackSink
+from ringmaster.workers.trainer import TrainContext, run_training
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _context(storage_root: Path, metrics: list[MetricPoint], checkpoints: list[CheckpointRecord]) -> TrainContext:
-    return TrainContext(0, 1, torch.device("cpu"), "job-1", str(storage_root), on_metric=metrics.append, on_checkpoint=checkpoints.append)
+    return TrainContext(0, 1, torch.device("cpu"), "job-1", str(storage_root), sink=CallbackSink(on_metric=metrics.append, on_checkpoint=checkpoints.append))
 
 
 def test_bf16_run_reports_each_step_warmup_lr_validation_and_final_checkpoint(tmp_path: Path, single_rank_group: None) -> None:
@@ -74,9 +75,7 @@ def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Pat
     first: list[MetricPoint] = []
     calls = itertools.count(1)
     # The driver confirms the first two points once a third exists, then goes quiet (dies, or the control plane is down).
-    stopped = run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), on_metric=first.append,
-                                              should_stop=lambda: next(calls) >= 5, attempt=1,
-                                              metrics_confirmed=lambda: 2 if len(first) > 2 else 0))
+    stopped = run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), sink=CallbackSink(on_metric=first.append, should_stop=lambda: next(calls) >= 5, metrics_confirmed=lambda: 2 if len(first) > 2 else 0), attempt=1))
     assert (stopped.step, stopped.stopped) == (5, True)
 
     kept = {checkpoint.step: checkpoint_metrics(checkpoint) for checkpoint in committed_checkpoints(tmp_path / "own")}
@@ -84,7 +83,7 @@ def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Pat
     assert all(point["attempt"] == 1 for points in kept.values() for point in points)
 
     second: list[MetricPoint] = []
-    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), on_metric=second.append, attempt=2))
+    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-1", str(tmp_path / "own"), sink=CallbackSink(on_metric=second.append), attempt=2))
     assert second[:3] == [point.model_copy(update={"attempt": 1}) for point in first[2:5]], \
         "the resumed checkpoint's points, as attempt 1 ran them"
     assert [(point.step, point.attempt) for point in second if point.loss is not None] == \
@@ -95,6 +94,5 @@ def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Pat
 
     # Another job's checkpoint (resume_from) is a starting point, not this job's history: nothing is replayed.
     other: list[MetricPoint] = []
-    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-2", str(tmp_path / "other"), on_metric=other.append,
-                                    resume_from_root=str(tmp_path / "own"), attempt=1))
+    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-2", str(tmp_path / "other"), sink=CallbackSink(on_metric=other.append), resume_from_root=str(tmp_path / "own"), attempt=1))
     assert [point.step for point in other if point.loss is not None] == [], "resumed from a finished run: no step left"

@@ -20,7 +20,6 @@ import signal
 import sys
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from ringmaster.service.naming import NAMESPACE, submission_id_for
 from ringmaster.service.reports import REPORT_TOKEN_ENV, CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.metric_ledger import DrainedMetrics
 from ringmaster.workers.reporter import Reporter
 from ringmaster.workers.standby import StandbyPool
 from ringmaster.workers.worker_group import Heartbeats, RankedWorker, Slot, WorkerGroup, placed_slots
@@ -101,11 +101,7 @@ class JobDriver:
         self.slots: list[Slot] = []
         self.lost_nodes: set[str] = set()
         self._memory_pending: set[int] = set()
-        # This training call's metric points from rank 0: how many were forwarded, as of which report (seq, count),
-        # and how many the control plane has answered for. Rank 0 hears the last, so its checkpoints keep the rest.
-        self._metrics_forwarded = 0
-        self._metric_reports: deque[tuple[int, int]] = deque()
-        self._metrics_confirmed = 0
+        self._rank0_metrics = DrainedMetrics()
 
     def run(self) -> int:
         """Train to the end; 0 when the job succeeded, 1 when it failed (reported either way)."""
@@ -153,8 +149,7 @@ class JobDriver:
 
     def _supervise(self) -> Outcome:
         """Run the group until it finishes, loses workers, or stops at a checkpoint to grow."""
-        self._metrics_forwarded, self._metrics_confirmed = 0, 0
-        self._metric_reports.clear()
+        self._rank0_metrics.restart()
         futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt)
         pending = list(futures)
         heartbeats = Heartbeats(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
@@ -222,9 +217,9 @@ class JobDriver:
         sources = [worker for worker in self.group.workers if worker.rank == 0 or worker.rank in self._memory_pending]
         if not sources:
             return  # every worker is gone
-        confirmed = self._confirmed_metrics()
+        acknowledged = self._rank0_metrics.acknowledged(self.reporter.handled_seq)
         try:
-            drained = ray.get([worker.actor.drain.remote(confirmed if worker.rank == 0 else None) for worker in sources],
+            drained = ray.get([worker.actor.drain.remote(acknowledged if worker.rank == 0 else None) for worker in sources],
                               timeout=PROBE_TIMEOUT_S)
         except (RayActorError, ray.exceptions.GetTimeoutError):
             return  # the heartbeats will name who is gone
@@ -237,17 +232,9 @@ class JobDriver:
                 checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
                 memory=memory,
             )
-            if first["metrics"]:
-                self._metrics_forwarded += len(first["metrics"])
-                self._metric_reports.append((seq, self._metrics_forwarded))
+            self._rank0_metrics.forwarded(seq, len(first["metrics"]))
         for event in first.get("events", []):
             self.reporter.report(message=event["message"], details=event["details"])
-
-    def _confirmed_metrics(self) -> int:
-        """How many of rank 0's points in this training call the control plane has answered for."""
-        while self._metric_reports and self._metric_reports[0][0] <= self.reporter.handled_seq:
-            self._metrics_confirmed = self._metric_reports.popleft()[1]
-        return self._metrics_confirmed
 
     # -- re-forming ---------------------------------------------------------------------------
 

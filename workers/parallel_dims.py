@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ringmaster.service.catalogue import STRATEGIES
 from ringmaster.service.spec import JobSpec
 
 
@@ -57,7 +58,8 @@ class ParallelDims:
         if world_size % (tp * pp):
             raise PlacementError(f"parallel.tp × parallel.pp ({tp} × {pp}) must divide the world size {world_size}")
         dp = world_size // (tp * pp)
-        if spec.strategy in ("fsdp", "3d") and spec.parallel.shard == "hybrid":
+        entry = STRATEGIES.get(spec.strategy)  # None: auto, which the planner resolves before training
+        if entry is not None and entry.shards and spec.parallel.shard == "hybrid":
             if len(layout) < 2:
                 raise PlacementError(
                     f"parallel.shard 'hybrid' shards within a node and replicates across nodes, but all {world_size} "

@@ -42,7 +42,7 @@ def _free_port(host: str) -> int:
 def _import_training_stack() -> None:
     import torch._dynamo  # noqa: F401 — DistributedDataParallel imports it on construction
 
-    import ringmaster.workers.training  # noqa: F401
+    import ringmaster.workers.trainer  # noqa: F401
 
 
 def _import_training_stack_in_background() -> None:
@@ -62,12 +62,7 @@ class TrainWorker:
         self._last_heartbeat = time.monotonic()
         self._lock = threading.Lock()
         self._group_lock = threading.Lock()
-        self._metrics: list[dict[str, Any]] = []
-        self._metrics_confirmed = 0  # of the current training call's points, how many the control plane stored
-        self._checkpoints: list[dict[str, Any]] = []
-        self._memory: list[dict[str, Any]] = []
-        self._events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
+        self._outbox = RankOutbox()
         self.generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
         warm_up = _import_training_stack_in_background if pooled else _import_training_stack
@@ -150,11 +145,9 @@ class TrainWorker:
             if dist.is_initialized():
                 _abort_process_group()
             self.generation = generation
-            self._stop.clear()
-            with self._lock:
-                # The new group's training counts its points from zero. An earlier group's undrained points are
-                # replayed from the checkpoint the new group resumes from, which kept them.
-                self._metrics, self._metrics_confirmed = [], 0
+            # The new group's training counts its points from zero. An earlier group's undrained points are replayed
+            # from the checkpoint the new group resumes from, which kept them.
+            self._outbox = RankOutbox()
             if self._uses_gpu:
                 torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
             dist.init_process_group("nccl" if self._uses_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
@@ -168,16 +161,14 @@ class TrainWorker:
         # The group formed while the warm-up thread imported the rest; training needs all of it.
         self._warm.join()
         from ringmaster.service.spec import JobSpec
-        from ringmaster.workers.training import TrainContext, run_training
+        from ringmaster.workers.trainer import TrainContext, run_training
 
         spec = JobSpec.model_validate_json(spec_json)
         device = torch.device("cuda", 0) if self._uses_gpu else torch.device("cpu")
         context = TrainContext(
             rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
-            storage_root=storage_root, on_metric=self._record_metric, on_checkpoint=self._record_checkpoint,
-            should_stop=self._stop.is_set, on_memory=self._record_memory, ranks_per_node=tuple(ranks_per_node),
-            generation=generation, on_event=self._record_event, resume_from_root=resume_from_root, attempt=attempt,
-            metrics_confirmed=lambda: self._metrics_confirmed,
+            storage_root=storage_root, sink=self._outbox, ranks_per_node=tuple(ranks_per_node), generation=generation,
+            resume_from_root=resume_from_root, attempt=attempt,
         )
         try:
             result = run_training(spec, context)
@@ -187,36 +178,57 @@ class TrainWorker:
                     dist.destroy_process_group()
         return asdict(result)
 
-    def _record_metric(self, point) -> None:
-        with self._lock:
-            self._metrics.append(point.model_dump(exclude_none=True))
-
-    def _record_checkpoint(self, record) -> None:
-        with self._lock:
-            self._checkpoints.append(record.model_dump())
-
-    def _record_memory(self, measured) -> None:
-        with self._lock:
-            self._memory.append(measured.model_dump())
-
-    def _record_event(self, message: str, details: dict[str, Any]) -> None:
-        with self._lock:
-            self._events.append({"message": message, "details": details})
-
     @ray.method(enable_task_events=False)
-    def drain(self, metrics_confirmed: int | None = None) -> dict[str, list[dict[str, Any]]]:
-        """Hand over what this rank recorded since the last drain (metrics, checkpoints and events come
-        from rank 0 only, memory from every rank). `metrics_confirmed`: how many of this training call's metric
-        points the control plane has stored by now (checkpoints keep the rest)."""
-        with self._lock:
-            if metrics_confirmed is not None:
-                self._metrics_confirmed = max(self._metrics_confirmed, metrics_confirmed)
-            metrics, self._metrics = self._metrics, []
-            checkpoints, self._checkpoints = self._checkpoints, []
-            memory, self._memory = self._memory, []
-            events, self._events = self._events, []
-        return {"metrics": metrics, "checkpoints": checkpoints, "memory": memory, "events": events}
+    def drain(self, metrics_acknowledged: int | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Hand over what this rank recorded since the last drain (metrics, checkpoints and events come from rank 0
+        only, memory from every rank). `metrics_acknowledged`: how many of this training call's metric points the
+        control plane has stored by now (workers/metric_ledger.py)."""
+        return self._outbox.drain(metrics_acknowledged)
 
     def request_stop(self) -> None:
         """Stop after the current step with a checkpoint: the boundary at which the group regrows."""
+        self._outbox.request_stop()
+
+
+class RankOutbox:
+    """The worker's side of its rank's ProgressSink (workers/trainer/context.py): what the training thread records
+    waits here until the driver drains it; the driver's stop request and acknowledgements wait here for training."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._drained: dict[str, list[dict[str, Any]]] = {"metrics": [], "checkpoints": [], "memory": [], "events": []}
+        self._acknowledged = 0
+        self._stop = threading.Event()
+
+    def metric(self, point) -> None:
+        self._put("metrics", point.model_dump(exclude_none=True))
+
+    def checkpoint(self, record) -> None:
+        self._put("checkpoints", record.model_dump())
+
+    def memory(self, measured) -> None:
+        self._put("memory", measured.model_dump())
+
+    def event(self, message: str, details: dict[str, Any]) -> None:
+        self._put("events", {"message": message, "details": details})
+
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def metrics_acknowledged(self) -> int:
+        return self._acknowledged
+
+    def request_stop(self) -> None:
         self._stop.set()
+
+    def drain(self, metrics_acknowledged: int | None) -> dict[str, list[dict[str, Any]]]:
+        with self._lock:
+            if metrics_acknowledged is not None:
+                self._acknowledged = max(self._acknowledged, metrics_acknowledged)
+            drained = self._drained
+            self._drained = {kind: [] for kind in drained}
+        return drained
+
+    def _put(self, kind: str, item: dict[str, Any]) -> None:
+        with self._lock:
+            self._drained[kind].append(item)

@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
-from ringmaster.service.spec import USER_DATA, JobSpec
+from ringmaster.service.catalogue import BUILTIN_MODELS, USER_DATA
+from ringmaster.service.spec import JobSpec
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
 
@@ -25,9 +26,7 @@ TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
 PipelineStageFn = Callable[[nn.Module, int, int], nn.Module]
 OutputLossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
-BUILTIN_ENTRYPOINTS = {"mlp": "ringmaster.workers.models.mlp:build", "tiny-gpt": "ringmaster.workers.models.tiny_gpt:build"}
-
-# A user model may train on a built-in corpus (spec.data); it is built from the model_options it names.
+# A user model may train on a built-in corpus (spec.data, one of the catalogue's); built from the model_options it names.
 BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset, Dataset]]] = {
     "pysource": pysource_splits,
     "synthetic": synthetic_regression_splits,
@@ -63,14 +62,15 @@ class ModelBundle:
 
 def build_bundle(spec: JobSpec) -> ModelBundle:
     """Resolve ``spec.model``, call its builder with ``spec.model_options``, and check the result."""
-    entrypoint = BUILTIN_ENTRYPOINTS.get(spec.model, spec.model)
+    builtin = BUILTIN_MODELS.get(spec.model)
+    entrypoint = builtin.entrypoint if builtin else spec.model
     builder = resolve_entrypoint(entrypoint)
     try:
         inspect.signature(builder).bind(**spec.model_options)
     except TypeError as error:
         raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
     bundle = _as_bundle(builder(**spec.model_options), entrypoint)
-    if spec.data != USER_DATA and spec.model not in BUILTIN_ENTRYPOINTS:
+    if spec.data != USER_DATA and builtin is None:
         corpus = BUILTIN_CORPORA[spec.data]
         accepted = inspect.signature(corpus).parameters
         bundle.train_dataset, bundle.val_dataset = corpus(**{k: v for k, v in spec.model_options.items() if k in accepted})

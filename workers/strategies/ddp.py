@@ -1,18 +1,11 @@
-"""DDP: every rank holds the whole model and gradients are all-reduced over the dp mesh during backward."""
+"""DDP: every replica holds the whole module and gradients are all-reduced over the dp mesh during backward."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ringmaster.workers.models.registry import ModelBundle
-from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
-
-
-def parallelize_ddp(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
-    model = wrap_ddp(bundle.model, setup)
-    return ParallelModel(parts=[model], optimizers=[setup.optimizer.build(model.parameters())], holds_loss=True,
-                         accumulate_locally=model.no_sync)
+from ringmaster.workers.strategies.parallel_model import ParallelSetup
 
 
 def wrap_ddp(module: nn.Module, setup: ParallelSetup) -> DistributedDataParallel:

@@ -1,24 +1,18 @@
 """FSDP2: parameters, gradients and optimizer state sharded over the dp mesh (ZeRO-2/3), or hybrid:
-sharded within a node and replicated across nodes on the 2-D (dp_replicate, dp_shard) mesh."""
+sharded within a node and replicated across nodes on the 2-D (dp_replicate, dp_shard) mesh; and FSDP2's
+replicate, the data-parallel wrapper that (unlike DDP) holds tensor-parallel DTensor parameters."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 from typing import Iterator
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ringmaster.workers.models.registry import ModelBundle
-from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
-
-
-def parallelize_fsdp(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
-    model = apply_fsdp(bundle.model, setup)
-    return ParallelModel(parts=[model], optimizers=[setup.optimizer.build(model.parameters())], holds_loss=True,
-                         accumulate_locally=partial(without_gradient_sync, model))
+from ringmaster.workers.strategies.parallel_model import ParallelSetup
 
 
 def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
@@ -29,6 +23,11 @@ def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
     for block in transformer_blocks(module):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=False))
     return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=True))
+
+
+def apply_replicate(module: nn.Module, setup: ParallelSetup) -> nn.Module:
+    """Replicas over dp with a mesh-aware all-reduce of gradients."""
+    return replicate(module, mesh=setup.mesh["dp"], mp_policy=mixed_precision(setup, root=True))
 
 
 def mixed_precision(setup: ParallelSetup, root: bool) -> MixedPrecisionPolicy:

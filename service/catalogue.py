@@ -1,0 +1,79 @@
+"""The catalogue of strategies and built-in models: what the JobSpec accepts, what the planner weighs, and how the
+workers compose and build them. Torch-free, so the control plane validates and plans with it; the workers read the
+same entries. Adding a strategy or a built-in model is one entry here plus its module in workers/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DataParallel = Literal["ddp", "fsdp", "replicate"]
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One JobSpec strategy: which model-parallel splits it uses, and how its data-parallel replicas synchronise."""
+
+    name: str
+    summary: str
+    # The parallel dimensions the strategy may split (> 1), and those it must.
+    splits: frozenset[str] = frozenset()
+    requires: frozenset[str] = frozenset()
+    # How replicas synchronise gradients: DDP, FSDP2 (fully_shard: sharded per parallel.shard), or FSDP2's replicate
+    # (which, unlike DDP, holds tensor-parallel DTensors).
+    data_parallel: DataParallel = "ddp"
+    # Whether the wrapper is applied with a single replica too (its state layout then stays the strategy's own).
+    wraps_one_replica: bool = True
+    # ZeRO-1: the optimizer's state is sharded over the data-parallel group (ZeroRedundancyOptimizer).
+    shards_optimizer: bool = False
+
+    @property
+    def shards(self) -> bool:
+        """Whether parallel.shard (zero2, zero3, hybrid) applies: FSDP is the data-parallel wrapper."""
+        return self.data_parallel == "fsdp"
+
+    def zero_stage(self, shard: str | None) -> int:
+        """The ZeRO stage the data-parallel axis runs at."""
+        if self.shards_optimizer:
+            return 1
+        return {"zero2": 2, "zero3": 3, "hybrid": 3}[shard] if self.shards and shard else 0
+
+
+STRATEGIES: dict[str, StrategyEntry] = {entry.name: entry for entry in (
+    StrategyEntry("ddp", "every rank holds the whole model; gradients are all-reduced during backward"),
+    StrategyEntry("zero1", "DDP gradients, the optimizer state sharded over the data-parallel group", shards_optimizer=True),
+    StrategyEntry("fsdp", "FSDP2: parameters, gradients and optimizer state sharded (zero2, zero3, hybrid)",
+                  data_parallel="fsdp"),
+    StrategyEntry("pipeline", "the blocks split into parallel.pp stages, driven by a micro-batch schedule",
+                  splits=frozenset({"pp"}), requires=frozenset({"pp"}), wraps_one_replica=False),
+    StrategyEntry("tensor", "attention heads and MLP split over parallel.tp ranks of a node, Megatron-style",
+                  splits=frozenset({"tp"}), requires=frozenset({"tp"}), data_parallel="replicate", wraps_one_replica=False),
+    StrategyEntry("3d", "pipeline × tensor × FSDP data parallel on one mesh", splits=frozenset({"tp", "pp"}),
+                  data_parallel="fsdp", wraps_one_replica=False),
+)}
+AUTO = "auto"  # not a strategy: the planner picks one at submit
+STRATEGY_NAMES = (*STRATEGIES, AUTO)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model ringmaster ships: its builder, the corpus it trains on, and the options that size it."""
+
+    name: str
+    entrypoint: str  # package.module:function in workers/models, called with model_options
+    corpus: str
+    # The size options and their defaults (the builder's own; tests/test_planner_models.py keeps them equal).
+    size_defaults: dict[str, int] = field(default_factory=dict)
+    # The builder's options that do not change the model's size (data options): planning ignores them.
+    data_options: tuple[str, ...] = ()
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in (
+    BuiltinModel("mlp", "ringmaster.workers.models.mlp:build", "synthetic",
+                 {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2}, ("n_train", "n_val", "noise", "data_seed")),
+    BuiltinModel("tiny-gpt", "ringmaster.workers.models.tiny_gpt:build", "pysource",
+                 {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}, ("max_corpus_bytes",)),
+)}
+USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
+CORPORA = tuple(sorted({model.corpus for model in BUILTIN_MODELS.values()}))

@@ -1,0 +1,81 @@
+"""Rank 0's metric points on their way to the control plane, and the one acknowledgement path back.
+
+A point travels rank 0 → its worker actor (drained every second) → the driver → the reporter → the API. A driver
+that dies, or a control plane that is down, may leave points unstored, so each checkpoint keeps every point not yet
+acknowledged, however old, and an attempt that resumes from it replays them. The acknowledgement comes back the same
+way, as one number: how many of this training call's points, counted in the order rank 0 recorded them, the control
+plane has answered for.
+
+- ``RankMetrics`` (rank 0, in the training loop): numbers each point, keeps the unacknowledged ones for the next
+  checkpoint, and replays a checkpoint's points under the attempt that ran them.
+- ``DrainedMetrics`` (the driver): which report carried how many points, and so how many are acknowledged as of the
+  reporter's ``handled_seq``; the driver passes that count to rank 0's worker at each drain.
+
+The worker actor only carries the count across (``TrainWorker.drain``). A training call's count starts at zero: a
+worker that joins a new group starts a new call, which resumes from a checkpoint that kept the older points.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ringmaster.service.reports import MetricPoint
+
+
+class RankMetrics:
+    """Rank 0's side of the ledger for one training call."""
+
+    def __init__(self, attempt: int, send: Callable[[MetricPoint], None], acknowledged: Callable[[], int],
+                 keep_for_checkpoints: bool) -> None:
+        """`send` passes a point towards the driver; `acknowledged()` is how many sent points the control plane has
+        answered for. Without periodic checkpoints nothing is kept: there is nothing to resume from mid-run."""
+        self._attempt = attempt
+        self._send = send
+        self._acknowledged = acknowledged
+        self._keep = keep_for_checkpoints
+        self._sent = 0
+        self._unacknowledged: list[tuple[int, dict[str, Any]]] = []  # (position in send order, point as stored)
+
+    def record(self, point: MetricPoint) -> None:
+        self._send(point)
+        position, self._sent = self._sent, self._sent + 1
+        if self._keep:  # a replayed point keeps the attempt that ran it
+            self._unacknowledged.append((position, {"attempt": self._attempt} | point.model_dump(exclude_none=True)))
+
+    def replay(self, points: list[dict[str, Any]]) -> None:
+        """Points a resumed checkpoint kept: sent again, and kept again until acknowledged."""
+        for point in points:
+            self.record(MetricPoint.model_validate(point))
+
+    def for_checkpoint(self) -> list[dict[str, Any]]:
+        """The points a checkpoint saved now must keep: every one not yet acknowledged, in order."""
+        acknowledged = self._acknowledged()
+        self._unacknowledged = [(position, point) for position, point in self._unacknowledged if position >= acknowledged]
+        return [point for _, point in self._unacknowledged]
+
+
+class DrainedMetrics:
+    """The driver's side of the ledger: how many of rank 0's points each report carried."""
+
+    def __init__(self) -> None:
+        self._forwarded = 0
+        self._reports: deque[tuple[int, int]] = deque()  # (report seq, points forwarded up to and including it)
+        self._acknowledged = 0
+
+    def restart(self) -> None:
+        """A new training call: rank 0 counts its points from zero again."""
+        self._forwarded, self._acknowledged = 0, 0
+        self._reports.clear()
+
+    def forwarded(self, report_seq: int, count: int) -> None:
+        if count:
+            self._forwarded += count
+            self._reports.append((report_seq, self._forwarded))
+
+    def acknowledged(self, handled_seq: int) -> int:
+        """Points of this call the control plane has answered for, once every report up to `handled_seq` was."""
+        while self._reports and self._reports[0][0] <= handled_seq:
+            self._acknowledged = self._reports.popleft()[1]
+        return self._acknowledged

@@ -1,0 +1,60 @@
+"""One composition for every strategy, always in the same order (torchtitan's): the pipeline split, then tensor
+parallel on each stage (or the whole model), then the data-parallel wrapper, chosen once from the strategy's
+catalogue entry and the mesh. Activation checkpointing and torch.compile go per block between tensor parallel and the
+data-parallel wrapper, so FSDP wraps the checkpointed, compiled blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+
+from torch import nn
+
+from ringmaster.service.catalogue import STRATEGIES, StrategyEntry
+from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.ddp import wrap_ddp
+from ringmaster.workers.strategies.fsdp import apply_fsdp, apply_replicate, without_gradient_sync
+from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.strategies.pipeline import build_schedule, split_stages
+from ringmaster.workers.strategies.tensor import apply_tensor_parallel
+from ringmaster.workers.strategies.zero1 import sharded_optimizer
+
+# A wrapped module -> the context in which its backward only accumulates gradients locally (no sync).
+LocalAccumulation = Callable[[nn.Module], Callable[[], AbstractContextManager]]
+
+
+def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
+    """Apply ``setup.spec.strategy`` to a bundle whose model is already on ``setup.device``."""
+    strategy = setup.spec.strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} must be resolved before training (by the planner for 'auto'); "
+                         f"available: {sorted(STRATEGIES)}")
+    entry, dims = STRATEGIES[strategy], setup.dims
+    pipelined = dims.pp > 1
+    indices, modules = split_stages(bundle, setup) if pipelined else ([], [bundle.model])
+    if dims.tp > 1:
+        for module in modules:
+            apply_tensor_parallel(module, bundle, setup)
+    wrap, local_accumulation = _data_parallel(entry, setup)
+    parts = [wrap(module) for module in modules]
+    optimizers = [sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part.parameters())
+                  for part in parts]
+    first_tp_rank = setup.mesh.get_local_rank("tp") == 0
+    if not pipelined:
+        return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=first_tp_rank,
+                             accumulate_locally=local_accumulation(parts[0]))
+    # The schedule runs a step's micro-batches itself; each of its backward passes syncs.
+    schedule, stages = build_schedule(parts, indices, bundle, setup)
+    return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=stages[-1].is_last and first_tp_rank,
+                         schedule=schedule, stages=stages)
+
+
+def _data_parallel(entry: StrategyEntry, setup: ParallelSetup) -> tuple[Callable[[nn.Module], nn.Module], LocalAccumulation]:
+    """How replicas synchronise: the entry's wrapper, or none for a single replica of a model-parallel strategy."""
+    if setup.dims.dp == 1 and not entry.wraps_one_replica:
+        return (lambda module: module), (lambda module: nullcontext)
+    if entry.data_parallel == "ddp":
+        return partial(wrap_ddp, setup=setup), (lambda module: module.no_sync)
+    apply = apply_fsdp if entry.data_parallel == "fsdp" else apply_replicate
+    return partial(apply, setup=setup), (lambda module: partial(without_gradient_sync, module))

@@ -1,0 +1,144 @@
+"""The trainer's checkpoints: where a run resumes from, the save in flight, commit and retention, and their timing.
+
+Asynchronous saves write over a gloo group of their own: the training group's collectives must not interleave with
+the background thread's. It also carries rank 0's choice of resume point. One save is in flight at a time (each
+waits for the last), so its staging buffers are reused from one save to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ringmaster.service.reports import CheckpointRecord
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.checkpoint import (CommittedCheckpoint, PendingSave, begin_save, checkpoint_dir,
+                                           checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point,
+                                           load_checkpoint)
+from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.metric_ledger import RankMetrics
+from ringmaster.workers.strategies import ParallelModel
+from ringmaster.workers.trainer.context import TrainContext
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where the run continues: the step and data position (0 and the start without a usable checkpoint)."""
+
+    step: int
+    position: DataPosition
+    uri: str | None
+
+
+class Checkpointer:
+    def __init__(self, spec: JobSpec, ctx: TrainContext, parallel: ParallelModel, metrics: RankMetrics) -> None:
+        self._spec = spec
+        self._ctx = ctx
+        self._parallel = parallel
+        self._metrics = metrics
+        self._group = dist.new_group(backend="gloo")
+        self._stager = checkpoint_stager(ctx.device)
+        self._in_flight: PendingSave | None = None
+        self._timing: dict[str, tuple[float, float]] = {}  # path -> (when its save began, seconds training was blocked)
+        self.saved_step = 0  # the step of the newest save begun (or resumed from)
+        self.latest_uri: str | None = None
+
+    def restore(self) -> Restored:
+        """Collective: load the newest usable checkpoint (this job's, else resume_from's) and replay the metric
+        points it kept; rank 0 reports what it restored and the corrupt checkpoints it skipped."""
+        latest, corrupt = self._agreed_resume_point()
+        restored = Restored(0, DataPosition(), None)
+        ctx = self._ctx
+        if latest is not None:
+            began = time.perf_counter()
+            progress = load_checkpoint(latest.path, model_parts=self._parallel.parts, optimizers=self._parallel.optimizers)
+            restored = Restored(progress.step, progress.position, latest.path)
+            if ctx.rank == 0:
+                restore_s = time.perf_counter() - began
+                ctx.sink.event(f"restored checkpoint step {restored.step} in {restore_s:.2f}s",
+                               {"restored_step": restored.step, "restore_s": round(restore_s, 4)})
+        if corrupt and ctx.rank == 0:
+            resumed = f"resumed from step {latest.step}" if latest is not None else "started from scratch"
+            problems = "; ".join(f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt)
+            ctx.sink.event(f"{problems}; {resumed}", {
+                "corrupt_checkpoints": [{"step": skipped.step, "uri": skipped.path, "problem": problem}
+                                        for skipped, problem in corrupt],
+                "resumed_from_step": latest.step if latest is not None else 0,
+            })
+        # This job's own history only, not resume_from's.
+        if latest is not None and ctx.rank == 0 and latest.path == checkpoint_dir(ctx.storage_root, latest.step):
+            self._metrics.replay(checkpoint_metrics(latest))
+        self.saved_step, self.latest_uri = restored.step, restored.uri
+        return restored
+
+    def due(self, step: int) -> bool:
+        """A periodic save is due after this step (the last step's save is the final one)."""
+        every = self._spec.checkpoint.every_steps
+        return bool(every) and step % every == 0 and step < self._spec.train.steps
+
+    def save(self, step: int, position: DataPosition, metric_value: Callable[[], float | None], *, final: bool,
+             asynchronous: bool) -> str:
+        """Collective: begin a save of the state after `step` (in the background when `asynchronous`, committed
+        later by `settle`; else written and committed before returning). `metric_value()`: this checkpoint's value
+        of checkpoint.keep_best's metric, asked once the previous save is committed."""
+        self.settle(block=True)
+        value = metric_value()
+        began = time.perf_counter()
+        pending = begin_save(self._ctx.storage_root, self._spec, step=step, position=position,
+                             model_parts=self._parallel.parts, optimizers=self._parallel.optimizers,
+                             process_group=self._group if asynchronous else None, metric_value=value,
+                             stager=self._stager, metrics=self._metrics.for_checkpoint())
+        self._timing[pending.path] = (began, time.perf_counter() - began)
+        if asynchronous:
+            self._in_flight = pending
+        elif self._ctx.rank == 0:
+            self._commit(pending, final)
+        self.saved_step, self.latest_uri = step, pending.path
+        return pending.path
+
+    def before_state_changes(self) -> None:
+        """The save in flight must have copied the state before the optimizer changes it."""
+        if self._in_flight is not None:
+            self._in_flight.wait_staged()
+
+    def settle(self, block: bool) -> None:
+        """Commit the save in flight once written (rank 0 reports it then); `block`: wait for it."""
+        if self._in_flight is None or not (block or self._in_flight.done()):
+            return
+        pending, self._in_flight = self._in_flight, None
+        pending.wait()
+        if self._ctx.rank == 0:
+            self._commit(pending, final=False)
+
+    def close(self) -> None:
+        self.settle(block=True)
+        self._stager.close()
+        dist.destroy_process_group(self._group)
+
+    def _commit(self, pending: PendingSave, final: bool) -> None:
+        """Rank 0: make a written save visible, then report it with what retention did."""
+        committed = commit_save(pending)
+        started, blocked_s = self._timing.pop(pending.path)
+        self._ctx.sink.checkpoint(CheckpointRecord(
+            step=pending.step, uri=committed.path, world_size=self._ctx.world_size, final=final,
+            metric=pending.manifest.get("metric"), metric_value=pending.manifest.get("metric_value"),
+            best_uri=committed.retention.best, deleted_uris=committed.retention.deleted,
+            blocked_s=round(blocked_s, 4), save_s=round(time.perf_counter() - started, 4),
+        ))
+
+    def _agreed_resume_point(self) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
+        """Rank 0 chooses the checkpoint and the corrupt ones it skipped, and tells every rank, so all load the same
+        one and storage is read once."""
+        choice: list[Any] = [None]
+        if self._ctx.rank == 0:
+            latest, corrupt = find_resume_point(self._ctx.storage_root)
+            if latest is None and self._ctx.resume_from_root is not None:
+                latest, corrupt_there = find_resume_point(self._ctx.resume_from_root)
+                corrupt += corrupt_there
+            choice = [(latest, corrupt)]
+        dist.broadcast_object_list(choice, src=0, group=self._group)
+        return choice[0]

@@ -1,0 +1,208 @@
+"""The training loop one rank runs inside an already-initialised torch.distributed process group.
+
+`Trainer` builds the parallel model once and runs short steps; its components each do one job and do not reach into
+each other: the data stream (workers/data/stream.py), the optimizer step and LR schedule, the checkpointer, the
+validator, and the rank's metric ledger, which sends what leaves the rank through the context's one sink. The
+trainer knows nothing of Ray or the control plane, and a retried attempt continues from the latest committed
+checkpoint. The strategy decides how the model is split; the trainer only runs micro-steps on what it was handed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from ringmaster.service.reports import MetricPoint
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
+from ringmaster.workers.data.audit import SampleAudit
+from ringmaster.workers.data.stream import GlobalBatchStream
+from ringmaster.workers.metric_ledger import RankMetrics
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.models.registry import LossFn
+from ringmaster.workers.parallel_dims import ParallelDims
+from ringmaster.workers.state_memory import measure_rank_memory
+from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
+from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
+from ringmaster.workers.trainer.checkpointer import Checkpointer
+from ringmaster.workers.trainer.context import TrainContext, TrainResult
+from ringmaster.workers.trainer.optimizer_step import OptimizerStep, linear_warmup
+from ringmaster.workers.trainer.validator import Validator
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, ctx: TrainContext) -> None:
+        """Collective: build the mesh, the model and its strategy, and the components the loop calls."""
+        self.spec, self.ctx = spec, ctx
+        dims = ParallelDims.from_spec(spec, ctx.world_size, ctx.ranks_per_node)
+        self._accumulation = _accumulation_steps(spec, ctx.world_size)
+        mesh = dims.build_mesh(ctx.device.type)
+        _seed_everything(spec.train.seed)
+        bundle = build_bundle(spec)
+        keep_best = spec.checkpoint.keep_best
+        if keep_best is not None and keep_best.metric == "val_loss" and bundle.val_dataset is None:
+            raise ValueError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none")
+        self._parameter_count = sum(parameter.numel() for parameter in bundle.model.parameters())
+        bundle.model.to(ctx.device)
+        base_lr = spec.scaled_lr(ctx.world_size)
+        optimizer = OptimizerConfig(lr=base_lr, weight_decay=spec.train.weight_decay)
+        self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
+        self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
+        self._bundle = bundle
+        self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, linear_warmup(spec.train.warmup_steps))
+        self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
+                                    keep_for_checkpoints=bool(spec.checkpoint.every_steps))
+        self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
+        # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
+        bf16 = spec.train.precision == "bf16" and not isinstance(self.parallel.parts[0], FSDPModule)
+        self._autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
+        # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
+        self._batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if self.parallel.schedule else 1)
+        self._validator = None if bundle.val_dataset is None else Validator(
+            self.parallel, bundle.loss_fn, bundle.val_dataset, ctx.device, self._autocast,
+            dp_rank=self._dp_rank, dp=dims.dp, pipeline_batch_size=self._batch_size)
+        # [sum of this rank's micro-step losses, stop votes]: one all-reduce per step carries both. Only loss-holding
+        # ranks (last pipeline stage, first tp rank) add losses, so each counts once.
+        self._step_stats = torch.zeros(2, device=ctx.device)
+        self._memory_reported = False
+        self.step = 0
+        self.loss: float | None = None
+
+    def train(self) -> TrainResult:
+        """Train to ``spec.train.steps`` (or until the driver asks any rank to stop), resuming from the latest
+        committed checkpoint; collective over the process group."""
+        spec, ctx = self.spec, self.ctx
+        restored = self._checkpointer.restore()
+        self.step = restored.step
+        self._stream = GlobalBatchStream(
+            self._bundle.train_dataset, micro_batch_size=self._batch_size, dp_rank=self._dp_rank, dp_size=self._dims.dp,
+            seed=spec.train.seed, global_batch_size=spec.train.global_batch_size, position=restored.position,
+            pin_memory=ctx.device.type == "cuda")
+        self._audit = self._sample_audit() if spec.train.record_sample_ids else None
+        for part in self.parallel.parts:
+            part.train()
+        stopped = False
+        while self.step < spec.train.steps and not stopped:
+            self._checkpointer.settle(block=False)
+            stopped = self.train_step()
+            if stopped or self._checkpointer.due(self.step):
+                # Periodic saves run in the background; the one a stop asks for is written before returning.
+                self._checkpointer.save(self.step, self._stream.position, self._checkpoint_metric, final=False,
+                                        asynchronous=not stopped)
+        if self._audit is not None:
+            self._audit.close()
+        self._checkpointer.settle(block=True)
+        if self._checkpointer.saved_step != self.step:
+            self._checkpointer.save(self.step, self._stream.position, self._checkpoint_metric, final=True, asynchronous=False)
+        self._checkpointer.close()
+        uri = self._checkpointer.latest_uri
+        if stopped:
+            return TrainResult(self.step, self.loss, None, uri, stopped=True)
+        val_loss = self._validate() if self._validator is not None else None
+        return TrainResult(self.step, self.loss, val_loss, uri, stopped=False)
+
+    def train_step(self) -> bool:
+        """One optimizer step over `accumulation` micro-steps; rank 0 records its metrics. True: the driver asked
+        the group to stop after it (and it was not the last step)."""
+        started = time.perf_counter()
+        self._step_stats.zero_()
+        loss_sum, stop_votes = self._step_stats[0], self._step_stats[1]
+        sample_ids: list[int] = []
+        for micro_step in range(self._accumulation):
+            batch = to_device(self._stream.next_batch(), self.ctx.device)
+            if self._audit is not None:
+                sample_ids += self._stream.last_sample_ids
+            # Gradients are synchronised only on the last micro-step; earlier ones accumulate locally.
+            with self.parallel.accumulate_locally() if micro_step < self._accumulation - 1 else nullcontext():
+                micro_loss = _forward_backward(self.parallel, self._bundle.loss_fn, batch, self._accumulation, self._autocast)
+            if micro_loss is not None:
+                loss_sum.add_(micro_loss)
+        self._checkpointer.before_state_changes()
+        for stage in self.parallel.stages:
+            stage.scale_grads(self.spec.parallel.microbatches * self._accumulation)  # the schedule left them summed
+        if self.ctx.sink.stop_requested():
+            stop_votes.fill_(1.0)
+        reduction = dist.all_reduce(self._step_stats, async_op=True)
+        lr = self._optimizer.step(self.step)
+        if not self._memory_reported:
+            self.ctx.sink.memory(measure_rank_memory(self.ctx.rank, self.parallel, self._dims, self._parameter_count))
+            self._memory_reported = True
+        self._optimizer.zero_grad()
+        reduction.wait()
+        summed_loss, votes = self._step_stats.tolist()
+        step_time = time.perf_counter() - started
+        self.step += 1
+        self.loss = summed_loss / (self._accumulation * self._dims.dp)
+        if self._audit is not None:
+            self._audit.record(self.step, self._stream.position.epoch, sample_ids)
+        if self.ctx.rank == 0:
+            self._metrics.record(MetricPoint(
+                step=self.step, loss=self.loss, samples_per_s=self.spec.train.global_batch_size / step_time,
+                step_time_s=step_time, wall_time=time.time(), lr=lr, world_size=self.ctx.world_size))
+        return votes > 0 and self.step < self.spec.train.steps
+
+    def _validate(self) -> float:
+        """Collective: the validation loss now (reused if this step was validated); rank 0 reports a new one."""
+        value, evaluated = self._validator.loss_at(self.step)
+        if evaluated and self.ctx.rank == 0:
+            self._metrics.record(MetricPoint(step=self.step, val_loss=value, world_size=self.ctx.world_size))
+        return value
+
+    def _checkpoint_metric(self) -> float | None:
+        """This checkpoint's value of checkpoint.keep_best's metric (collective for val_loss)."""
+        keep_best = self.spec.checkpoint.keep_best
+        if keep_best is None:
+            return None
+        return self.loss if keep_best.metric == "loss" else self._validate()
+
+    def _sample_audit(self) -> SampleAudit:
+        """The sample-id record lives in the job's storage root, which must then be a local directory."""
+        storage, root = storage_for(self.ctx.storage_root)
+        if not isinstance(storage, LocalStorage):
+            raise ValueError(f"train.record_sample_ids writes its record to a local directory, and this job's storage "
+                             f"is {self.ctx.storage_root!r}")
+        return SampleAudit(root, self.ctx.rank, self._dp_rank, self.ctx.generation)
+
+
+def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
+    """Build a Trainer for this rank and train; collective over the process group."""
+    return Trainer(spec, ctx).train()
+
+
+def _forward_backward(parallel: ParallelModel, loss_fn: LossFn, batch: Any, accumulation: int,
+                      autocast: torch.autocast) -> torch.Tensor | None:
+    """One micro-step's forward and backward; returns its mean loss where this rank holds losses."""
+    if parallel.schedule is not None:
+        inputs, targets = batch
+        losses: list[torch.Tensor] = []
+        with autocast:  # the schedule runs forward and backward together, so both sit inside autocast
+            parallel.schedule.step(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
+        return torch.stack(losses).detach().mean() if parallel.holds_loss else None
+    with autocast:
+        loss = loss_fn(parallel.parts[0], batch)
+    (loss / accumulation).backward()
+    return loss.detach() if parallel.holds_loss else None
+
+
+def _accumulation_steps(spec: JobSpec, world_size: int) -> int:
+    per_pass = spec.samples_per_micro_step(world_size)
+    if spec.train.global_batch_size % per_pass:
+        raise ValueError(
+            f"global_batch_size {spec.train.global_batch_size} is not a multiple of the {per_pass} samples one "
+            f"micro-step takes at world size {world_size} (micro_batch_size × pipeline micro-batches × data-parallel size)"
+        )
+    return spec.accumulation_steps(world_size)
+
+
+def _seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical model init, and a resumed run restores these RNGs anyway."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
