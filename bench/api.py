@@ -8,10 +8,11 @@ measured on rather than sharing it with an HTTP client library.
 
 1. throughput: N clients POST /v1/jobs back to back for a bounded count and time, with no dispatcher (the API only
    queues): submissions/s and p50/p99/max latency.
-2. admission: a second server, with the dispatcher running in it against a stand-in cluster that always has room
-   (its "drivers" report RUNNING then SUCCEEDED through service.jobs at once, so finished jobs leave the active set).
-   Jobs are submitted at a fixed rate; each job's time from the start of its POST to its admission (jobs.admitted_at,
-   written with the ADMITTED event) gives p50/p99/max.
+2. admission: a second server, with the dispatcher running in it against the stand-in cluster of
+   harness/standin_cluster.py, which always has room (its "drivers" report RUNNING then SUCCEEDED through
+   service.jobs at once, so finished jobs leave the active set). Jobs are submitted at a fixed rate; each job's
+   time from the start of its POST to its admission (jobs.admitted_at, written with the ADMITTED event) gives
+   p50/p99/max.
 
     .venv/bin/python bench/api.py                       # SQLite in a temporary directory
     .venv/bin/python bench/api.py --postgres-url URL    # also PostgreSQL (a fresh schema, dropped afterwards)
@@ -26,9 +27,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
-import queue
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,78 +44,28 @@ from urllib.parse import urlsplit
 import uvicorn
 from fastapi import FastAPI
 from sqlalchemy import create_engine, select
-from sqlalchemy.orm import Session, sessionmaker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.ports import free_port  # noqa: E402
+from harness.standin_cluster import StandInCluster  # noqa: E402
 from ringmaster.api.app import create_app  # noqa: E402
-from ringmaster.service import auth, jobs  # noqa: E402
+from ringmaster.service import auth  # noqa: E402
 from ringmaster.service.db import session_scope  # noqa: E402
 from ringmaster.service.dispatcher import Dispatcher  # noqa: E402
 from ringmaster.service.logs import configure_logging  # noqa: E402
 from ringmaster.service.models import Job  # noqa: E402
-from ringmaster.service.reports import DriverReport  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
 
 T = TypeVar("T")
 SPEC: dict[str, object] = {"name": "bench", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"steps": 10}}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class StandInCluster:
-    """Always has room; a driver thread reports each submitted job RUNNING then SUCCEEDED, as a quick driver would."""
-
-    gcs_address = None
-
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
-        self.sessions = sessions
-        self.states: dict[str, str] = {}
-        self._submitted: queue.Queue[str | None] = queue.Queue()
-        self._driver = threading.Thread(target=self._drive, name="stand-in-drivers", daemon=True)
-        self._driver.start()
-
-    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
-        return True
-
-    def release(self, name: str) -> None:
-        pass
-
-    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        self.states[submission_id] = "RUNNING"
-        self._submitted.put(submission_id)
-
-    def status(self, submission_id: str) -> str | None:
-        return self.states.get(submission_id)
-
-    def stop(self, submission_id: str) -> None:
-        pass
-
-    def logs(self, submission_id: str) -> str:
-        return ""
-
-    def close(self) -> None:
-        self._submitted.put(None)
-        self._driver.join(timeout=30)
-
-    def _drive(self) -> None:
-        while (submission_id := self._submitted.get()) is not None:
-            job_id, attempt = submission_id.removeprefix("ringmaster-").rsplit("-", 1)
-            with session_scope(self.sessions) as session:
-                for seq, state in enumerate(("RUNNING", "SUCCEEDED"), start=1):
-                    jobs.apply_driver_report(session, job_id, int(attempt), DriverReport(seq=seq, state=state))
-            self.states[submission_id] = "SUCCEEDED"
-
-
 def _start_dispatcher(settings: Settings) -> Callable[[FastAPI], Callable[[], None]]:
     """The dispatcher thread of `ringmaster serve` (api.server.ControlPlane), on the stand-in cluster."""
 
     def start(app: FastAPI) -> Callable[[], None]:
-        cluster = StandInCluster(app.state.db.sessions)
+        cluster = StandInCluster(drivers=app.state.db.sessions)
         dispatcher = Dispatcher(app.state.db.sessions, cluster, settings)
         app.state.wake_dispatcher = dispatcher.wake
         stop_event = threading.Event()
@@ -136,7 +85,7 @@ def _start_dispatcher(settings: Settings) -> Callable[[FastAPI], Callable[[], No
 
 class Server:
     def __init__(self, database_url: str, data_dir: Path, *, dispatcher: bool, loop: str, http: str, access_log: bool) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         settings = Settings(database_url=database_url, data_dir=data_dir, api_port=self.port)
         self.app = app = create_app(settings, start_background=_start_dispatcher(settings) if dispatcher else None)
         self.token = ""

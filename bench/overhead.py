@@ -13,6 +13,19 @@ RINGMASTER_WARM_WORKERS_PER_NODE=0 every job starts cold workers.
 
 The script asks for the job's state every --poll-s seconds while it trains, as a user's `ringmaster
 watch` would (each request takes CPU on the same two cores).
+
+Wall clock swings between rounds on a shared machine (0.78-1.21 for the same pair here), so each round also
+prints the CPU seconds per training step of each run, which a slow spell changes far less: the whole machine's
+busy CPU time (/proc/stat, sampled every 50 ms in a thread of this process; bench/cpu_time.py says why not the
+run's own processes) between two moments, divided by the steps between them. "steady": from the end of step
+--skip-steps to the end of the last step, the span the steps/s figures use (bare_torchrun.py reports its wall
+times; ringmaster's are its metrics' wall_time); "whole run": from starting torchrun to its exit, and from the
+submit to the job's SUCCEEDED event, start-up included (the warm pool's refill after the job falls outside it).
+Both runs count everything on the machine: the same idle Ray cluster and control plane run beside both, and the
+background's rate is printed each round (measured for 3 s before the bare run), so the difference between the
+runs is ringmaster's work for the job: its driver, reports, heartbeats, the dispatcher and the polled API.
+Anything else running on the machine counts too: run it on an otherwise quiet one. Printed with the medians over
+rounds and the median of each round's ratio ringmaster/bare.
 """
 
 from __future__ import annotations
@@ -24,15 +37,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cpu_time import BusySampler  # noqa: E402
+from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
-from tests.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
+
+IDLE_SAMPLE_S = 3.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,14 +64,32 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def bare_torchrun(args: argparse.Namespace) -> float:
+@dataclass(frozen=True)
+class CpuPerStep:
+    """The machine's busy CPU seconds per training step of one run."""
+
+    steady: float  # from the end of step --skip-steps to the end of the last step
+    whole_run: float  # from the run's start to its end, start-up included
+
+    @staticmethod
+    def measure(sampler: BusySampler, args: argparse.Namespace, run: tuple[float, float], steady: tuple[float, float]) -> "CpuPerStep":
+        """`run` and `steady`: (start, end) wall times."""
+        return CpuPerStep(steady=sampler.busy_between(*steady) / (args.steps - args.skip_steps),
+                          whole_run=sampler.busy_between(*run) / args.steps)
+
+
+def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float, CpuPerStep]:
+    """Steady steps/s, and the CPU per step."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
                str(REPO / "bench" / "bare_torchrun.py"), "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
                "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    started = time.time()
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    ended = time.time()
     if result.returncode != 0:
         raise SystemExit(f"bare torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])["steps_per_s_steady"]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return report["steps_per_s_steady"], CpuPerStep.measure(sampler, args, (started, ended), tuple(report["steady_wall"]))
 
 
 def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
@@ -81,8 +116,10 @@ def wait_for_warm_pool(workers: int, timeout_s: float = 180.0) -> float:
         time.sleep(0.25)
 
 
-def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, float, dict]:
-    """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, and where they went."""
+def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str,
+                       sampler: BusySampler) -> tuple[float, float, dict, CpuPerStep]:
+    """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, where they went, and
+    the CPU per step."""
     submitted = time.time()
     job = client.submit(job_spec(args, name, args.steps))
     done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600, poll_s=args.poll_s)
@@ -92,31 +129,56 @@ def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name:
     steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
     events = client.events(job["id"])["items"]
     moments = {event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
-               for event in events if event["to_state"] in ("ADMITTED", "RUNNING")}
+               for event in events if event["to_state"] in ("ADMITTED", "RUNNING", "SUCCEEDED")}
     running = next(event for event in events if event["to_state"] == "RUNNING")
     phases = {"admitted_s": round(moments["ADMITTED"], 2), "group_formed_s": round(moments["RUNNING"], 2),
               "first_step_s": round(times[1] - submitted, 2), "warm_pool_workers": running["data"]["warm_pool_workers"]}
-    return steady, times[1] - submitted, phases
+    cpu = CpuPerStep.measure(sampler, args, (submitted, submitted + moments["SUCCEEDED"]), (times[args.skip_steps], times[args.steps]))
+    return steady, times[1] - submitted, phases, cpu
+
+
+def idle_cpu_rate(sampler: BusySampler) -> float:
+    """The machine's busy CPU seconds per second with the cluster idle (the background both runs share)."""
+    started = time.time()
+    time.sleep(IDLE_SAMPLE_S)
+    return sampler.busy_between(started, started + IDLE_SAMPLE_S) / IDLE_SAMPLE_S
+
+
+def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], field: str) -> dict:
+    bare_values, managed_values = [getattr(c, field) for c in bare], [getattr(c, field) for c in managed]
+    return {"bare_median": round(statistics.median(bare_values), 4), "ringmaster_median": round(statistics.median(managed_values), 4),
+            "ratio": round(statistics.median(m / b for m, b in zip(managed_values, bare_values)), 3)}
 
 
 def main() -> None:
     args = parse_args()
     bare, managed, ratios, first_step = [], [], [], []
-    with tempfile.TemporaryDirectory() as data_dir:
+    bare_cpu: list[CpuPerStep] = []
+    managed_cpu: list[CpuPerStep] = []
+    idle: list[float] = []
+    with tempfile.TemporaryDirectory() as data_dir, BusySampler() as sampler:
         for server in running_control_plane(Path(data_dir)):
             client = server.client()
-            through_ringmaster(client, args, "warm-up")  # a warm cluster: worker processes exist, imports cached
+            through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
             for round_index in range(args.rounds):
                 # The pool refills after each job (its workers import torch): both runs start once it is idle.
                 if Settings().warm_workers_per_node:
                     wait_for_warm_pool(args.workers)
-                bare.append(bare_torchrun(args))
-                steady, to_first_step, phases = through_ringmaster(client, args, f"overhead-{round_index}")
+                idle.append(idle_cpu_rate(sampler))
+                bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
+                bare.append(bare_rate)
+                bare_cpu.append(bare_cpu_now)
+                steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
                 managed.append(steady)
+                managed_cpu.append(cpu)
                 ratios.append(steady / bare[-1])
                 first_step.append(to_first_step)
                 print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
                       f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
+                print(f"round {round_index}: CPU s/step steady: bare {bare_cpu_now.steady:.4f}, ringmaster {cpu.steady:.4f}, "
+                      f"ratio {cpu.steady / bare_cpu_now.steady:.3f}; whole run: bare {bare_cpu_now.whole_run:.4f}, "
+                      f"ringmaster {cpu.whole_run:.4f}, ratio {cpu.whole_run / bare_cpu_now.whole_run:.3f}; "
+                      f"idle cluster {idle[-1]:.3f} CPU s/s", flush=True)
     print(json.dumps({
         "workers": args.workers, "steps": args.steps, "rounds": args.rounds,
         "bare_steps_per_s_median": round(statistics.median(bare), 3),
@@ -125,6 +187,9 @@ def main() -> None:
         "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
         "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
         "warm_workers_per_node": Settings().warm_workers_per_node,
+        "cpu_s_per_step_steady": _cpu_summary(bare_cpu, managed_cpu, "steady"),
+        "cpu_s_per_step_whole_run": _cpu_summary(bare_cpu, managed_cpu, "whole_run"),
+        "idle_cluster_cpu_s_per_s_median": round(statistics.median(idle), 3),
     }))
 
 

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ringmaster.service.spec import JobSpec  # noqa: E402
-from tests.process_group import run_on_ranks  # noqa: E402
+from harness.process_group import run_on_ranks  # noqa: E402
 from ringmaster.workers.models import ModelBundle, build_bundle  # noqa: E402
 from ringmaster.workers.parallel_dims import ParallelDims  # noqa: E402
 from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize  # noqa: E402

@@ -231,7 +231,7 @@ def measure_ray_train(
 ) -> dict:
     """Kill a training worker's node mid-run and time Ray Train's recovery.
 
-    ``cluster`` is a tests.simulated_cluster.SimulatedCluster with at least 2 one-CPU worker nodes
+    ``cluster`` is a harness.simulated_cluster.SimulatedCluster with at least 2 one-CPU worker nodes
     (exactly 2 for "shrink", so that no spare capacity turns the shrink into a restart at full size).
     Returns {"scenario", "recovery_s", "detail"}; recovery_s is None, with detail["reason"], when the
     scenario could not be measured or Ray Train did not recover.
@@ -389,7 +389,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="print the run directories and keep them")
     args = parser.parse_args()
 
-    from tests.simulated_cluster import SimulatedCluster
+    from harness.simulated_cluster import SimulatedCluster
 
     with tempfile.TemporaryDirectory(prefix="raytrain-recovery-") as scratch:
         storage = args.storage_dir or Path(scratch)

@@ -39,7 +39,7 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
-from tests.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
+from harness.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
 
 KILL_AFTER_STEP = 30
 

@@ -4,6 +4,7 @@ and the databases every control-plane test runs on (SQLite, and PostgreSQL in a 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from typing import Iterator
 
@@ -11,7 +12,7 @@ import pytest
 import torch.distributed as dist
 from sqlalchemy import Engine, create_engine
 
-from process_group import free_port
+from harness.ports import free_port
 from ringmaster.service.db import Database, upgrade_schema
 
 POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
@@ -70,12 +71,24 @@ def db(db_url: str) -> Iterator[Database]:
     database.dispose()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_server(tmp_path_factory: pytest.TempPathFactory):
-    """One Ray head and control plane for every test that runs jobs on Ray (starting one takes ~10 s)."""
-    from tests.ray_cluster import running_control_plane
+    """A Ray head and control plane for a module's tests that run jobs on Ray (starting one takes ~10 s). One per
+    module, torn down at its end, so no module finds this process connected to another module's cluster."""
+    from harness.ray_cluster import running_control_plane
 
     yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_connection_outlives_its_module() -> Iterator[None]:
+    """Every module starts disconnected from Ray, whatever the module before it connected to (its own cluster's
+    fixtures disconnect first; this also ends a connection a test made and left)."""
+    yield
+    if "ray" in sys.modules:
+        from harness.ray_cluster import leave_ray
+
+        leave_ray()
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ from ringmaster.service.client import ApiError, RingmasterClient
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.models import DEFAULT_TENANT
-from tests.ray_cluster import CLUSTER_CPUS, REPO_ROOT, _free_port
+from harness.ports import free_port
+from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
 from ringmaster.workers.checkpoint import committed_checkpoints
 
 pytestmark = pytest.mark.integration
@@ -154,7 +155,7 @@ def servers() -> Iterator[list[Server]]:
 
 
 def _sqlite_server(tmp_path: Path, head: RayHead, servers: list[Server]) -> Server:
-    server = Server(tmp_path, f"sqlite:///{tmp_path / 'ringmaster.db'}", head, _free_port())
+    server = Server(tmp_path, f"sqlite:///{tmp_path / 'ringmaster.db'}", head, free_port())
     servers.append(server)
     return server
 
@@ -308,7 +309,7 @@ def _restart_postgres(admin: Engine) -> None:
 @pytest.mark.postgres
 def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, postgres_admin, postgres_schema_url):
     steps, every = 150, 25
-    server = Server(tmp_path, postgres_schema_url, ray_head, _free_port())
+    server = Server(tmp_path, postgres_schema_url, ray_head, free_port())
     servers.append(server)
     server.start()
     client = api(server)

@@ -29,11 +29,10 @@ from sqlalchemy import (
     select,
 )
 
-from ringmaster.service import jobs
+from harness.standin_cluster import StandInCluster, finish_at_once
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job, JobEvent, utcnow
-from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
 from ringmaster.service.states import TERMINAL, JobState
@@ -55,55 +54,32 @@ submissions = Table(
 )
 
 
-class StandInCluster:
-    """Always has room; records each submission and completes the job at once (RUNNING, then SUCCEEDED)."""
-
-    gcs_address = None
+class RecordingStandIn(StandInCluster):
+    """Always has room; records each submission in the shared table and completes the job at once (RUNNING, then
+    SUCCEEDED); a Ray job's state is whether either process submitted it."""
 
     def __init__(self, database: Database, dispatcher: str) -> None:
+        super().__init__()
         self.database = database
         self.dispatcher = dispatcher
 
-    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
-        return True
-
-    def release(self, name: str) -> None:
-        pass
-
     def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        job_id, attempt = _parse_submission_id(submission_id)
         # One transaction, to keep 2,000 jobs quick: the submission is recorded and both driver reports applied.
         with session_scope(self.database.sessions) as session:
             session.execute(insert(submissions).values(submission_id=submission_id, dispatcher=self.dispatcher, at=utcnow()))
-            for seq, state in enumerate(("RUNNING", "SUCCEEDED"), start=1):
-                jobs.apply_driver_report(session, job_id, attempt, DriverReport(seq=seq, state=state))
+            finish_at_once(session, submission_id)
 
     def status(self, submission_id: str) -> str | None:
         with self.database.sessions() as session:
             seen = session.scalar(select(func.count()).select_from(submissions).where(submissions.c.submission_id == submission_id))
         return "SUCCEEDED" if seen else None
 
-    def stop(self, submission_id: str) -> None:
-        pass
-
-    def logs(self, submission_id: str) -> str:
-        return ""
-
-    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
-        pass
-
-
-def _parse_submission_id(submission_id: str) -> tuple[str, int]:
-    prefix, job_id, attempt = submission_id.split("-")
-    assert prefix == "ringmaster", submission_id
-    return job_id, int(attempt)
-
 
 def _run_dispatcher(url: str, name: str, ready: EventType, go: EventType, stop: EventType) -> None:
     """A dispatcher process: connect, say ready, wait for the common start, loop until stopped."""
     database = Database.connect(url)
     settings = Settings(dispatch_interval_s=0.05, api_url="http://control-plane:8765", storage_uri="/checkpoints")
-    dispatcher = Dispatcher(database.sessions, StandInCluster(database, name), settings, owner=name)
+    dispatcher = Dispatcher(database.sessions, RecordingStandIn(database, name), settings, owner=name)
     ready.set()
     go.wait()
     try:

@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
+from harness.standin_cluster import StandInCluster
 from ringmaster.service import jobs
 from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
@@ -20,55 +21,13 @@ from ringmaster.service.spec import JobSpec
 from ringmaster.service.states import JobState
 
 
-class FakeCluster:
-    """A cluster with a fixed number of CPUs; placement groups are all-or-nothing like Ray's."""
+class FakeCluster(StandInCluster):
+    """The stand-in cluster with a fixed number of CPUs, at a GCS address the entrypoint test reads back."""
 
     gcs_address = "10.0.0.1:6379"
 
     def __init__(self, cpus: int) -> None:
-        self.free_cpus = cpus
-        self.groups: dict[str, int] = {}
-        self.submitted: dict[str, str] = {}
-        self.ray_status: dict[str, str] = {}
-        self.stopped: list[str] = []
-        self.refuse_submit = False
-        self.duplicates: list[str] = []
-        self.warm_pool_calls: list[tuple[int, set[str]]] = []
-        self.status_calls: list[str] = []
-
-    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
-        need = int(sum(bundle.get("CPU", 0) for bundle in bundles))
-        if need > self.free_cpus:
-            return False
-        self.free_cpus -= need
-        self.groups[name] = need
-        return True
-
-    def release(self, name: str) -> None:
-        self.free_cpus += self.groups.pop(name, 0)
-
-    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        if self.refuse_submit:
-            raise RuntimeError("Jobs API unavailable")
-        if submission_id in self.submitted:
-            self.duplicates.append(submission_id)
-        self.submitted[submission_id] = entrypoint
-        self.ray_status[submission_id] = "RUNNING"
-
-    def status(self, submission_id: str) -> str | None:
-        self.status_calls.append(submission_id)
-        return self.ray_status.get(submission_id)
-
-    def stop(self, submission_id: str) -> None:
-        self.stopped.append(submission_id)
-        if submission_id in self.ray_status:
-            self.ray_status[submission_id] = "STOPPED"
-
-    def logs(self, submission_id: str) -> str:
-        return f"log of {submission_id}"
-
-    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
-        self.warm_pool_calls.append((per_node, set(active_submissions)))
+        super().__init__(cpus)
 
 
 def _spec(name: str, workers: int, priority: int = 0) -> JobSpec:

@@ -10,8 +10,8 @@ import pytest
 from ray.util.state import list_actors, list_nodes
 
 from ringmaster.service.client import RingmasterClient
-from tests.ray_cluster import wait_for_state
-from tests.simulated_cluster import SimulatedCluster, control_plane_on
+from harness.ray_cluster import wait_for_state
+from harness.simulated_cluster import SimulatedCluster, control_plane_on
 from ringmaster.workers.data.audit import read_effective_samples
 
 pytestmark = pytest.mark.integration

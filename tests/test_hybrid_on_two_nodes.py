@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from strategy_reference import strategy_spec, train_reference
-from tests.ray_cluster import wait_for_state
-from tests.simulated_cluster import SimulatedCluster, control_plane_on
+from harness.ray_cluster import wait_for_state
+from harness.simulated_cluster import SimulatedCluster, control_plane_on
 
 pytestmark = pytest.mark.integration
 

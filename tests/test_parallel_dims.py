@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from process_group import run_on_ranks
+from harness.process_group import run_on_ranks
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.parallel_dims import ParallelDims, PlacementError
 from ringmaster.workers.worker_group import RankedWorker, WorkerGroup

@@ -11,7 +11,7 @@ import ray
 import yaml
 
 from ringmaster.service.client import RingmasterClient
-from tests.ray_cluster import CLUSTER_CPUS, REPO_ROOT, wait_for_state as _wait
+from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT, wait_for_state as _wait
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import torch
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.spec import JobSpec
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
-from tests.ray_cluster import wait_for_state
+from harness.ray_cluster import wait_for_state
 from ringmaster.workers.checkpoint import load_model_weights
 from ringmaster.workers.models import build_bundle
 

@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import ray
+from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
+from harness.ports import free_port
+from harness.ray_cluster import REPO_ROOT, leave_ray
 from ringmaster.api.server import BackgroundServer
 from ringmaster.service.embedded_ray import CLUSTER_SYSTEM_CONFIG
 from ringmaster.service.settings import Settings
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -53,9 +46,12 @@ def _descendants(pid: int) -> list[int]:
 
 class SimulatedCluster:
     def __init__(self, nodes: int, cpus_per_node: int = 1) -> None:
-        self.dashboard_port = _free_port()
+        self.dashboard_port = free_port()
         # Its own temp dir, so "auto" addresses inside it never resolve to another cluster here.
         self.temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
+        # Cluster also records the head's address in Ray's default temp dir (/tmp/ray/ray_current_cluster), which a
+        # fresh machine does not have yet.
+        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "temp_dir": self.temp_dir, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": self.dashboard_port, "_system_config": CLUSTER_SYSTEM_CONFIG,
@@ -115,10 +111,11 @@ def control_plane_on(cluster: SimulatedCluster, data_dir: Path, warm_workers_per
     recovery: pool workers on idle nodes would also be TrainWorker actors on nodes the job does not use)."""
     settings = Settings(
         data_dir=data_dir, ray_address=cluster.gcs_address, ray_dashboard_url=cluster.dashboard_url,
-        api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
+        api_port=free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
         warm_workers_per_node=warm_workers_per_node,
     )
-    with BackgroundServer(settings) as server:
-        yield server
-    if ray.is_initialized():
-        ray.shutdown()
+    try:
+        with BackgroundServer(settings) as server:
+            yield server
+    finally:
+        leave_ray()

@@ -1,14 +1,14 @@
-"""A real local Ray head and a running control plane, shared by the tests that go through Ray."""
+"""A real local Ray head and a running control plane, for the tests and benchmarks that go through Ray."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.ports import free_port
 from ringmaster.api.server import BackgroundServer
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.embedded_ray import start_head, stop_head
@@ -18,24 +18,26 @@ CLUSTER_CPUS = 4
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def leave_ray() -> None:
+    """End this process's Ray connection, if any (the server leaves its own; a test may have made another)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def running_control_plane(data_dir: Path, **settings_overrides: Any) -> Iterator[BackgroundServer]:
-    """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards;
-    ``settings_overrides`` are further Settings fields (e.g. storage_uri)."""
+    """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards (this process
+    disconnected from Ray before the head stops); ``settings_overrides`` are further Settings fields (e.g. storage_uri)."""
     head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
     settings = Settings(
         data_dir=data_dir, ray_address=head.gcs_address, ray_dashboard_url=head.dashboard_url,
-        api_port=_free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT), **settings_overrides,
+        api_port=free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT), **settings_overrides,
     )
     try:
         with BackgroundServer(settings) as running:
             yield running
     finally:
+        leave_ray()
         stop_head(head)
 
 

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from harness.ports import free_port
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:

@@ -1,0 +1,13 @@
+"""A free local TCP port, for the servers, Ray heads and process groups the tests and benchmarks start."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listened on a moment ago (the OS picks it; another process could take it
+    before the caller binds it, which on a test machine does not happen in practice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

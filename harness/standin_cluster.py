@@ -1,0 +1,115 @@
+"""A stand-in for the cluster the dispatcher drives: service/ray_cluster.py's ClusterBackend without Ray.
+
+Placement groups are all-or-nothing against a fixed number of CPUs (or always fit), each submission becomes a "Ray
+job" whose state the caller sets in ``ray_status``, and every call is recorded for tests to read back. Optionally a
+thread plays each job's driver, reporting RUNNING then SUCCEEDED at once, as a very quick driver would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from ringmaster.service import jobs
+from ringmaster.service.db import session_scope
+from ringmaster.service.naming import submission_id_for
+from ringmaster.service.reports import DriverReport
+
+
+def job_attempt(submission_id: str) -> tuple[str, int]:
+    """The job id and attempt number a submission id was derived from (service.naming.submission_id_for)."""
+    job_id, attempt = submission_id.removeprefix("ringmaster-").rsplit("-", 1)
+    if submission_id_for(job_id, int(attempt)) != submission_id:
+        raise ValueError(f"not a ringmaster submission id: {submission_id}")
+    return job_id, int(attempt)
+
+
+def finish_at_once(session: Session, submission_id: str) -> None:
+    """The attempt's driver reports RUNNING, then SUCCEEDED, through service.jobs (in the caller's transaction)."""
+    job_id, attempt = job_attempt(submission_id)
+    for seq, state in enumerate(("RUNNING", "SUCCEEDED"), start=1):
+        jobs.apply_driver_report(session, job_id, attempt, DriverReport(seq=seq, state=state))
+
+
+class StandInCluster:
+    """A ClusterBackend that records what the dispatcher asks of it.
+
+    ``cpus``: the cluster's size; None always has room. ``drivers``: when given, a thread finishes each submitted
+    job at once on these sessions (finish_at_once), so finished jobs leave the active set; close() stops it.
+    """
+
+    gcs_address: str | None = None
+
+    def __init__(self, cpus: int | None = None, *, drivers: sessionmaker[Session] | None = None) -> None:
+        self.free_cpus = cpus
+        self.groups: dict[str, int] = {}  # placement group name -> CPUs it holds
+        self.submitted: dict[str, str] = {}  # submission id -> entrypoint
+        self.ray_status: dict[str, str] = {}  # submission id -> the Ray job's state
+        self.stopped: list[str] = []
+        self.refuse_submit = False  # True: submit raises, as an unreachable Jobs API does
+        self.duplicates: list[str] = []  # submission ids submitted more than once
+        self.warm_pool_calls: list[tuple[int, set[str]]] = []
+        self.status_calls: list[str] = []
+        self._lock = threading.Lock()
+        self._drivers = drivers
+        self._driver_thread: threading.Thread | None = None
+        self._to_finish: queue.Queue[str | None] = queue.Queue()
+        if drivers is not None:
+            self._driver_thread = threading.Thread(target=self._drive, name="stand-in-drivers", daemon=True)
+            self._driver_thread.start()
+
+    def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
+        need = int(sum(bundle.get("CPU", 0) for bundle in bundles))
+        with self._lock:
+            if self.free_cpus is not None:
+                if need > self.free_cpus:
+                    return False
+                self.free_cpus -= need
+            self.groups[name] = need
+        return True
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            held = self.groups.pop(name, 0)
+            if self.free_cpus is not None:
+                self.free_cpus += held
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+        if self.refuse_submit:
+            raise RuntimeError("Jobs API unavailable")
+        if submission_id in self.submitted:
+            self.duplicates.append(submission_id)
+        self.submitted[submission_id] = entrypoint
+        self.ray_status[submission_id] = "RUNNING"
+        if self._drivers is not None:
+            self._to_finish.put(submission_id)
+
+    def status(self, submission_id: str) -> str | None:
+        self.status_calls.append(submission_id)
+        return self.ray_status.get(submission_id)
+
+    def stop(self, submission_id: str) -> None:
+        self.stopped.append(submission_id)
+        if submission_id in self.ray_status:
+            self.ray_status[submission_id] = "STOPPED"
+
+    def logs(self, submission_id: str) -> str:
+        return f"log of {submission_id}"
+
+    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
+        self.warm_pool_calls.append((per_node, set(active_submissions)))
+
+    def close(self) -> None:
+        """Stop the driver thread (when there is one) once it has finished the jobs submitted so far."""
+        if self._driver_thread is not None:
+            self._to_finish.put(None)
+            self._driver_thread.join(timeout=30)
+
+    def _drive(self) -> None:
+        assert self._drivers is not None
+        while (submission_id := self._to_finish.get()) is not None:
+            with session_scope(self._drivers) as session:
+                finish_at_once(session, submission_id)
+            self.ray_status[submission_id] = "SUCCEEDED"
