@@ -169,8 +169,7 @@ class Dispatcher:
         return (
             f"{self.settings.driver_python} -m ringmaster.workers.driver --job-id {job.id} --attempt {attempt} "
             + (f"--ray-address {self.cluster.gcs_address} " if self.cluster.gcs_address else "")
-            + f"--failures {job.failures} "
-            f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "
+            + f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "
             f"--storage-uri {self.settings.resolved_storage_uri()} --spec-b64 {spec_b64}"
         )
 

@@ -63,7 +63,8 @@ class RankMemoryComparison:
 
 @dataclass(frozen=True)
 class ReportResult:
-    """What the driver learns from a report: the job's state now, and whether its report was stored."""
+    """What the driver learns from a report: the job's state now, and whether its attempt goes on (False: the report was
+    refused, or it ended the job, e.g. a recovery past max_failures)."""
 
     state: JobState
     accepted: bool
@@ -235,9 +236,12 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
     details = {"attempt": attempt_number, **report.details}
     if report.state is not None and report.state != job.state:
         target = JobState(report.state)
-        if target == JobState.RECOVERING:
-            job.failures += 1
-        transition(session, job, target, report.message or f"driver reported {target}", details)
+        message = report.message or f"driver reported {target}"
+        if target == JobState.RECOVERING and (exhausted := count_failure(job)):
+            # The attempt is over: the answer (not accepted) tells its driver to stop.
+            transition(session, job, JobState.FAILED, f"{message}; {exhausted}", details)
+            return ReportResult(state=JobState(job.state), accepted=False)
+        transition(session, job, target, message, details)
     elif report.message:
         session.add(JobEvent(job_id=job.id, at=utcnow(), kind="info", message=report.message, data=details))
     restore_s = report.details.get("restore_s")
@@ -381,15 +385,21 @@ def mark_admitted(
     return job
 
 
+def count_failure(job: Job) -> str | None:
+    """The one count of a job's failures against spec.max_failures: a lost attempt (the dispatcher) and a recovery
+    inside one (its driver's RECOVERING report) each count once. Returns why the job must fail, once the count
+    exceeds max_failures; else None."""
+    job.failures += 1
+    max_failures = JobSpec.model_validate(job.spec).max_failures
+    return f"failure {job.failures}, max_failures {max_failures}" if job.failures > max_failures else None
+
+
 def requeue(session: Session, job: Job, message: str, *, failure: bool = False) -> Job:
     """Put an admitted job back in the queue; a counted failure beyond spec.max_failures fails it instead."""
     job = lock_job(session, job.id)
     job.lease_owner = job.lease_expires_at = None
-    if failure:
-        job.failures += 1
-        max_failures = JobSpec.model_validate(job.spec).max_failures
-        if job.failures > max_failures:
-            return transition(session, job, JobState.FAILED, f"{message} (failure {job.failures}, max_failures {max_failures})")
+    if failure and (exhausted := count_failure(job)):
+        return transition(session, job, JobState.FAILED, f"{message} ({exhausted})")
     return transition(session, job, JobState.QUEUED, message, {"attempt": job.attempt, "failures": job.failures})
 
 

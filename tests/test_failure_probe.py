@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.worker_group import RankedWorker, WorkerGroup
+from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 
 
 @ray.remote(num_cpus=0)

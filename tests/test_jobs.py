@@ -155,3 +155,20 @@ def test_replayed_report_is_applied_once_and_recovery_counts_a_failure(db: Datab
         ("RUNNING", "transition", "re-formed at 1 worker"),
         (None, "info", "grew to 2 workers"),
     ]
+
+
+def test_a_recovery_past_max_failures_fails_the_job_and_ends_the_attempt(db: Database) -> None:
+    """The control plane is the one count of failures: the driver's RECOVERING report past max_failures fails the
+    job, and its answer tells the driver to stop."""
+    job_id = _submit(db, max_failures=1)
+    _admit(db, job_id, 1)
+    answers = []
+    for seq, state in enumerate(["RUNNING", "RECOVERING", "RUNNING", "RECOVERING", "RUNNING"], start=1):
+        with session_scope(db.sessions) as session:
+            answers.append(apply_driver_report(session, job_id, 1, DriverReport(seq=seq, state=state, message=f"{state} {seq}")))
+    assert [(answer.state, answer.accepted) for answer in answers] == [
+        (JobState.RUNNING, True), (JobState.RECOVERING, True), (JobState.RUNNING, True),
+        (JobState.FAILED, False), (JobState.FAILED, False)]
+    with session_scope(db.sessions) as session:
+        job = session.get(Job, job_id)
+        assert job.failures == 2 and job.error == "RECOVERING 4; failure 2, max_failures 1"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from harness.process_group import run_on_ranks
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.parallel_dims import ParallelDims, PlacementError
-from ringmaster.workers.worker_group import RankedWorker, WorkerGroup
+from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 
 # (strategy, parallel, node layout) for 4 ranks
 LAYOUTS = {

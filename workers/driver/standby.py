@@ -3,25 +3,21 @@
 Two uses. Standbys (JobSpec `workers.standby`): a worker lost with its node is replaced in the time
 of a rendezvous rather than the seconds a new process takes to start and import torch. Growth: while
 the group is below `workers.max`, the workers it will grow by warm up here while it trains, and join
-only once warm, so the group never waits for a cold start it could train through. Capacity reserved
-here is released when the job ends.
+only once warm, so the group never waits for a cold start it could train through. The capacity they
+hold comes from the attempt's bundles (workers/driver/bundles.py), which release it when the job ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from ringmaster.service.naming import worker_bundles
-from ringmaster.service.spec import WorkersSpec
-from ringmaster.workers.worker_group import RankedWorker, Slot, WorkerGroup
-
+from ringmaster.workers.driver.bundles import Bundles, Slot
+from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 
 log = logging.getLogger("ringmaster.standby")
 
@@ -31,15 +27,12 @@ LOOK_INTERVAL_S = 1.0  # how often to look for capacity while a standby is missi
 class StandbyPool:
     """Keeps warm workers up to a wanted count; every call but `take` returns at once (the driver's loop polls it)."""
 
-    def __init__(self, workers: WorkersSpec, group: WorkerGroup) -> None:
-        self._workers = workers
+    def __init__(self, group: WorkerGroup, bundles: Bundles) -> None:
         self._group = group
+        self._bundles = bundles
         self.ready: list[RankedWorker] = []
-        self.freed: list[Slot] = []  # slots of standbys dropped by the last take
         self._starting: dict[Any, tuple[Any, Slot, Any]] = {}  # warm_up ref -> (actor, slot, placement ref)
-        self._reserving: tuple[PlacementGroup, Any] | None = None  # a reservation and its ready() ref
         self._next_look = 0.0
-        self._reservations: list[PlacementGroup] = []
 
     @property
     def slots(self) -> list[Slot]:
@@ -50,32 +43,22 @@ class StandbyPool:
     def starting(self) -> int:
         return len(self._starting)
 
-    def top_up(self, wanted: int, free_slots: Callable[[], list[Slot]], spare_capacity: Callable[[], int]) -> list[RankedWorker]:
-        """One step toward `wanted` warm workers (on free slots, else on idle capacity reserved here); returns those
-        that became ready since the last call. Cheap while nothing is missing: the driver calls it every poll."""
+    def top_up(self, wanted: int, taken: set[Slot]) -> list[RankedWorker]:
+        """One step toward `wanted` warm workers (on spare bundles, else on idle capacity reserved for them); returns
+        those that became ready since the last call. `taken`: the slots the group's workers hold. Cheap while nothing
+        is missing: the driver calls it every poll."""
         became_ready = self._collect()
         missing = wanted - len(self.ready) - len(self._starting)
         if missing <= 0:
             return became_ready
-        slots: list[Slot] = []
-        if self._reserving is not None and ray.wait([self._reserving[1]], timeout=0)[0]:
-            group = self._reserving[0]
-            slots = [Slot(group, index) for index in range(group.bundle_count)]
-            self._reservations.append(group)
-            self._reserving = None
-        elif time.monotonic() >= self._next_look:
+        slots = self._bundles.reserved()
+        if not slots and time.monotonic() >= self._next_look:
             self._next_look = time.monotonic() + LOOK_INTERVAL_S
-            slots = free_slots()[:missing]
-            if slots and self._reserving is not None:
-                # Free slots came first (Ray moved a lost node's bundles): a reservation still pending may never place.
-                remove_placement_group(self._reserving[0])
-                self._reserving = None
-            if self._reserving is None and len(slots) < missing and (spare := spare_capacity()) > 0:
-                bundles = worker_bundles(self._workers.gpus_per_worker, self._workers.cpus_per_worker,
-                                         min(missing - len(slots), spare))
-                group = placement_group(bundles, strategy="SPREAD")
-                self._reserving = (group, group.ready())
-                log.info("reserving idle capacity for %d warm worker(s)", len(bundles))
+            slots = self._bundles.spare(taken | set(self.slots))[:missing]
+            if slots:
+                self._bundles.cancel_reservation()
+            if not self._bundles.reserving and len(slots) < missing and (spare := self._bundles.spare_capacity()) > 0:
+                self._bundles.reserve(min(missing - len(slots), spare))
         if slots:
             log.info("warming %d worker(s)", len(slots))
         for actor, slot in self._group.start_actors(slots):
@@ -103,10 +86,11 @@ class StandbyPool:
             ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout_s)
         self._collect()
 
-    def take(self, count: int, lost_nodes: set[str], timeout_s: float) -> list[RankedWorker]:
-        """Up to `count` live standbys, off the lost nodes (a standby may have died with one)."""
+    def take(self, count: int, timeout_s: float) -> list[RankedWorker]:
+        """Up to `count` live standbys, off the lost nodes (a standby may have died with one). Those found dead are
+        dropped; their slots are free again."""
         self._collect()
-        candidates = [worker for worker in self.ready if worker.node_id not in lost_nodes]
+        candidates = [worker for worker in self.ready if worker.node_id not in self._bundles.lost_nodes]
         beats = {worker.actor.heartbeat.remote(): worker for worker in candidates}
         answered, _ = ray.wait(list(beats), num_returns=len(beats), timeout=timeout_s) if beats else ([], [])
         alive = []
@@ -118,10 +102,9 @@ class StandbyPool:
                 pass
         alive.sort(key=candidates.index)
         taken = alive[:count]
-        gone = [worker for worker in self.ready if worker not in alive]
-        for worker in gone:
-            ray.kill(worker.actor, no_restart=True)
-        self.freed = [worker.slot for worker in gone]  # their capacity is still reserved: new workers may use it
+        for worker in self.ready:
+            if worker not in alive:
+                ray.kill(worker.actor, no_restart=True)
         self.ready = [worker for worker in alive if worker not in taken]
         return taken
 
@@ -131,6 +114,3 @@ class StandbyPool:
         for actor, _, _ in self._starting.values():
             ray.kill(actor, no_restart=True)
         self.ready, self._starting = [], {}
-        for reservation in self._reservations + ([self._reserving[0]] if self._reserving is not None else []):
-            remove_placement_group(reservation)
-        self._reservations, self._reserving = [], None

@@ -1,4 +1,4 @@
-"""The job's worker actors: started on placement-group bundles, ranked node by node, re-formed.
+"""The job's worker actors: started on placement-group bundles, ranked node by node, re-formed, probed.
 
 A worker group outlives any one process group: when workers are lost it keeps the survivors,
 adds actors on whatever bundles can be placed now, and forms the next generation of the group.
@@ -13,20 +13,12 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.driver.bundles import Slot, slot_nodes
 from ringmaster.workers.warm_pool import claim_workers
 from ringmaster.workers.worker import TrainWorker
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One bundle of a placement group: where one worker may run."""
-
-    group: PlacementGroup
-    index: int
 
 
 @dataclass
@@ -46,18 +38,6 @@ def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
     Simulated nodes share one IP, so the node id, not the address, is the key.
     """
     return sorted(range(len(placements)), key=lambda index: (placements[index]["node_id"], index))
-
-
-def slot_nodes(slots: list[Slot]) -> list[str | None]:
-    """The node each slot's bundle is placed on (None: not placed now)."""
-    tables = {group: placement_group_table(group).get("bundles_to_node_id", {}) for group in {slot.group for slot in slots}}
-    return [tables[slot.group].get(slot.index) for slot in slots]
-
-
-def placed_slots(slots: list[Slot], excluded_nodes: set[str]) -> list[Slot]:
-    """The slots whose bundle sits on a live node now (not one known to be lost)."""
-    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - excluded_nodes
-    return [slot for slot, node in zip(slots, slot_nodes(slots), strict=True) if node in alive]
 
 
 class WorkerGroup:
@@ -171,28 +151,3 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker.actor, no_restart=True)
         self.workers = []
-
-
-class Heartbeats:
-    """Heartbeats sent every interval; a worker whose oldest unanswered beat is older than timeout is lost."""
-
-    def __init__(self, interval_s: float, timeout_s: float) -> None:
-        self.interval_s, self.timeout_s = interval_s, timeout_s
-        self._outstanding: dict[Any, tuple[RankedWorker, float]] = {}
-        self._last_sent = 0.0
-
-    def check(self, workers: list[RankedWorker]) -> list[RankedWorker]:
-        now = time.monotonic()
-        if self._outstanding:
-            answered, _ = ray.wait(list(self._outstanding), num_returns=len(self._outstanding), timeout=0)
-            for ref in answered:
-                worker, _sent = self._outstanding.pop(ref)
-                try:
-                    ray.get(ref)
-                except RayActorError:
-                    return [worker]
-        if now - self._last_sent >= self.interval_s:
-            self._outstanding.update({worker.actor.heartbeat.remote(): (worker, now) for worker in workers})
-            self._last_sent = now
-        return sorted({id(worker): worker for worker, sent in self._outstanding.values()
-                       if now - sent > self.timeout_s}.values(), key=lambda worker: worker.rank)

@@ -1,0 +1,62 @@
+"""`python -m ringmaster.workers.driver`: the Ray job's entrypoint, run by the Jobs API on the cluster."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import os
+import signal
+import sys
+import time
+
+import ray
+
+from ringmaster.service.naming import NAMESPACE, submission_id_for
+from ringmaster.service.reports import REPORT_TOKEN_ENV
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.driver.controller import Controller
+from ringmaster.workers.reporter import Reporter
+
+log = logging.getLogger("ringmaster.driver")
+
+FINAL_REPORT_WAIT_S = 600.0  # the control plane may be restarting when the job ends
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ringmaster.workers.driver", description=__doc__)
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--ray-address", help="the cluster's GCS address; without it, the one the Jobs API gives the driver")
+    parser.add_argument("--placement-group", required=True)
+    parser.add_argument("--api-url", required=True)
+    parser.add_argument("--storage-uri", required=True)
+    parser.add_argument("--spec-b64", required=True, help="the JobSpec as base64-encoded JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parse(argv)
+    spec = JobSpec.model_validate_json(base64.b64decode(args.spec_b64))
+    # `ray job stop` sends SIGTERM: unwind through the finally blocks so actors and the group are freed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.monotonic()
+    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    log.info("connected to Ray after %.2fs", time.monotonic() - started)
+    # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
+    reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
+    try:
+        code = Controller(spec, args.job_id, args.attempt, args.placement_group, args.storage_uri, reporter,
+                          claimant=submission_id_for(args.job_id, args.attempt)).run()
+    finally:
+        # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
+        # rerun a finished job as a failed attempt.
+        delivered = reporter.close(timeout_s=FINAL_REPORT_WAIT_S)
+    log.info("job %s attempt %d ended with code %d after %.1fs (reports delivered: %s)",
+             args.job_id, args.attempt, code, time.monotonic() - started, delivered)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The job driver's controller: explicit states, one transition per loop iteration, decisions taken by policies.
+
+    Starting ──▶ Running ──▶ Finished
+                  │  ▲  ╲
+         lost/    ▼  │   ╲ warm workers ready
+         broken  Recovering ◀─ Resizing (grow)
+                  │
+                  ▼
+                Failed
+
+Starting launches a worker on each admitted bundle and forms the group. Running polls the training call (one poll
+per iteration: calls returned, workers lost, progress drained) and forwards progress; it keeps warm workers beside the
+group and asks it to stop at the next step once it can grow. Recovering keeps the survivors, takes standbys and new
+workers as the scaling policy says, and forms the next generation, which resumes from the latest committed checkpoint.
+Resizing does the same after a stop to grow. The controller talks to the control plane only through the reporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.driver.bundles import Bundles
+from ringmaster.workers.driver.poll import GroupPoll, PollResult
+from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, Recover, ScalingPolicy
+from ringmaster.workers.driver.standby import StandbyPool
+from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
+from ringmaster.workers.metric_ledger import DrainedMetrics
+from ringmaster.workers.reporter import Reporter
+
+log = logging.getLogger("ringmaster.driver")
+
+POLL_INTERVAL_S = 0.1
+# Rank 0's metrics are fetched, and reported, this often: each fetch takes the GIL from its training thread, and
+# each report is a database transaction, both on CPUs that training may share.
+DRAIN_INTERVAL_S = 1.0
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus one interval)
+PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
+PROBE_GRACE_S = 0.5  # ... and who has not answered this long after another worker did
+COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
+START_TIMEOUT_S = 120.0  # first start: worker processes import torch
+REPLACEMENT_WAIT_S = 5.0  # below workers.min with spare capacity: wait this long for Ray to move the lost bundles
+CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
+# A live standby answers at once and a dead one fails at once; only a loaded machine handling a node's death needs more.
+STANDBY_PROBE_TIMEOUT_S = 10.0
+_MAX_MESSAGE = 20_000
+
+
+# -- states ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Starting:
+    pass
+
+
+@dataclass
+class Running:
+    poll: GroupPoll
+    stopping: bool = False  # asked the group to stop at the next step, to grow
+
+
+@dataclass(frozen=True)
+class Recovering:
+    lost: list[RankedWorker]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resizing:
+    pass
+
+
+@dataclass(frozen=True)
+class Finished:
+    """`succeeded`: trained to the end; else the control plane ended the attempt (cancelled, or superseded)."""
+
+    succeeded: bool
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+
+
+State = Starting | Running | Recovering | Resizing | Finished | Failed
+
+
+@dataclass
+class _Counts:
+    """The group and its warm workers, as the scaling policy sees them."""
+
+    world_size: int
+    warm_ready: int
+    warm_starting: int
+
+
+@dataclass
+class Controller:
+    spec: JobSpec
+    job_id: str
+    attempt: int
+    placement_group_name: str
+    storage_uri: str
+    reporter: Reporter
+    claimant: str | None = None  # the attempt's Ray submission id, under which it takes warm pool workers
+    state: State = field(default_factory=Starting)
+
+    def __post_init__(self) -> None:
+        self.storage_root = f"{self.storage_uri.rstrip('/')}/{self.job_id}"
+        # JobSpec.resume_from: the other job's storage, resumed from while this job has no checkpoint of its own.
+        self.resume_from_root = f"{self.storage_uri.rstrip('/')}/{self.spec.resume_from}" if self.spec.resume_from else None
+        self.group = WorkerGroup(self.spec, COLLECTIVE_TIMEOUT_S, self.claimant)
+        self.failures = FailurePolicy()
+        self.scaling = ScalingPolicy(self.spec.workers, CAPACITY_WAIT_S)
+        self._rank0_metrics = DrainedMetrics()
+        self._poll: GroupPoll | None = None  # the latest training call's
+
+    def run(self) -> int:
+        """Drive the job to an end; 0 when it succeeded or the control plane ended the attempt, 1 when it failed
+        (reported either way)."""
+        self.bundles = Bundles(self.placement_group_name, self.spec.workers)
+        self.standby = StandbyPool(self.group, self.bundles)
+        try:
+            while not isinstance(self.state, (Finished, Failed)):
+                self.state = self.step(self.state)
+        except Exception:  # noqa: BLE001 — whatever broke, the job's record must say what
+            self.state = Failed(f"driver error:\n{traceback.format_exc()}")
+        finally:
+            if isinstance(self.state, Failed):
+                self._report_failure(self.state.reason)
+            self.group.shutdown()
+            self.standby.shutdown()
+            self.bundles.release()
+        return 1 if isinstance(self.state, Failed) else 0
+
+    def step(self, state: State) -> State:
+        """One transition."""
+        if isinstance(state, Starting):
+            return self._start()
+        if isinstance(state, Running):
+            return self._run(state)
+        if isinstance(state, Recovering):
+            return self._regroup(state)
+        if isinstance(state, Resizing):
+            return self._regroup(state)
+        raise AssertionError(f"no transition from {state}")
+
+    # -- starting and running ---------------------------------------------------------------------
+
+    def _start(self) -> State:
+        # Reserve standby capacity first (it does not wait): standbys start while the group forms.
+        self.standby.top_up(self.spec.workers.standby, taken=set(self.bundles.admission))
+        began = time.monotonic()
+        members = self.group.launch(self.bundles.admission, START_TIMEOUT_S)
+        log.info("%d worker actor(s) running after %.2fs (%d from the warm pool)", len(members),
+                 time.monotonic() - began, self.group.pooled_started)
+        if len(members) < self.spec.workers.min:
+            return Failed(f"only {len(members)} of {self.spec.workers.min} workers started")
+        self._form(members)
+        log.info("process group formed after %.2fs", time.monotonic() - began)
+        self.reporter.report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
+                             f"{len(self.group.nodes)} node(s)", details={
+                                 "world_size": self.group.world_size, "warm_pool_workers": self.group.pooled_started})
+        return self._train()
+
+    def _train(self) -> Running:
+        """Start the group's training call (it resumes from the latest committed checkpoint)."""
+        self._rank0_metrics.restart()
+        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt)
+        self._poll = GroupPoll(self.group, futures, interval_s=POLL_INTERVAL_S, drain_every_s=DRAIN_INTERVAL_S,
+                               heartbeat_interval_s=HEARTBEAT_INTERVAL_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                               probe_timeout_s=PROBE_TIMEOUT_S, probe_grace_s=PROBE_GRACE_S)
+        return Running(self._poll)
+
+    def _run(self, running: Running) -> State:
+        if self.reporter.ended.is_set():
+            log.info("the control plane ended this attempt (job %s): stopping", self.reporter.ended_state)
+            return Finished(succeeded=False)  # cancelled, or superseded: run's finally frees the workers and bundles
+        result = running.poll.poll(self._rank0_metrics.acknowledged(self.reporter.handled_seq))
+        self._forward(result)
+        if result.broken:
+            decision = self.failures.decide(result.lost, result.errors)
+            if isinstance(decision, FailJob):
+                return Failed(decision.reason)
+            return Recovering(result.lost, decision.reason)
+        if result.finished is not None:
+            if any(outcome["stopped"] for outcome in result.finished):
+                return Resizing()
+            final = result.finished[0]
+            self.reporter.report(state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}")
+            return Finished(succeeded=True)
+        self._keep_workers_warm()
+        if not running.stopping and self.scaling.should_grow(self._counts()):
+            self.group.request_stop()  # every rank stops after this step and checkpoints
+            running.stopping = True
+        return running
+
+    def _forward(self, result: PollResult) -> None:
+        """Forward rank 0's metrics, checkpoints and events, and each rank's one memory report."""
+        if not result.drained:
+            return
+        memory = [RankMemory(**measured) for _, batch in result.drained for measured in batch["memory"]]
+        worker, first = result.drained[0]
+        if worker.rank != 0:
+            first = {"metrics": [], "checkpoints": [], "events": []}
+        if first["metrics"] or first["checkpoints"] or memory:
+            seq = self.reporter.report(
+                metrics=[MetricPoint(**point) for point in first["metrics"]],
+                checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
+                memory=memory,
+            )
+            self._rank0_metrics.forwarded(seq, len(first["metrics"]))
+        for event in first.get("events", []):
+            self.reporter.report(message=event["message"], details=event["details"])
+
+    def _keep_workers_warm(self) -> None:
+        """Warm the workers the group would grow by, and the standbys the spec asks for."""
+        missing = self.scaling.missing(self._counts())
+        taken = {worker.slot for worker in self.group.workers}
+        for ready in self.standby.top_up(self.scaling.warm_wanted(self._counts()), taken):
+            if missing:
+                self.reporter.report(message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the "
+                                     "next step", details={"warm_node": ready.node_id, "warm_pid": ready.pid})
+            else:
+                self.reporter.report(message=f"standby worker ready on node {ready.node_id[:12]}",
+                                     details={"standby_node": ready.node_id, "standby_pid": ready.pid})
+
+    def _counts(self) -> _Counts:
+        return _Counts(self.group.world_size, len(self.standby.ready), self.standby.starting)
+
+    # -- re-forming ------------------------------------------------------------------------------
+
+    def _regroup(self, state: Recovering | Resizing) -> State:
+        """Keep the survivors, add standbys and workers where bundles can be placed now, form the next generation."""
+        started = time.monotonic()
+        before = self.group.world_size
+        recovering = isinstance(state, Recovering)
+        reason = state.reason if recovering else "capacity returned"
+        if recovering:
+            self.bundles.lost_nodes |= {worker.node_id for worker in state.lost}
+            self.reporter.report(state="RECOVERING", message=f"{state.reason}; re-forming the group", details={
+                "lost_ranks": sorted(worker.rank for worker in state.lost),
+                "lost_nodes": sorted({worker.node_id for worker in state.lost}),
+                "lost_pids": sorted(worker.pid for worker in state.lost),
+                "world_size_before": before,
+            })
+            self.group.remove(state.lost)
+        if self.scaling.wait_for_warming(self._counts()):
+            self.standby.wait_for_starting(START_TIMEOUT_S)
+        missing = self.scaling.missing(self._counts())
+        standbys = self.standby.take(missing, STANDBY_PROBE_TIMEOUT_S) if missing else []
+        wanted = self.scaling.new_workers_wanted(self.group.world_size, len(standbys))
+        taken = {worker.slot for worker in self.group.workers + standbys} | set(self.standby.slots)
+        if wanted and len(self.bundles.spare(taken)) < wanted and self.bundles.spare_capacity():
+            # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
+            deadline = time.monotonic() + REPLACEMENT_WAIT_S
+            while len(self.bundles.spare(taken)) < wanted and time.monotonic() < deadline:
+                time.sleep(0.2)
+        waiting_since = time.monotonic()
+        while True:
+            spare = self.bundles.spare(taken)[:wanted]
+            added = self.group.launch(spare, START_TIMEOUT_S) if wanted else []
+            members = self.group.workers + standbys + added
+            log.info("regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
+                     time.monotonic() - started, self.group.world_size, len(added), len(spare))
+            decision = self.scaling.decide(len(members), time.monotonic() - waiting_since, reason)
+            if isinstance(decision, FormGroup):
+                break
+            for worker in added:
+                ray.kill(worker.actor, no_restart=True)
+            if self.reporter.ended.is_set():
+                log.info("the control plane ended this attempt (job %s) while it waited for capacity", self.reporter.ended_state)
+                return Finished(succeeded=False)
+            if isinstance(decision, GiveUp):
+                return Failed(decision.reason)
+            time.sleep(1.0)
+        self._form(members)
+        log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
+                 time.monotonic() - started)
+        # Rank 0 names the checkpoint it will resume from: reading checkpoints takes torch, which the driver never
+        # imports (2-3 s of CPU, taken from training on a small machine).
+        resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
+        details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
+                   "standby_workers_used": len(standbys), "workers_missing": self.scaling.missing(self._counts()),
+                   "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}
+        message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
+        if recovering:
+            self.reporter.report(state="RUNNING", message=message, details=details)
+        else:
+            self.reporter.report(message=f"capacity returned: {message}", details=details)
+        return self._train()
+
+    def _form(self, members: list[RankedWorker]) -> None:
+        world = min(self.spec.workers.max, len(members))
+        for extra in members[world:]:
+            ray.kill(extra.actor, no_restart=True)
+        self.group.form(members[:world])
+
+    def _report_failure(self, reason: str) -> None:
+        """What rank 0 recorded before the failure goes out first."""
+        log.error(reason)
+        if self._poll is not None:
+            self._forward(PollResult(drained=self._poll.drain(self._rank0_metrics.acknowledged(self.reporter.handled_seq))))
+        self.reporter.report(state="FAILED", message=reason[-_MAX_MESSAGE:])

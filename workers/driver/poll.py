@@ -1,0 +1,115 @@
+"""One look at a training worker group: which training calls returned, which workers are gone (actor death, a missed
+heartbeat, or silence in the probe after a failed collective), and what rank 0 recorded since the last drain."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
+
+log = logging.getLogger("ringmaster.driver")
+
+
+@dataclass
+class PollResult:
+    """What one poll saw. `finished`: every training call returned (their results); `lost` and `errors`: the run is
+    broken; `drained`: what the workers handed over this poll (None: not drained this time)."""
+
+    finished: list[dict[str, Any]] | None = None
+    lost: list[RankedWorker] = field(default_factory=list)
+    errors: list[RayTaskError] = field(default_factory=list)
+    drained: list[tuple[RankedWorker, dict[str, list[dict[str, Any]]]]] | None = None
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.lost or self.errors)
+
+
+class Heartbeats:
+    """Heartbeats sent every interval; a worker whose oldest unanswered beat is older than timeout is lost."""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._outstanding: dict[Any, tuple[RankedWorker, float]] = {}
+        self._last_sent = 0.0
+
+    def check(self, workers: list[RankedWorker]) -> list[RankedWorker]:
+        now = time.monotonic()
+        if self._outstanding:
+            answered, _ = ray.wait(list(self._outstanding), num_returns=len(self._outstanding), timeout=0)
+            for ref in answered:
+                worker, _sent = self._outstanding.pop(ref)
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    return [worker]
+        if now - self._last_sent >= self.interval_s:
+            self._outstanding.update({worker.actor.heartbeat.remote(): (worker, now) for worker in workers})
+            self._last_sent = now
+        return sorted({id(worker): worker for worker, sent in self._outstanding.values()
+                       if now - sent > self.timeout_s}.values(), key=lambda worker: worker.rank)
+
+
+class GroupPoll:
+    """Polls one training call of a group (one generation) until it finishes or breaks."""
+
+    def __init__(self, group: WorkerGroup, futures: dict[Any, RankedWorker], *, interval_s: float, drain_every_s: float,
+                 heartbeat_interval_s: float, heartbeat_timeout_s: float, probe_timeout_s: float, probe_grace_s: float) -> None:
+        self._group = group
+        self._futures = futures
+        self._pending = list(futures)
+        self._interval_s = interval_s
+        self._drain_every_s = drain_every_s
+        self._next_drain = time.monotonic() + drain_every_s
+        self._heartbeats = Heartbeats(heartbeat_interval_s, heartbeat_timeout_s)
+        self._probe = (probe_timeout_s, probe_grace_s)
+        self.memory_pending = {worker.rank for worker in group.workers}  # ranks whose one memory report is still due
+
+    def poll(self, metrics_acknowledged: int) -> PollResult:
+        """Wait up to one interval for training calls to return; check heartbeats; drain when due. A failed collective
+        is followed by a probe of every worker, so a lost peer is told apart from an error in the user's code."""
+        result = PollResult()
+        done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=self._interval_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                result.lost.append(self._futures[ref])
+            except RayTaskError as error:
+                result.errors.append(error)
+        result.lost += [worker for worker in self._heartbeats.check(self._group.workers) if worker not in result.lost]
+        if result.errors and not result.lost:
+            probing = time.monotonic()
+            result.lost = self._group.unresponsive(*self._probe)
+            log.info("a collective failed; probe found %d unresponsive worker(s) in %.2fs", len(result.lost),
+                     time.monotonic() - probing)
+        elif result.lost:
+            log.info("lost %d worker(s): actor death or a missed heartbeat", len(result.lost))
+        finished = not self._pending and not result.broken
+        if finished or time.monotonic() >= self._next_drain:
+            result.drained = self.drain(metrics_acknowledged)
+            self._next_drain = time.monotonic() + self._drain_every_s
+        if finished:
+            result.finished = ray.get(list(self._futures))
+        return result
+
+    def drain(self, metrics_acknowledged: int) -> list[tuple[RankedWorker, dict[str, list[dict[str, Any]]]]]:
+        """Rank 0's metrics, checkpoints and events, and each rank's one memory report ([] when none answer: the
+        heartbeats will name who is gone)."""
+        sources = [worker for worker in self._group.workers if worker.rank == 0 or worker.rank in self.memory_pending]
+        if not sources:
+            return []
+        try:
+            drained = ray.get([worker.actor.drain.remote(metrics_acknowledged if worker.rank == 0 else None)
+                               for worker in sources], timeout=self._probe[0])
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return []
+        for batch in drained:
+            self.memory_pending -= {measured["rank"] for measured in batch["memory"]}
+        return list(zip(sources, drained))
