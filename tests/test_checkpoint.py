@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from harness.process_group import run_on_ranks
 import ringmaster.workers.checkpoint as checkpoint_module
+from harness.checkpoints import latest_committed, load_model_weights, save_checkpoint, usable_checkpoints
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint import (
     MANIFEST_NAME,
@@ -23,11 +24,7 @@ from ringmaster.workers.checkpoint import (
     checkpoint_dir,
     committed_checkpoints,
     find_resume_point,
-    latest_committed,
     load_checkpoint,
-    load_model_weights,
-    save_checkpoint,
-    usable_checkpoints,
 )
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.models import build_bundle

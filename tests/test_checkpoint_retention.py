@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from harness.checkpoints import load_model_weights
 from ringmaster.api.schemas import CheckpointOut
 from harness.process_group import run_on_ranks
 from ringmaster.service.db import Database, session_scope
@@ -20,7 +21,7 @@ from ringmaster.service.jobs import apply_driver_report, get_job, list_checkpoin
 from ringmaster.service.reports import CheckpointRecord, DriverReport
 from ringmaster.service.spec import JobSpec
 from test_checkpoint import SPEC, STEPS
-from ringmaster.workers.checkpoint import checkpoint_dir, committed_checkpoints, load_model_weights
+from ringmaster.workers.checkpoint import checkpoint_dir, committed_checkpoints
 from ringmaster.workers.models import ModelBundle, build_bundle
 from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training

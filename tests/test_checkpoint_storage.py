@@ -16,6 +16,7 @@ import torch
 from moto.server import ThreadedMotoServer
 
 from harness.process_group import run_on_ranks
+from harness.checkpoints import load_model_weights
 from ringmaster.service.spec import JobSpec, KeepBestSpec
 from test_checkpoint import SPEC, STEPS
 from harness.ray_cluster import running_control_plane, wait_for_state
@@ -27,7 +28,6 @@ from ringmaster.workers.checkpoint import (
     committed_checkpoints,
     find_resume_point,
     load_checkpoint,
-    load_model_weights,
 )
 from ringmaster.workers.checkpoint_storage import FsspecStorage, LocalStorage, storage_for
 from ringmaster.workers.data.stream import DataPosition

@@ -12,8 +12,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import default_collate
 
 from harness.process_group import run_on_ranks
+from harness.checkpoints import latest_committed, load_model_weights
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import latest_committed, load_model_weights
 from ringmaster.workers.models import build_bundle
 from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from harness.process_group import run_on_ranks
+from harness.checkpoints import latest_committed, load_model_weights
 from ringmaster.service.spec import JobSpec
 from strategy_reference import strategy_spec, train_reference
-from ringmaster.workers.checkpoint import latest_committed, load_model_weights
 from ringmaster.workers.models import build_bundle
 from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training

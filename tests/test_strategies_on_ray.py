@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoints import load_model_weights
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.spec import JobSpec
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
 from harness.ray_cluster import wait_for_state
-from ringmaster.workers.checkpoint import load_model_weights
 from ringmaster.workers.models import build_bundle
 
 pytestmark = pytest.mark.integration

@@ -155,16 +155,6 @@ def find_resume_point(storage_root: str | Path) -> tuple[CommittedCheckpoint | N
     return None, skipped
 
 
-def usable_checkpoints(storage_root: str | Path) -> list[CommittedCheckpoint]:
-    """Committed checkpoints whose files match their manifests, newest first."""
-    return [checkpoint for checkpoint in reversed(committed_checkpoints(storage_root)) if verify_checkpoint(checkpoint) is None]
-
-
-def latest_committed(storage_root: str | Path) -> CommittedCheckpoint | None:
-    """The newest checkpoint a run may resume from (committed and verified), or None."""
-    return find_resume_point(storage_root)[0]
-
-
 def _storage_writer(location: str) -> StorageWriter:
     """Where DCP writes a checkpoint's shards (a seam for tests that slow writes down)."""
     return storage_for(location)[0].writer(location)
@@ -277,25 +267,6 @@ def commit_save(pending: PendingSave) -> CommittedSave:
     return CommittedSave(pending.path, apply_retention(pending.storage_root, pending.keep, pending.keep_best))
 
 
-def save_checkpoint(
-    storage_root: str | Path,
-    spec: JobSpec,
-    *,
-    step: int,
-    position: DataPosition,
-    model_parts: list[nn.Module],
-    optimizers: list[Optimizer],
-    metric_value: float | None = None,
-) -> str:
-    """Collective and synchronous: every rank writes its shards, then rank 0 commits and applies retention.
-    ``optimizers[i]`` steps ``model_parts[i]`` (several parts only under interleaved pipelining)."""
-    pending = begin_save(storage_root, spec, step=step, position=position, model_parts=model_parts, optimizers=optimizers,
-                         metric_value=metric_value)
-    if dist.get_rank() == 0:
-        commit_save(pending)
-    return pending.path
-
-
 def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> TrainingProgress:
     """Collective: restore this rank's model parts, their optimizers and its RNG states from ``path``."""
     rank = dist.get_rank()
@@ -328,15 +299,6 @@ def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> 
         model_state.update(part_model)
         optimizer_state.update(part_optimizer)
     return model_state, optimizer_state
-
-
-def load_model_weights(path: str | Path, model: nn.Module) -> None:
-    """Load only the model's weights into a plain (unwrapped) module, e.g. to evaluate it; collective
-    when a process group exists, a local read otherwise."""
-    storage, location = storage_for(path)
-    state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=storage.reader(location))
-    model.load_state_dict(state["model"])
 
 
 def best_checkpoint(checkpoints: list[CommittedCheckpoint], keep_best: KeepBestSpec | None) -> CommittedCheckpoint | None:

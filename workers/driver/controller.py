@@ -21,7 +21,6 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
@@ -29,7 +28,7 @@ from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Bundles
 from ringmaster.workers.driver.poll import GroupPoll, PollResult
-from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, Recover, ScalingPolicy
+from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
 from ringmaster.workers.driver.standby import StandbyPool
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 from ringmaster.workers.metric_ledger import DrainedMetrics
