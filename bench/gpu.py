@@ -8,10 +8,10 @@ bare torch loop on the same GPU, model, data and batch.
     the step times it reports as metrics; (b) the same model and AdamW in a plain loop under autocast,
     synchronising once per step as (a) does when it reads the step's loss. Prints steady-state
     tokens/s of each (first --skip-steps left out), their ratio, and the ratio of peak allocated memory; and
-    the CPU seconds per step of each over the same steady steps, read the same way for both: the whole machine's
-    busy CPU time from /proc/stat (bench/cpu_time.py says why), sampled at the end of step --skip-steps and at
-    the end of the last step (in the bare loop itself, and in (a)'s metric callback, which rank 0 calls as each
-    step ends), divided by the steps between.
+    the CPU seconds per step of each over the same steady steps, read the same way for both with bench/cpu_time.py's
+    two readings (this process and any below it; the whole machine) at the end of step --skip-steps and at the end
+    of the last step (in the bare loop itself, and in (a)'s metric callback, which rank 0 calls as each step ends),
+    divided by the steps between.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, RandomSampler
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.cpu_time import machine_busy_seconds  # noqa: E402
+from bench.cpu_time import Cpu, CpuClock  # noqa: E402
 from harness.ports import free_port  # noqa: E402
 from ringmaster.service.reports import MetricPoint  # noqa: E402
 from ringmaster.service.spec import JobSpec  # noqa: E402
@@ -65,18 +65,18 @@ def peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def through_ringmaster(spec: JobSpec, device: torch.device, skip: int) -> tuple[float, int | None, float]:
+def through_ringmaster(spec: JobSpec, device: torch.device, skip: int, clock: CpuClock) -> tuple[float, int | None, Cpu]:
     """Steady step time from the loop's own metrics, the peak memory at the last step, and the machine's CPU
     seconds per steady step."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     points: list[MetricPoint] = []
     peak: list[int | None] = [None]
-    busy: dict[int, float] = {}  # step -> the machine's busy CPU seconds as it ended
+    cpu: dict[int, Cpu] = {}  # step -> the CPU readings as it ended
 
     def on_metric(point: MetricPoint) -> None:
         if point.loss is not None:
             if point.step in (skip, spec.train.steps):
-                busy[point.step] = machine_busy_seconds()
+                cpu[point.step] = clock.read()
             points.append(point)
             if point.step == spec.train.steps:
                 peak[0] = peak_memory(device)
@@ -86,11 +86,11 @@ def through_ringmaster(spec: JobSpec, device: torch.device, skip: int) -> tuple[
             run_training(spec, TrainContext(0, 1, device, "gpu-bench", storage, sink=CallbackSink(on_metric=on_metric)))
     finally:
         dist.destroy_process_group()
-    cpu_per_step = (busy[spec.train.steps] - busy[skip]) / (spec.train.steps - skip)
+    cpu_per_step = (cpu[spec.train.steps] - cpu[skip]) / (spec.train.steps - skip)
     return statistics.mean(point.step_time_s for point in points[skip:]), peak[0], cpu_per_step
 
 
-def bare_loop(spec: JobSpec, device: torch.device, skip: int) -> tuple[float, int | None, float]:
+def bare_loop(spec: JobSpec, device: torch.device, skip: int, clock: CpuClock) -> tuple[float, int | None, Cpu]:
     torch.manual_seed(spec.train.seed)
     bundle = build_bundle(spec)
     model = bundle.model.to(device)
@@ -101,7 +101,7 @@ def bare_loop(spec: JobSpec, device: torch.device, skip: int) -> tuple[float, in
     times = []
     for step in range(spec.train.steps):
         if step == skip:  # step `skip` (counted from 1, as the ringmaster loop's metrics count) has ended
-            busy_start = machine_busy_seconds()
+            cpu_start = clock.read()
         started = time.perf_counter()
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -111,7 +111,7 @@ def bare_loop(spec: JobSpec, device: torch.device, skip: int) -> tuple[float, in
         optimizer.zero_grad(set_to_none=True)
         loss.item()  # one host sync per step, as the ringmaster loop's loss all-reduce makes
         times.append(time.perf_counter() - started)
-    cpu_per_step = (machine_busy_seconds() - busy_start) / (spec.train.steps - skip)
+    cpu_per_step = (clock.read() - cpu_start) / (spec.train.steps - skip)
     return statistics.mean(times[skip:]), peak_memory(device), cpu_per_step
 
 
@@ -130,17 +130,21 @@ def main() -> None:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    bare_step, bare_peak, bare_cpu = bare_loop(spec, device, args.skip_steps)
+    clock = CpuClock()
+    bare_step, bare_peak, bare_cpu = bare_loop(spec, device, args.skip_steps, clock)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    ringmaster_step, ringmaster_peak, ringmaster_cpu = through_ringmaster(spec, device, args.skip_steps)
+    ringmaster_step, ringmaster_peak, ringmaster_cpu = through_ringmaster(spec, device, args.skip_steps, clock)
 
     bare_rate, ringmaster_rate = tokens_per_step / bare_step, tokens_per_step / ringmaster_step
     print(f"tiny-gpt {spec.model_options} bf16, batch {args.batch_size}, {args.steps} steps ({args.skip_steps} skipped), {device}")
-    print(f"bare torch loop : {bare_rate:12.0f} tokens/s   peak memory {bare_peak}   CPU {bare_cpu:.4f} s/step")
-    print(f"ringmaster loop : {ringmaster_rate:12.0f} tokens/s   peak memory {ringmaster_peak}   CPU {ringmaster_cpu:.4f} s/step")
-    print(f"ratio ringmaster/bare: tokens/s {ringmaster_rate / bare_rate:.3f}, CPU s/step {ringmaster_cpu / bare_cpu:.3f}", end="")
+    print(f"bare torch loop : {bare_rate:12.0f} tokens/s   peak memory {bare_peak}   "
+          f"CPU s/step process {bare_cpu.tree:.4f}, machine {bare_cpu.machine:.4f}")
+    print(f"ringmaster loop : {ringmaster_rate:12.0f} tokens/s   peak memory {ringmaster_peak}   "
+          f"CPU s/step process {ringmaster_cpu.tree:.4f}, machine {ringmaster_cpu.machine:.4f}")
+    print(f"ratio ringmaster/bare: tokens/s {ringmaster_rate / bare_rate:.3f}, CPU s/step process "
+          f"{ringmaster_cpu.tree / bare_cpu.tree:.3f}, machine {ringmaster_cpu.machine / bare_cpu.machine:.3f}", end="")
     print(f", peak memory {ringmaster_peak / bare_peak:.3f}" if bare_peak and ringmaster_peak else " (no CUDA memory on CPU)")
     print(f"total {time.perf_counter() - started:.0f} s")
 

@@ -15,17 +15,19 @@ The script asks for the job's state every --poll-s seconds while it trains, as a
 watch` would (each request takes CPU on the same two cores).
 
 Wall clock swings between rounds on a shared machine (0.78-1.21 for the same pair here), so each round also
-prints the CPU seconds per training step of each run, which a slow spell changes far less: the whole machine's
-busy CPU time (/proc/stat, sampled every 50 ms in a thread of this process; bench/cpu_time.py says why not the
-run's own processes) between two moments, divided by the steps between them. "steady": from the end of step
---skip-steps to the end of the last step, the span the steps/s figures use (bare_torchrun.py reports its wall
-times; ringmaster's are its metrics' wall_time); "whole run": from starting torchrun to its exit, and from the
+prints the CPU seconds per training step of each run, which a slow spell changes far less, in bench/cpu_time.py's
+two readings, sampled every 0.25 s in a thread of this process: "tree", this script's process and every process
+below it (the control plane runs in it; the Ray head with its raylet, workers and job drivers, and torchrun with
+its ranks, are its children), and "machine", the whole machine's busy CPU time (bench/cpu_time.py says what each
+misses or adds). Each is taken between two moments and divided by the steps between them. "steady": from the end
+of step --skip-steps to the end of the last step, the span the steps/s figures use (bare_torchrun.py reports its
+wall times; ringmaster's are its metrics' wall_time); "whole run": from starting torchrun to its exit, and from the
 submit to the job's SUCCEEDED event, start-up included (the warm pool's refill after the job falls outside it).
-Both runs count everything on the machine: the same idle Ray cluster and control plane run beside both, and the
-background's rate is printed each round (measured for 3 s before the bare run), so the difference between the
-runs is ringmaster's work for the job: its driver, reports, heartbeats, the dispatcher and the polled API.
-Anything else running on the machine counts too: run it on an otherwise quiet one. Printed with the medians over
-rounds and the median of each round's ratio ringmaster/bare.
+Both runs count the same idle Ray cluster and control plane beside them (their rate is printed each round,
+measured for 3 s before the bare run), so the difference between the runs is ringmaster's work for the job: its
+driver, reports, heartbeats, the dispatcher and the polled API. The machine reading also counts whatever else runs
+on the machine; where others share it, compare the tree's. Printed with the medians over rounds and the median of
+each round's ratio ringmaster/bare.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.cpu_time import BusySampler  # noqa: E402
+from bench.cpu_time import BusySampler, Cpu  # noqa: E402
 from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
@@ -66,16 +68,16 @@ def parse_args() -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class CpuPerStep:
-    """The machine's busy CPU seconds per training step of one run."""
+    """CPU seconds per training step of one run, in both readings."""
 
-    steady: float  # from the end of step --skip-steps to the end of the last step
-    whole_run: float  # from the run's start to its end, start-up included
+    steady: Cpu  # from the end of step --skip-steps to the end of the last step
+    whole_run: Cpu  # from the run's start to its end, start-up included
 
     @staticmethod
     def measure(sampler: BusySampler, args: argparse.Namespace, run: tuple[float, float], steady: tuple[float, float]) -> "CpuPerStep":
         """`run` and `steady`: (start, end) wall times."""
-        return CpuPerStep(steady=sampler.busy_between(*steady) / (args.steps - args.skip_steps),
-                          whole_run=sampler.busy_between(*run) / args.steps)
+        return CpuPerStep(steady=sampler.between(*steady) / (args.steps - args.skip_steps),
+                          whole_run=sampler.between(*run) / args.steps)
 
 
 def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float, CpuPerStep]:
@@ -137,17 +139,34 @@ def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name:
     return steady, times[1] - submitted, phases, cpu
 
 
-def idle_cpu_rate(sampler: BusySampler) -> float:
-    """The machine's busy CPU seconds per second with the cluster idle (the background both runs share)."""
+def idle_cpu_rate(sampler: BusySampler) -> Cpu:
+    """CPU seconds per second with the cluster idle (the background both runs share)."""
     started = time.time()
     time.sleep(IDLE_SAMPLE_S)
-    return sampler.busy_between(started, started + IDLE_SAMPLE_S) / IDLE_SAMPLE_S
+    return sampler.between(started, started + IDLE_SAMPLE_S) / IDLE_SAMPLE_S
 
 
-def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], field: str) -> dict:
-    bare_values, managed_values = [getattr(c, field) for c in bare], [getattr(c, field) for c in managed]
-    return {"bare_median": round(statistics.median(bare_values), 4), "ringmaster_median": round(statistics.median(managed_values), 4),
-            "ratio": round(statistics.median(m / b for m, b in zip(managed_values, bare_values)), 3)}
+def _cpu_line(bare: CpuPerStep, managed: CpuPerStep, idle: Cpu) -> str:
+    def span(field: str) -> str:
+        b, m = getattr(bare, field), getattr(managed, field)
+        return (f"bare {b.tree:.4f}|{b.machine:.4f}, ringmaster {m.tree:.4f}|{m.machine:.4f}, "
+                f"ratio {m.tree / b.tree:.3f}|{m.machine / b.machine:.3f}")
+
+    return (f"CPU s/step tree|machine: steady {span('steady')}; whole run {span('whole_run')}; "
+            f"idle cluster {idle.tree:.3f}|{idle.machine:.3f} CPU s/s")
+
+
+def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], idle: list[Cpu]) -> dict:
+    summary: dict = {}
+    for reading in ("tree", "machine"):
+        for field in ("steady", "whole_run"):
+            b = [getattr(getattr(run, field), reading) for run in bare]
+            m = [getattr(getattr(run, field), reading) for run in managed]
+            summary[f"cpu_s_per_step_{field}_{reading}"] = {
+                "bare_median": round(statistics.median(b), 4), "ringmaster_median": round(statistics.median(m), 4),
+                "ratio": round(statistics.median(x / y for x, y in zip(m, b)), 3)}
+        summary[f"idle_cluster_cpu_s_per_s_{reading}_median"] = round(statistics.median(getattr(c, reading) for c in idle), 3)
+    return summary
 
 
 def main() -> None:
@@ -155,7 +174,7 @@ def main() -> None:
     bare, managed, ratios, first_step = [], [], [], []
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
-    idle: list[float] = []
+    idle: list[Cpu] = []
     with tempfile.TemporaryDirectory() as data_dir, BusySampler() as sampler:
         for server in running_control_plane(Path(data_dir)):
             client = server.client()
@@ -175,10 +194,7 @@ def main() -> None:
                 first_step.append(to_first_step)
                 print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
                       f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
-                print(f"round {round_index}: CPU s/step steady: bare {bare_cpu_now.steady:.4f}, ringmaster {cpu.steady:.4f}, "
-                      f"ratio {cpu.steady / bare_cpu_now.steady:.3f}; whole run: bare {bare_cpu_now.whole_run:.4f}, "
-                      f"ringmaster {cpu.whole_run:.4f}, ratio {cpu.whole_run / bare_cpu_now.whole_run:.3f}; "
-                      f"idle cluster {idle[-1]:.3f} CPU s/s", flush=True)
+                print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
     print(json.dumps({
         "workers": args.workers, "steps": args.steps, "rounds": args.rounds,
         "bare_steps_per_s_median": round(statistics.median(bare), 3),
@@ -187,9 +203,7 @@ def main() -> None:
         "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
         "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
         "warm_workers_per_node": Settings().warm_workers_per_node,
-        "cpu_s_per_step_steady": _cpu_summary(bare_cpu, managed_cpu, "steady"),
-        "cpu_s_per_step_whole_run": _cpu_summary(bare_cpu, managed_cpu, "whole_run"),
-        "idle_cluster_cpu_s_per_s_median": round(statistics.median(idle), 3),
+        **_cpu_summary(bare_cpu, managed_cpu, idle),
     }))
 
 
