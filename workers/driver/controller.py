@@ -1,18 +1,17 @@
 """The job driver's controller: explicit states, one transition per loop iteration, decisions taken by policies.
 
     Starting ──▶ Running ──▶ Finished
-                  │  ▲  ╲
-         lost/    ▼  │   ╲ warm workers ready
-         broken  Recovering ◀─ Resizing (grow)
-                  │
-                  ▼
-                Failed
+    Running ──(workers lost, a collective broke)──▶ Recovering ──▶ Placing
+    Running ──(warm workers ready, stopped at a step)──▶ Resizing ──▶ Placing
+    Placing ──(waits for capacity)──▶ Placing ──(group formed)──▶ Running
+    any ──(the user's code raised, too few workers, a driver error)──▶ Failed
 
 Starting launches a worker on each admitted bundle and forms the group. Running polls the training call (one poll
 per iteration: calls returned, workers lost, progress drained) and forwards progress; it keeps warm workers beside the
-group and asks it to stop at the next step once it can grow. Recovering keeps the survivors, takes standbys and new
-workers as the scaling policy says, and forms the next generation, which resumes from the latest committed checkpoint.
-Resizing does the same after a stop to grow. The controller talks to the control plane only through the reporter.
+group and asks it to stop at the next step once it can grow. Recovering (after a loss) and Resizing (after a stop to
+grow) keep the survivors and take standbys; Placing starts new workers where bundles can be placed, as the scaling
+policy says, and forms the next generation, which resumes from the latest committed checkpoint. The controller
+talks to the control plane only through the reporter.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import ray
 
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.driver.bundles import Bundles
+from ringmaster.workers.driver.bundles import Bundles, Slot
 from ringmaster.workers.driver.poll import GroupPoll, PollResult
 from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
 from ringmaster.workers.driver.standby import StandbyPool
@@ -78,6 +77,19 @@ class Resizing:
     pass
 
 
+@dataclass
+class Placing:
+    """Re-forming: survivors and standbys in hand, `wanted` new workers to start where bundles can be placed."""
+
+    reason: str
+    recovering: bool  # after a loss (else growing to returned capacity)
+    world_size_before: int
+    standbys: list[RankedWorker] = field(default_factory=list)
+    wanted: int = 0
+    started: float = field(default_factory=time.monotonic)
+    waiting_since: float = field(default_factory=time.monotonic)
+
+
 @dataclass(frozen=True)
 class Finished:
     """`succeeded`: trained to the end; else the control plane ended the attempt (cancelled, or superseded)."""
@@ -91,7 +103,7 @@ class Failed:
     reason: str
 
 
-State = Starting | Running | Recovering | Resizing | Finished | Failed
+State = Starting | Running | Recovering | Resizing | Placing | Finished | Failed
 
 
 @dataclass
@@ -148,10 +160,10 @@ class Controller:
             return self._start()
         if isinstance(state, Running):
             return self._run(state)
-        if isinstance(state, Recovering):
+        if isinstance(state, (Recovering, Resizing)):
             return self._regroup(state)
-        if isinstance(state, Resizing):
-            return self._regroup(state)
+        if isinstance(state, Placing):
+            return self._place(state)
         raise AssertionError(f"no transition from {state}")
 
     # -- starting and running ---------------------------------------------------------------------
@@ -240,41 +252,43 @@ class Controller:
     # -- re-forming ------------------------------------------------------------------------------
 
     def _regroup(self, state: Recovering | Resizing) -> State:
-        """Keep the survivors, add standbys and workers where bundles can be placed now, form the next generation."""
-        started = time.monotonic()
-        before = self.group.world_size
+        """Keep the survivors and take the standbys it needs; Placing then adds new workers and forms the group."""
         recovering = isinstance(state, Recovering)
-        reason = state.reason if recovering else "capacity returned"
+        placing = Placing(reason=state.reason if recovering else "capacity returned", recovering=recovering,
+                          world_size_before=self.group.world_size)
         if recovering:
             self.bundles.lost_nodes |= {worker.node_id for worker in state.lost}
             self.reporter.report(state="RECOVERING", message=f"{state.reason}; re-forming the group", details={
                 "lost_ranks": sorted(worker.rank for worker in state.lost),
                 "lost_nodes": sorted({worker.node_id for worker in state.lost}),
                 "lost_pids": sorted(worker.pid for worker in state.lost),
-                "world_size_before": before,
+                "world_size_before": placing.world_size_before,
             })
             self.group.remove(state.lost)
         if self.scaling.wait_for_warming(self._counts()):
             self.standby.wait_for_starting(START_TIMEOUT_S)
         missing = self.scaling.missing(self._counts())
-        standbys = self.standby.take(missing, STANDBY_PROBE_TIMEOUT_S) if missing else []
-        wanted = self.scaling.new_workers_wanted(self.group.world_size, len(standbys))
-        taken = {worker.slot for worker in self.group.workers + standbys} | set(self.standby.slots)
-        if wanted and len(self.bundles.spare(taken)) < wanted and self.bundles.spare_capacity():
+        placing.standbys = self.standby.take(missing, STANDBY_PROBE_TIMEOUT_S) if missing else []
+        placing.wanted = self.scaling.new_workers_wanted(self.group.world_size, len(placing.standbys))
+        taken = self._taken(placing)
+        if placing.wanted and len(self.bundles.spare(taken)) < placing.wanted and self.bundles.spare_capacity():
             # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
             deadline = time.monotonic() + REPLACEMENT_WAIT_S
-            while len(self.bundles.spare(taken)) < wanted and time.monotonic() < deadline:
+            while len(self.bundles.spare(taken)) < placing.wanted and time.monotonic() < deadline:
                 time.sleep(0.2)
-        waiting_since = time.monotonic()
-        while True:
-            spare = self.bundles.spare(taken)[:wanted]
-            added = self.group.launch(spare, START_TIMEOUT_S) if wanted else []
-            members = self.group.workers + standbys + added
-            log.info("regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
-                     time.monotonic() - started, self.group.world_size, len(added), len(spare))
-            decision = self.scaling.decide(len(members), time.monotonic() - waiting_since, reason)
-            if isinstance(decision, FormGroup):
-                break
+        placing.waiting_since = time.monotonic()
+        return placing
+
+    def _place(self, placing: Placing) -> State:
+        """Start new workers where bundles can be placed now; form the next generation once the scaling policy says
+        so, else wait a second (a state of its own each time) or give up."""
+        spare = self.bundles.spare(self._taken(placing))[:placing.wanted]
+        added = self.group.launch(spare, START_TIMEOUT_S) if placing.wanted else []
+        members = self.group.workers + placing.standbys + added
+        log.info("regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
+                 time.monotonic() - placing.started, self.group.world_size, len(added), len(spare))
+        decision = self.scaling.decide(len(members), time.monotonic() - placing.waiting_since, placing.reason)
+        if not isinstance(decision, FormGroup):
             for worker in added:
                 ray.kill(worker.actor, no_restart=True)
             if self.reporter.ended.is_set():
@@ -283,21 +297,27 @@ class Controller:
             if isinstance(decision, GiveUp):
                 return Failed(decision.reason)
             time.sleep(1.0)
+            return placing
         self._form(members)
         log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
-                 time.monotonic() - started)
+                 time.monotonic() - placing.started)
         # Rank 0 names the checkpoint it will resume from: reading checkpoints takes torch, which the driver never
         # imports (2-3 s of CPU, taken from training on a small machine).
         resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
+        before = placing.world_size_before
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
-                   "standby_workers_used": len(standbys), "workers_missing": self.scaling.missing(self._counts()),
-                   "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - started, 3)}
+                   "standby_workers_used": len(placing.standbys), "workers_missing": self.scaling.missing(self._counts()),
+                   "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - placing.started, 3)}
         message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
-        if recovering:
+        if placing.recovering:
             self.reporter.report(state="RUNNING", message=message, details=details)
         else:
             self.reporter.report(message=f"capacity returned: {message}", details=details)
         return self._train()
+
+    def _taken(self, placing: Placing) -> set[Slot]:
+        """Slots held by the survivors, the standbys taken to join them, and the standbys still warm."""
+        return {worker.slot for worker in self.group.workers + placing.standbys} | set(self.standby.slots)
 
     def _form(self, members: list[RankedWorker]) -> None:
         world = min(self.spec.workers.max, len(members))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -82,6 +84,7 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
 def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
     """Import ``package.module:function`` and return the function."""
     module_name, _, attribute = entrypoint.partition(":")
+    _job_code_first()
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
@@ -92,6 +95,16 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
     if not callable(builder):
         raise EntrypointError(f"model entrypoint {entrypoint!r}: {attribute!r} is a {type(builder).__name__}, not a function")
     return builder
+
+
+def _job_code_first() -> None:
+    """Put the job's code path (its PYTHONPATH, set from RINGMASTER_CODE_PATH) first on sys.path. Ray puts the directory
+    the job's driver (or, for a warm pool worker, the control plane) started in before it; when that is a ringmaster
+    checkout, its api/, service/ and workers/ folders would shadow a user's own packages of those names. ringmaster
+    itself imports only ringmaster.*, so nothing of its own can be shadowed in turn."""
+    for entry in reversed([os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]):
+        sys.path[:] = [entry] + [path for path in sys.path if os.path.abspath(path or ".") != entry]
+    importlib.invalidate_caches()
 
 
 def _as_bundle(result: Any, entrypoint: str) -> ModelBundle:
