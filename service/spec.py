@@ -39,6 +39,29 @@ class WorkersSpec(_Strict):
         return self
 
 
+class LRScheduleSpec(_Strict):
+    """The learning rate after train.warmup_steps, as a function of the step alone (so a resume needs no state)."""
+
+    kind: Literal["constant", "cosine", "linear"] = Field(default="constant", description="constant: lr throughout; "
+                                                          "cosine or linear: decays from lr to lr × min_lr_ratio at the last step.")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="cosine, linear: the last step's LR as a fraction of lr.")
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["adamw", "sgd"] = "adamw"
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="adamw: the moments' decay rates, each in [0, 1).")
+    eps: float = Field(default=1e-8, gt=0, le=1, description="adamw: added to the denominator.")
+    weight_decay: float | None = Field(default=None, ge=0, le=10, description="Decoupled (adamw) or L2 (sgd) weight decay; "
+                                       "unset: train.weight_decay.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
+
 class TrainSpec(_Strict):
     steps: int = Field(default=100, ge=1, le=10_000_000)
     global_batch_size: int = Field(default=16, ge=1)
@@ -50,6 +73,14 @@ class TrainSpec(_Strict):
     precision: Literal["fp32", "bf16"] = "fp32"
     weight_decay: float = Field(default=0.0, ge=0)
     record_sample_ids: bool = Field(default=False, description="Write which sample ids each step used under the job's storage (data audit).")
+    lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    eval_every_steps: int = Field(default=0, ge=0, description="Evaluate the validation set every this many steps (0: at "
+                                  "the end, and at checkpoints that keep_best by val_loss).")
+
+    @property
+    def effective_weight_decay(self) -> float:
+        return self.optimizer.weight_decay if self.optimizer.weight_decay is not None else self.weight_decay
 
 
 class ParallelSpec(_Strict):
@@ -195,8 +226,14 @@ class JobSpec(_Strict):
             del fields["resume_from"]
         if fields["checkpoint"]["keep_best"] is None:
             del fields["checkpoint"]["keep_best"]
+        for name, default in TrainSpec().model_dump(mode="json", include=set(_LATER_TRAIN_FIELDS)).items():
+            if fields["train"][name] == default:
+                del fields["train"][name]
         canonical = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+_LATER_TRAIN_FIELDS = ("lr_schedule", "optimizer", "eval_every_steps")  # left out of spec_hash at their defaults
 
 
 def parse_spec_text(text: str) -> JobSpec:

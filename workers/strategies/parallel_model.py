@@ -19,13 +19,27 @@ from ringmaster.workers.parallel_dims import ParallelDims
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW's settings; the strategy decides how the optimizer is built (ZeRO-1 shards it)."""
+    """The optimizer's settings (JobSpec train.optimizer); the strategy decides how it is built (ZeRO-1 shards it)."""
 
     lr: float
     weight_decay: float
+    name: str = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @property
+    def optimizer_class(self) -> type[Optimizer]:
+        return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[self.name]
+
+    @property
+    def options(self) -> dict:
+        """Keyword arguments of optimizer_class besides the parameters."""
+        if self.name == "sgd":
+            return {"lr": self.lr, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": self.betas, "eps": self.eps}
 
     def build(self, params: Iterable[nn.Parameter]) -> Optimizer:
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return self.optimizer_class(params, **self.options)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ and then broadcasts them to the others."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
@@ -12,13 +11,8 @@ from ringmaster.workers.strategies.parallel_model import ParallelSetup
 
 
 def sharded_optimizer(model: nn.Module, setup: ParallelSetup) -> ZeroRedundancyOptimizer:
-    return ZeroRedundancyOptimizer(
-        model.parameters(),
-        optimizer_class=torch.optim.AdamW,
-        process_group=setup.mesh["dp"].get_group(),
-        lr=setup.optimizer.lr,
-        weight_decay=setup.optimizer.weight_decay,
-    )
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=setup.optimizer.optimizer_class,
+                                   process_group=setup.mesh["dp"].get_group(), **setup.optimizer.options)
 
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:

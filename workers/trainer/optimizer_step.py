@@ -1,14 +1,18 @@
 """The optimizer step and the learning-rate schedule it follows.
 
-The learning rate is a function of the step alone, so a resumed run needs no scheduler state. Gradient clipping (the
+The learning rate is a function of the step alone (warmup, then the JobSpec's train.lr_schedule), so a resumed run
+needs no scheduler state. Gradient clipping (the
 global norm across every shard and rank) belongs in `OptimizerStep.step`, between the schedule and the update.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from torch.optim import Optimizer
+
+from ringmaster.service.spec import TrainSpec
 
 
 def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
@@ -17,6 +21,24 @@ def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
 
     def factor(completed_steps: int) -> float:
         return min(1.0, (completed_steps + 1) / warmup_steps) if warmup_steps else 1.0
+
+    return factor
+
+
+def lr_schedule(train: TrainSpec) -> Callable[[int], float]:
+    """The factor of train.lr before step ``completed_steps + 1``: the linear warmup, then train.lr_schedule. A decay
+    starts at 1 on the first step after the warmup and reaches min_lr_ratio on the last step."""
+    warmup, schedule = linear_warmup(train.warmup_steps), train.lr_schedule
+    decay_steps = train.steps - train.warmup_steps - 1  # steps after the first one past the warmup
+
+    def factor(completed_steps: int) -> float:
+        if completed_steps < train.warmup_steps or schedule.kind == "constant":
+            return warmup(completed_steps)
+        progress = min(1.0, (completed_steps - train.warmup_steps) / decay_steps) if decay_steps > 0 else 0.0
+        floor = schedule.min_lr_ratio
+        if schedule.kind == "linear":
+            return 1.0 - (1.0 - floor) * progress
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 

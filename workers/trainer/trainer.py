@@ -33,7 +33,7 @@ from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, Parall
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
 from ringmaster.workers.trainer.checkpointer import Checkpointer
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
-from ringmaster.workers.trainer.optimizer_step import OptimizerStep, linear_warmup
+from ringmaster.workers.trainer.optimizer_step import OptimizerStep, lr_schedule
 from ringmaster.workers.trainer.validator import Validator
 
 
@@ -49,14 +49,18 @@ class Trainer:
         keep_best = spec.checkpoint.keep_best
         if keep_best is not None and keep_best.metric == "val_loss" and bundle.val_dataset is None:
             raise ValueError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none")
+        if spec.train.eval_every_steps and bundle.val_dataset is None:
+            raise ValueError(f"train.eval_every_steps needs a validation set, and model {spec.model!r} has none")
         self._parameter_count = sum(parameter.numel() for parameter in bundle.model.parameters())
         bundle.model.to(ctx.device)
         base_lr = spec.scaled_lr(ctx.world_size)
-        optimizer = OptimizerConfig(lr=base_lr, weight_decay=spec.train.weight_decay)
+        chosen = spec.train.optimizer
+        optimizer = OptimizerConfig(lr=base_lr, weight_decay=spec.train.effective_weight_decay, name=chosen.name,
+                                    betas=chosen.betas, eps=chosen.eps)
         self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
-        self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, linear_warmup(spec.train.warmup_steps))
+        self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train))
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
                                     keep_for_checkpoints=bool(spec.checkpoint.every_steps))
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
@@ -92,6 +96,8 @@ class Trainer:
         while self.step < spec.train.steps and not stopped:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
+            if self._evaluation_due():
+                self._validate()
             if stopped or self._checkpointer.due(self.step):
                 # Periodic saves run in the background; the one a stop asks for is written before returning.
                 self._checkpointer.save(self.step, self._stream.position, self._checkpoint_metric, final=False,
@@ -147,6 +153,11 @@ class Trainer:
                 step=self.step, loss=self.loss, samples_per_s=self.spec.train.global_batch_size / step_time,
                 step_time_s=step_time, wall_time=time.time(), lr=lr, world_size=self.ctx.world_size))
         return votes > 0 and self.step < self.spec.train.steps
+
+    def _evaluation_due(self) -> bool:
+        """train.eval_every_steps: evaluate after this step (the last step's is the final evaluation)."""
+        every = self.spec.train.eval_every_steps
+        return bool(every) and self.step % every == 0 and self.step < self.spec.train.steps
 
     def _validate(self) -> float:
         """Collective: the validation loss now (reused if this step was validated); rank 0 reports a new one."""
