@@ -151,6 +151,7 @@ class MetricOut(BaseModel):
     step_time_s: float | None
     wall_time: float | None = Field(description="Unix time at which the step finished on rank 0.")
     lr: float | None
+    grad_norm: float | None = Field(description="The global gradient norm of the step, before clipping.")
     world_size: int | None
     recorded_at: datetime
 
@@ -165,6 +166,7 @@ class MetricOut(BaseModel):
             step_time_s=metric.step_time_s,
             wall_time=metric.wall_time,
             lr=metric.lr,
+            grad_norm=metric.grad_norm,
             world_size=metric.world_size,
             recorded_at=metric.recorded_at,
         )

@@ -177,6 +177,7 @@ class Metric(Base):
     step_time_s: Mapped[float | None] = mapped_column(Float)
     wall_time: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
     world_size: Mapped[int | None] = mapped_column(Integer)
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
 

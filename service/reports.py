@@ -20,6 +20,7 @@ class MetricPoint(BaseModel):
     step_time_s: float | None = None
     wall_time: float | None = Field(default=None, description="Unix time at which rank 0 finished the step.")
     lr: float | None = None
+    grad_norm: float | None = Field(default=None, description="The global gradient norm before clipping (train.grad_clip).")
     world_size: int | None = None
     attempt: int | None = Field(
         default=None, ge=1,

@@ -76,7 +76,8 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
     for metric in metrics:
         cursor = Cursor(cursor.event_id, metric.attempt, metric.step)
         data = {field: getattr(metric, field) for field in
-                ("attempt", "step", "loss", "val_loss", "samples_per_s", "step_time_s", "wall_time", "lr", "world_size")}
+                ("attempt", "step", "loss", "val_loss", "samples_per_s", "step_time_s", "wall_time", "lr", "grad_norm",
+                                   "world_size")}
         data["recorded_at"] = _iso(metric.recorded_at)
         items.append(StreamItem("metric", cursor, data))
     more = len(events) == limit or len(metrics) == limit
