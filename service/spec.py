@@ -77,6 +77,13 @@ class TrainSpec(_Strict):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     eval_every_steps: int = Field(default=0, ge=0, description="Evaluate the validation set every this many steps (0: at "
                                   "the end, and at checkpoints that keep_best by val_loss).")
+    grad_clip: float | None = Field(default=None, gt=0, le=1e6, description="Scale gradients down to this global norm (over "
+                                    "every shard and rank) when it is larger; unset: no clipping. The norm before clipping "
+                                    "is reported each step as grad_norm either way.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        default="none", description="Per block: full recomputes each block's activations in backward; selective keeps the "
+        "matrix multiplications' outputs and recomputes the rest.")
+    compile: bool = Field(default=False, description="torch.compile each block (and the model when it has none).")
 
     @property
     def effective_weight_decay(self) -> float:
@@ -92,6 +99,18 @@ class ParallelSpec(_Strict):
     microbatches: int = Field(default=8, ge=1, le=4096, description="Pipeline micro-batches of micro_batch_size per step and data-parallel replica.")
     schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
     stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks (virtual stages) per pipeline rank.")
+    blocks: list[str] | None = Field(default=None, min_length=1, max_length=16, description="Class names of the model's "
+                                     "repeated blocks (the units of FSDP, activation checkpointing, compile and pipeline "
+                                     "splits); unset: a Hugging Face model's _no_split_modules, else the largest list of "
+                                     "same-class modules at any depth.")
+
+    @field_validator("blocks")
+    @classmethod
+    def _class_names(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or ():
+            if not re.fullmatch(r"[A-Za-z_]\w{0,127}", name):
+                raise ValueError(f"each entry must be a Python class name, got {name!r}")
+        return value
 
 
 class KeepBestSpec(_Strict):
@@ -229,11 +248,13 @@ class JobSpec(_Strict):
         for name, default in TrainSpec().model_dump(mode="json", include=set(_LATER_TRAIN_FIELDS)).items():
             if fields["train"][name] == default:
                 del fields["train"][name]
+        if fields["parallel"]["blocks"] is None:
+            del fields["parallel"]["blocks"]
         canonical = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-_LATER_TRAIN_FIELDS = ("lr_schedule", "optimizer", "eval_every_steps")  # left out of spec_hash at their defaults
+_LATER_TRAIN_FIELDS = ("lr_schedule", "optimizer", "eval_every_steps", "grad_clip", "activation_checkpointing", "compile")  # left out of spec_hash at their defaults
 
 
 def parse_spec_text(text: str) -> JobSpec:

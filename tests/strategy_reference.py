@@ -26,13 +26,14 @@ MODEL_OPTIONS = {"n_layers": 4, "dim": 32, "n_heads": 4, "seq_len": 32, "max_cor
 
 
 def strategy_spec(name: str, strategy: str, workers: int, steps: int, micro_batch_size: int, *,
-                  precision: str = "fp32", **parallel: Any) -> dict[str, Any]:
+                  precision: str = "fp32", grad_clip: float | None = None, **parallel: Any) -> dict[str, Any]:
     """A JobSpec document for ``strategy`` training the reference model on the reference batches."""
     return {
         "name": name, "model": "tiny-gpt", "model_options": MODEL_OPTIONS, "strategy": strategy, "parallel": parallel,
         "workers": {"min": workers, "max": workers, "cpus_per_worker": 1},
         "train": {"steps": steps, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro_batch_size, "lr": LR,
-                  "warmup_steps": WARMUP_STEPS, "weight_decay": WEIGHT_DECAY, "seed": SEED, "precision": precision},
+                  "warmup_steps": WARMUP_STEPS, "weight_decay": WEIGHT_DECAY, "seed": SEED, "precision": precision,
+                  "grad_clip": grad_clip},
         "checkpoint": {"every_steps": 0, "keep": 1},
     }
 
@@ -40,24 +41,27 @@ def strategy_spec(name: str, strategy: str, workers: int, steps: int, micro_batc
 @dataclass
 class ReferenceRun:
     losses: list[float]
-    gradients: list[dict[str, torch.Tensor]]  # per step, by the unsplit model's parameter names
+    gradients: list[dict[str, torch.Tensor]]  # per step, by the unsplit model's parameter names, before clipping
+    grad_norms: list[float]
     state: dict[str, torch.Tensor]  # the model's weights after the last step
 
 
-def train_reference(steps: int) -> ReferenceRun:
-    spec = JobSpec.model_validate(strategy_spec("reference", "ddp", 1, steps, GLOBAL_BATCH))
+def train_reference(steps: int, grad_clip: float | None = None) -> ReferenceRun:
+    spec = JobSpec.model_validate(strategy_spec("reference", "ddp", 1, steps, GLOBAL_BATCH, grad_clip=grad_clip))
     torch.manual_seed(SEED)  # run_training seeds torch with spec.train.seed right before building the bundle
     bundle = build_bundle(spec)
     model = bundle.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = LambdaLR(optimizer, lambda completed: min(1.0, (completed + 1) / WARMUP_STEPS))
     permutation = list(DistributedSampler(bundle.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=True))
-    run = ReferenceRun([], [], {})
+    run = ReferenceRun([], [], [], {})
     for step in range(steps):
         indices = permutation[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
         loss = bundle.loss_fn(model, default_collate([bundle.train_dataset[i] for i in indices]))
         loss.backward()
         run.gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip is not None else float("inf"))
+        run.grad_norms.append(norm.item())
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.strategies.parallel_model import ParallelSetup
 
 
@@ -20,7 +21,7 @@ def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
     and gather again in backward; zero2 keeps them until backward. bf16 computes in bf16, reduces in fp32."""
     mesh = setup.mesh[setup.dims.dp_mesh_names]
     reshard_after_forward = setup.spec.parallel.shard != "zero2"
-    for block in transformer_blocks(module):
+    for block in repeated_blocks(module, setup.spec.parallel.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=False))
     return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=True))
 
@@ -37,17 +38,6 @@ def mixed_precision(setup: ParallelSetup, root: bool) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                 output_dtype=torch.float32 if root else None)
-
-
-def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """FSDP's units: the entries of the model's top-level ModuleDict/ModuleList containers (tiny-gpt's
-    ``layers``); a model without such a container is sharded as one unit."""
-    return [
-        block
-        for child in module.children()
-        if isinstance(child, (nn.ModuleDict, nn.ModuleList))
-        for block in (child.values() if isinstance(child, nn.ModuleDict) else child)
-    ]
 
 
 @contextmanager

@@ -13,9 +13,11 @@ from torch import nn
 
 from ringmaster.service.catalogue import STRATEGIES, StrategyEntry
 from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.strategies.ddp import wrap_ddp
 from ringmaster.workers.strategies.fsdp import apply_fsdp, apply_replicate, without_gradient_sync
 from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
+from ringmaster.workers.strategies.per_block import apply_activation_checkpointing, compile_blocks
 from ringmaster.workers.strategies.pipeline import build_schedule, split_stages
 from ringmaster.workers.strategies.tensor import apply_tensor_parallel
 from ringmaster.workers.strategies.zero1 import sharded_optimizer
@@ -36,6 +38,12 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
     if dims.tp > 1:
         for module in modules:
             apply_tensor_parallel(module, bundle, setup)
+    train = setup.spec.train
+    for module in modules:
+        blocks = repeated_blocks(module, setup.spec.parallel.blocks)
+        apply_activation_checkpointing(blocks, train.activation_checkpointing)
+        if train.compile:
+            compile_blocks(module, blocks)
     wrap, local_accumulation = _data_parallel(entry, setup)
     parts = [wrap(module) for module in modules]
     optimizers = [sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part.parameters())

@@ -1,15 +1,18 @@
-"""The optimizer step and the learning-rate schedule it follows.
+"""The optimizer step: the global gradient norm and clipping, then the update at the learning rate of the schedule.
 
 The learning rate is a function of the step alone (warmup, then the JobSpec's train.lr_schedule), so a resumed run
-needs no scheduler state. Gradient clipping (the
-global norm across every shard and rank) belongs in `OptimizerStep.step`, between the schedule and the update.
+needs no scheduler state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import TrainSpec
@@ -43,16 +46,58 @@ def lr_schedule(train: TrainSpec) -> Callable[[int], float]:
     return factor
 
 
-class OptimizerStep:
-    """Steps every optimizer of this rank's parts at the schedule's learning rate."""
+def global_grad_norm(parameters: Iterable[torch.Tensor], pipeline_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The 2-norm of every gradient of the whole model, the one a single process computes, on every rank.
 
-    def __init__(self, optimizers: list[Optimizer], base_lr: float, lr_factor: Callable[[int], float]) -> None:
+    A DTensor gradient (FSDP's shards, tensor parallel's pieces) contributes its full tensor's norm, reduced over its
+    mesh; a plain one (DDP, or a tensor-parallel model's replicated parts) is the same on every rank that holds it and
+    counts once. Pipeline stages hold different parameters, so their squared norms are summed over ``pipeline_group``."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    by_layout: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_layout[(grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None].append(grad)
+    device = grads[0].device if grads else torch.device("cpu")
+    squared = torch.zeros((), device=device, dtype=torch.float32)
+    for layout, members in by_layout.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = squared + norm.float().square()
+    if pipeline_group is not None:
+        dist.all_reduce(squared, group=pipeline_group)
+    return squared.sqrt()
+
+
+def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by max_norm / total_norm when that is below 1, as torch.nn.utils.clip_grad_norm_ does; a
+    DTensor gradient is scaled through its local shard, so plain and DTensor gradients mix."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    local = [parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
+             for parameter in parameters if parameter.grad is not None]
+    if local:
+        torch._foreach_mul_(local, coefficient.to(local[0].device))
+
+
+class OptimizerStep:
+    """Steps every optimizer of this rank's parts at the schedule's learning rate, after clipping the gradients to
+    ``grad_clip`` (their global norm over every shard and rank) when one is set."""
+
+    def __init__(self, optimizers: list[Optimizer], base_lr: float, lr_factor: Callable[[int], float],
+                 grad_clip: float | None = None, pipeline_group: dist.ProcessGroup | None = None) -> None:
         self._optimizers = optimizers
         self._base_lr = base_lr
         self._lr_factor = lr_factor
+        self._grad_clip = grad_clip
+        self._pipeline_group = pipeline_group
+        self.grad_norm: torch.Tensor | None = None  # of the last step, before clipping
 
     def step(self, completed_steps: int) -> float:
         """Update the parameters from their gradients for step ``completed_steps + 1``; returns the learning rate."""
+        parameters = [parameter for optimizer in self._optimizers for group in optimizer.param_groups
+                      for parameter in group["params"]]
+        self.grad_norm = global_grad_norm(parameters, self._pipeline_group)
+        if self._grad_clip is not None:
+            clip_gradients(parameters, self._grad_clip, self.grad_norm)
         lr = self._base_lr * self._lr_factor(completed_steps)
         for optimizer in self._optimizers:
             for group in optimizer.param_groups:

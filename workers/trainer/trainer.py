@@ -60,7 +60,8 @@ class Trainer:
         self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
-        self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train))
+        self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train), spec.train.grad_clip,
+                                        pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None)
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
                                     keep_for_checkpoints=bool(spec.checkpoint.every_steps))
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
@@ -151,7 +152,8 @@ class Trainer:
         if self.ctx.rank == 0:
             self._metrics.record(MetricPoint(
                 step=self.step, loss=self.loss, samples_per_s=self.spec.train.global_batch_size / step_time,
-                step_time_s=step_time, wall_time=time.time(), lr=lr, world_size=self.ctx.world_size))
+                step_time_s=step_time, wall_time=time.time(), lr=lr, grad_norm=self._optimizer.grad_norm.item(),
+                world_size=self.ctx.world_size))
         return votes > 0 and self.step < self.spec.train.steps
 
     def _evaluation_due(self) -> bool:
