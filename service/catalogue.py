@@ -75,5 +75,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in (
     BuiltinModel("tiny-gpt", "ringmaster.workers.models.tiny_gpt:build", "pysource",
                  {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}, ("max_corpus_bytes",)),
 )}
+HF_PREFIX = "hf:"  # model: hf:<transformers model class>, built from the config fields in model_options
 USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
 CORPORA = tuple(sorted({model.corpus for model in BUILTIN_MODELS.values()}))

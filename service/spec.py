@@ -13,9 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, STRATEGIES, STRATEGY_NAMES, USER_DATA
+from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA
+from ringmaster.service.hf_models import UnknownHFModel, hf_model_facts
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+_HF_MODEL = re.compile(rf"^{HF_PREFIX}[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
 
 
@@ -135,7 +137,8 @@ class CheckpointSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.")
-    model: str = Field(description="Built-in model name, or 'package.module:function' for user code.")
+    model: str = Field(description="Built-in model name, 'package.module:function' for user code, or "
+                       "'hf:<transformers model class>' built from its config's fields in model_options.")
     data: str | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic') or 'user'; default follows the model.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
     model_parameters: int | None = Field(default=None, ge=1, description="Parameter count of a user model, for the planner "
@@ -160,8 +163,14 @@ class JobSpec(_Strict):
     @field_validator("model")
     @classmethod
     def _model_known(cls, value: str) -> str:
-        if value not in BUILTIN_MODELS and not _ENTRYPOINT.match(value):
-            raise ValueError(f"must be one of {', '.join(BUILTIN_MODELS)} or 'package.module:function', got {value!r}")
+        if value not in BUILTIN_MODELS and not _ENTRYPOINT.match(value) and not _HF_MODEL.match(value):
+            raise ValueError(f"must be one of {', '.join(BUILTIN_MODELS)}, 'package.module:function' or "
+                             f"'{HF_PREFIX}<ModelClass>', got {value!r}")
+        if _HF_MODEL.match(value):
+            try:
+                hf_model_facts(value.removeprefix(HF_PREFIX))
+            except UnknownHFModel as error:
+                raise ValueError(str(error)) from None
         return value
 
     @model_validator(mode="after")
@@ -174,6 +183,13 @@ class JobSpec(_Strict):
         if not builtin and self.data not in (USER_DATA, *CORPORA):
             raise ValueError(f"data: must be 'user' (from the entrypoint) or one of {list(CORPORA)}, got {self.data!r}")
         self._check_parallel_fields()
+        if self.model.startswith(HF_PREFIX) and self.parallel.tp > 1:
+            model_class = self.model.removeprefix(HF_PREFIX)
+            facts = hf_model_facts(model_class)
+            if not facts.has_tp_plan:
+                raise ValueError(f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
+                                 f"({facts.config_class or 'its config'} has no base_model_tp_plan); give the job a model "
+                                 "function of your own that returns a ModelBundle with a tensor_parallel hook")
         train = self.train
         for world in range(self.workers.min, self.workers.max + 1):
             model_parallel = self.parallel.tp * self.parallel.pp

@@ -11,6 +11,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
-from ringmaster.service.catalogue import BUILTIN_MODELS, USER_DATA
+from ringmaster.service.catalogue import BUILTIN_MODELS, HF_PREFIX, USER_DATA
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
@@ -66,12 +67,18 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
     """Resolve ``spec.model``, call its builder with ``spec.model_options``, and check the result."""
     builtin = BUILTIN_MODELS.get(spec.model)
     entrypoint = builtin.entrypoint if builtin else spec.model
-    builder = resolve_entrypoint(entrypoint)
+    if spec.model.startswith(HF_PREFIX):
+        from ringmaster.workers.models import hf
+
+        builder = partial(hf.build, spec.model.removeprefix(HF_PREFIX))
+    else:
+        builder = resolve_entrypoint(entrypoint)
     try:
         inspect.signature(builder).bind(**spec.model_options)
     except TypeError as error:
         raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
     bundle = _as_bundle(builder(**spec.model_options), entrypoint)
+    _with_hf_hooks(bundle)
     if spec.data != USER_DATA and builtin is None:
         corpus = BUILTIN_CORPORA[spec.data]
         accepted = inspect.signature(corpus).parameters
@@ -105,6 +112,19 @@ def _job_code_first() -> None:
     for entry in reversed([os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]):
         sys.path[:] = [entry] + [path for path in sys.path if os.path.abspath(path or ".") != entry]
     importlib.invalidate_caches()
+
+
+def _with_hf_hooks(bundle: ModelBundle) -> None:
+    """A transformers model a user's function returns gets the hooks transformers makes possible wherever the user
+    supplied none: its config's tensor-parallel plan, pipeline stages cut at its blocks, the logits' loss."""
+    if "transformers" not in sys.modules:
+        return
+    from ringmaster.workers.models import hf
+
+    if hf.is_hf_model(bundle.model):
+        bundle.tensor_parallel = bundle.tensor_parallel or hf.config_tensor_parallel
+        bundle.pipeline_stage = bundle.pipeline_stage or hf.pipeline_stage
+        bundle.output_loss_fn = bundle.output_loss_fn or hf.logits_loss
 
 
 def _as_bundle(result: Any, entrypoint: str) -> ModelBundle:

@@ -1,0 +1,147 @@
+"""Hugging Face transformers models (GPT-2 with its tied embeddings, Llama with its config's tensor-parallel plan) as
+users write them: built from a config with random weights, given as `hf:<class>` or returned by a user's function.
+Every strategy follows ddp's losses; FSDP shards per block wherever the blocks sit; weights come from safetensors;
+what cannot work is refused at submit with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.distributed.fsdp import FSDPModule
+
+from harness.checkpoints import latest_committed, load_model_weights
+from harness.process_group import run_on_ranks
+from harness.sinks import CallbackSink
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.models import build_bundle
+from ringmaster.workers.parallel_dims import ParallelDims
+from ringmaster.workers.strategies import OptimizerConfig, ParallelSetup, parallelize
+from ringmaster.workers.strategies.blocks import repeated_blocks
+from ringmaster.workers.trainer import TrainContext, run_training
+
+# No dropout, so every layout computes the same function.
+GPT2 = {"vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "seq_len": 32, "max_corpus_bytes": 32_768}
+LLAMA = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 32, "seq_len": 32, "max_corpus_bytes": 32_768}
+MODELS = {"gpt2": ("hf:GPT2LMHeadModel", GPT2), "llama": ("hf:LlamaForCausalLM", LLAMA)}
+STEPS = 3
+# name: strategy, parallel, micro_batch_size, ranks per node (hybrid replicates across two one-rank "nodes")
+STRATEGIES = {
+    "ddp": ("ddp", {}, 4, None),
+    "zero1": ("zero1", {}, 4, None),
+    "fsdp-zero2": ("fsdp", {"shard": "zero2"}, 4, None),
+    "fsdp-zero3": ("fsdp", {"shard": "zero3"}, 4, None),
+    "fsdp-hybrid": ("fsdp", {"shard": "hybrid"}, 4, (1, 1)),
+    "tensor": ("tensor", {"tp": 2}, 8, None),
+    "pipeline-1f1b": ("pipeline", {"pp": 2, "microbatches": 4}, 2, None),
+}
+
+
+def hf_spec(model: str, strategy: str, workers: int = 2, steps: int = STEPS, tied: bool = True, **overrides) -> dict:
+    name, options = MODELS[model]
+    kind, parallel, micro_batch_size, _ = STRATEGIES[strategy]
+    if not tied or kind == "pipeline":
+        options = {**options, "tie_word_embeddings": False}  # pipeline stages would hold the tied pair apart
+    return {"name": f"hf-{model}-{strategy}", "model": name, "model_options": options, "strategy": kind,
+            "parallel": parallel, "workers": {"min": workers, "max": workers},
+            "train": {"steps": steps, "global_batch_size": 16, "micro_batch_size": micro_batch_size, "lr": 3e-3,
+                      "seed": 1, "grad_clip": 1.0}, **overrides}
+
+
+def _cases() -> list[tuple[str, str]]:
+    return [(model, strategy) for model in MODELS for strategy in STRATEGIES
+            if not (model == "gpt2" and strategy == "tensor")]  # GPT-2 ships no tensor-parallel plan
+
+
+def _train_every_case(rank: int, world_size: int, root: str) -> None:
+    untied_ddp = [(model, "ddp", "ddp-untied") for model in MODELS]  # the pipeline's reference
+    for model, strategy, name in [(model, strategy, strategy) for model, strategy in _cases()] + untied_ddp:
+        points: list = []
+        run_training(JobSpec.model_validate(hf_spec(model, strategy, tied=name != "ddp-untied")), TrainContext(
+            rank, world_size, torch.device("cpu"), "hf", f"{root}/{model}-{name}",
+            sink=CallbackSink(on_metric=points.append), ranks_per_node=STRATEGIES[strategy][3]))
+        if rank == 0:
+            Path(root, f"{model}-{name}.json").write_text(json.dumps(
+                [(point.loss, point.grad_norm) for point in points if point.loss is not None]))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hf")
+    run_on_ranks(_train_every_case, 2, str(root))
+    return root
+
+
+@pytest.mark.parametrize("model,strategy", [case for case in _cases() if case[1] != "ddp"])
+def test_every_strategy_follows_ddp(trained: Path, model: str, strategy: str) -> None:
+    untied = STRATEGIES[strategy][0] == "pipeline"
+    ddp = json.loads((trained / f"{model}-{'ddp-untied' if untied else 'ddp'}.json").read_text())
+    other = json.loads((trained / f"{model}-{strategy}.json").read_text())
+    assert len(other) == STEPS
+    assert [loss for loss, _ in other] == pytest.approx([loss for loss, _ in ddp], abs=1e-5)
+    assert [norm for _, norm in other] == pytest.approx([norm for _, norm in ddp], rel=1e-5)
+
+
+def test_tied_embeddings_stay_tied_through_fsdp_and_its_checkpoint(trained: Path) -> None:
+    spec = JobSpec.model_validate(hf_spec("gpt2", "fsdp-zero3"))
+    model = build_bundle(spec).model
+    untouched = model.lm_head.weight.detach().clone()
+    load_model_weights(latest_committed(trained / "gpt2-fsdp-zero3").path, model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not torch.equal(model.lm_head.weight, untouched)  # the trained weights were loaded
+
+
+def test_fsdp_units_are_the_blocks_inside_the_model(single_rank_group: None) -> None:
+    for model in MODELS:
+        spec = JobSpec.model_validate(hf_spec(model, "fsdp-zero3", workers=1))
+        bundle = build_bundle(spec)
+        blocks = repeated_blocks(bundle.model)
+        assert [type(block).__name__ for block in blocks] == [next(iter(bundle.model._no_split_modules))] * 2
+        dims = ParallelDims.from_spec(spec, 1, None)
+        parallelize(bundle, ParallelSetup(spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(1e-3, 0.0)))
+        assert all(isinstance(block, FSDPModule) for block in blocks)
+
+
+def test_pretrained_safetensors_are_the_starting_weights(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    source = build_bundle(JobSpec.model_validate(hf_spec("llama", "ddp", workers=1))).model
+    torch.manual_seed(123)
+    for parameter in source.parameters():
+        parameter.data.normal_()
+    save_file({key: value.contiguous() for key, value in source.state_dict().items()}, tmp_path / "model.safetensors")
+    for location in (str(tmp_path), str(tmp_path / "model.safetensors"), f"file://{tmp_path}/model.safetensors"):
+        spec = hf_spec("llama", "ddp", workers=1)
+        spec["model_options"] = {**spec["model_options"], "pretrained": location}
+        loaded = build_bundle(JobSpec.model_validate(spec)).model
+        for key, value in source.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value), (location, key)
+    spec["model_options"] = {**LLAMA, "num_hidden_layers": 3, "pretrained": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"does not fit the model: missing \['model.layers.2"):
+        build_bundle(JobSpec.model_validate(spec))
+
+
+def test_what_cannot_work_is_refused_at_submit_with_the_reason() -> None:
+    with pytest.raises(ValidationError, match="transformers has no model class 'NoSuchForCausalLM'"):
+        JobSpec.model_validate({**hf_spec("llama", "ddp"), "model": "hf:NoSuchForCausalLM"})
+    with pytest.raises(ValidationError, match="no tensor-parallel plan for GPT2LMHeadModel .GPT2Config has no base_model_tp_plan"):
+        JobSpec.model_validate({**hf_spec("gpt2", "ddp"), "strategy": "tensor", "parallel": {"tp": 2},
+                                "train": {**hf_spec("gpt2", "ddp")["train"], "micro_batch_size": 8}})
+    JobSpec.model_validate(hf_spec("llama", "tensor"))  # Llama's config carries one
+
+
+def test_unknown_config_fields_and_tied_pipeline_get_clear_errors(single_rank_group: None) -> None:
+    spec = hf_spec("gpt2", "ddp", workers=1)
+    spec["model_options"] = {**GPT2, "n_layers": 2}
+    with pytest.raises(ValueError, match=r"model_options \['n_layers'\] are not fields of GPT2Config"):
+        build_bundle(JobSpec.model_validate(spec))
+    from ringmaster.workers.models.hf import pipeline_stage
+
+    model = build_bundle(JobSpec.model_validate(hf_spec("gpt2", "ddp", workers=1))).model
+    with pytest.raises(ValueError, match="ties its input and output embeddings"):
+        pipeline_stage(model, 0, 2)
