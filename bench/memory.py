@@ -1,6 +1,6 @@
 """Measured per-rank training-state memory against the planner's prediction, for every strategy.
 
-    python bench/memory.py [--dim 128] [--layers 4]
+    python bench/memory.py [--dim 128] [--layers 4] [--only state|zero3-peak|activations]
 
 Each strategy trains tiny-gpt for one step on local gloo ranks through the real loop
 (workers.trainer.run_training); each rank measures the bytes of its parameters, gradients and
@@ -13,6 +13,13 @@ shard group. Prints measured/predicted per rank (goal: within 10%).
 Where the planner's even split is not what the model does, the ratio shows it: tensor parallelism
 splits only the blocks' matrices (embeddings, norms and head stay whole on every tp rank) and the
 first and last pipeline stages also hold the embeddings and the head.
+
+zero3-peak: a Hugging Face GPT-2 under fsdp zero3 on 2 ranks; during one forward and backward, each rank's unsharded
+parameter bytes (FSDP's all-gather outputs still allocated) are sampled at every leaf module's forward and backward
+hook. Goal: the peak is at most the rank's shard plus two blocks, not the whole model.
+
+activations: the peak activation memory of one forward and backward (torch's MemTracker) with
+train.activation_checkpointing none, selective and full, per block of the same GPT-2.
 """
 
 from __future__ import annotations
@@ -72,11 +79,99 @@ def _predicted(spec: JobSpec, measured: dict, layout: tuple[int, ...] | None) ->
     return predicted_rank_state(spec, measured["parameter_count"], measured["dp"], measured["tp"], measured["pp"])
 
 
+def _gpt2_spec(args: argparse.Namespace, workers: int, **train) -> JobSpec:
+    options = {"vocab_size": 256, "n_embd": args.dim, "n_layer": args.layers, "n_head": 4, "n_positions": 64,
+               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "seq_len": 64, "max_corpus_bytes": 65_536}
+    return JobSpec(name="memory", model="hf:GPT2LMHeadModel", model_options=options, strategy="fsdp",
+                   parallel={"shard": "zero3"}, workers={"min": workers, "max": workers},
+                   train={"steps": 1, "global_batch_size": 8 * workers, "micro_batch_size": 8, **train})
+
+
+def _unsharded_bytes(fsdp_params: list) -> int:
+    return sum(output.untyped_storage().nbytes() for param in fsdp_params for output in param.all_gather_outputs)
+
+
+def _zero3_peak(rank: int, world_size: int, spec_json: str, root: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from ringmaster.workers.models import build_bundle
+    from ringmaster.workers.parallel_dims import ParallelDims
+    from ringmaster.workers.strategies import OptimizerConfig, ParallelSetup, parallelize
+    from ringmaster.workers.strategies.blocks import repeated_blocks
+
+    spec = JobSpec.model_validate_json(spec_json)
+    bundle = build_bundle(spec)
+    blocks = repeated_blocks(bundle.model)
+    whole = sum(p.numel() * p.element_size() for p in bundle.model.parameters())
+    block_bytes = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks)
+    dims = ParallelDims.from_spec(spec, world_size, None)
+    setup = ParallelSetup(spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(1e-3, 0.0))
+    model = parallelize(bundle, setup).parts[0]
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    fsdp_params = [param for module in model.modules() if isinstance(module, FSDPModule)
+                   for param in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    peak = [0]
+
+    def sample(*_) -> None:
+        peak[0] = max(peak[0], _unsharded_bytes(fsdp_params))
+
+    for module in model.modules():
+        if not list(module.children()):
+            module.register_forward_hook(sample)
+            module.register_full_backward_pre_hook(sample)
+    inputs, targets = next(iter(torch.utils.data.DataLoader(bundle.train_dataset, batch_size=8)))
+    bundle.loss_fn(model, (inputs, targets)).backward()
+    Path(root, f"rank{rank}.json").write_text(json.dumps(
+        {"peak": peak[0], "shard": shard, "block": block_bytes, "whole": whole, "blocks": len(blocks)}))
+
+
+def zero3_peak(args: argparse.Namespace) -> None:
+    root = tempfile.mkdtemp()
+    run_on_ranks(_zero3_peak, 2, _gpt2_spec(args, 2).model_dump_json(), root)
+    print(f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), fsdp zero3 on 2 ranks: unsharded parameter bytes during a step")
+    print(f"{'rank':>4} {'peak':>10} {'shard':>10} {'one block':>10} {'shard+2 blocks':>15} {'whole model':>12} {'peak/whole':>10}")
+    for rank in range(2):
+        m = json.loads(Path(root, f"rank{rank}.json").read_text())
+        bound = m["shard"] + 2 * m["block"]
+        print(f"{rank:>4} {m['peak']:>10} {m['shard']:>10} {m['block']:>10} {bound:>15} {m['whole']:>12} "
+              f"{m['peak'] / m['whole']:>10.3f}  {'ok' if m['peak'] <= bound else 'OVER the goal'}", flush=True)
+
+
+def activations(args: argparse.Namespace) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ringmaster.workers.models import build_bundle
+    from ringmaster.workers.strategies.blocks import repeated_blocks
+    from ringmaster.workers.strategies.per_block import apply_activation_checkpointing
+
+    print(f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), batch 8 × 64 tokens: peak activation bytes of one step")
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        bundle = build_bundle(_gpt2_spec(args, 1))
+        apply_activation_checkpointing(repeated_blocks(bundle.model), mode)
+        inputs, targets = next(iter(torch.utils.data.DataLoader(bundle.train_dataset, batch_size=8)))
+        tracker = MemTracker()
+        tracker.track_external(bundle.model)
+        with tracker:
+            bundle.loss_fn(bundle.model, (inputs, targets)).backward()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        peaks[mode] = next(value for kind, value in peak.items() if str(kind).endswith("ACT"))
+        print(f"  {mode:<10} {peaks[mode]:>12} bytes  ({peaks[mode] / peaks['none']:.3f} of none)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--only", choices=["state", "zero3-peak", "activations"])
     args = parser.parse_args()
+    if args.only in (None, "zero3-peak"):
+        zero3_peak(args)
+    if args.only in (None, "activations"):
+        activations(args)
+    if args.only not in (None, "state"):
+        return
     print(f"tiny-gpt dim {args.dim}, {args.layers} layers, fp32 AdamW; bytes per rank after the first optimizer step")
     print(f"{'strategy':<27} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'measured':>9} {'predicted':>9} {'ratio':>6}")
     for name, (_, workers, layout, _, _) in CASES.items():

@@ -84,7 +84,7 @@ class TrainSpec(_Strict):
                                     "is reported each step as grad_norm either way.")
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         default="none", description="Per block: full recomputes each block's activations in backward; selective keeps the "
-        "matrix multiplications' outputs and recomputes the rest.")
+        "outputs of everything but element-wise ops and norms, which it recomputes.")
     compile: bool = Field(default=False, description="torch.compile each block (and the model when it has none).")
 
     @property

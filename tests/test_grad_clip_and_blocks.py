@@ -119,8 +119,11 @@ def _tiny_gpt(**train) -> JobSpec:
 
 
 def _peak_activation_bytes(mode: str) -> int:
-    """The most activation memory alive during one forward and backward, as torch's MemTracker counts it."""
-    bundle = build_bundle(_tiny_gpt())
+    """The most activation memory alive during one forward and backward of a small GPT-2, as torch's MemTracker
+    counts it."""
+    bundle = build_bundle(JobSpec(name="ac", model="hf:GPT2LMHeadModel", model_options={
+        "vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64, "seq_len": 64,
+        "max_corpus_bytes": 32_768}))
     apply_activation_checkpointing(repeated_blocks(bundle.model), mode)
     inputs, targets = next(iter(torch.utils.data.DataLoader(bundle.train_dataset, batch_size=8)))
     tracker = MemTracker()

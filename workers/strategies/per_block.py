@@ -11,33 +11,45 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# selective: keep what is costly to recompute (matrix multiplications and attention), recompute the cheap rest
-# (norms, activations, element-wise ops), which holds most of a block's activation memory.
-_SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+# selective: recompute what is cheap to recompute, element-wise ops and norms, whose outputs hold much of a block's
+# activation memory, and keep everything else (matrix multiplications, attention, views). Listing what to recompute
+# rather than what to keep leaves every op a model's code may run unforeseen kept, which is always safe to replay.
+_RECOMPUTED_OPS = {
+    torch.ops.aten.gelu.default,
+    torch.ops.aten.silu.default,
+    torch.ops.aten.relu.default,
+    torch.ops.aten.tanh.default,
+    torch.ops.aten.sigmoid.default,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.pow.Tensor_Scalar,
+    torch.ops.aten.mean.dim,
+    torch.ops.aten.rsqrt.default,
+    torch.ops.aten.native_layer_norm.default,
+    torch.ops.aten._to_copy.default,
+    # dropout: its mask is drawn in place into a new tensor, which must not be kept (replayed with the saved RNG state)
+    torch.ops.aten.native_dropout.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.div_.Scalar,
+    torch.ops.aten.div.Scalar,
 }
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
-    """mode full: a block keeps only its input and recomputes the rest in backward; selective: also keeps _SAVED_OPS."""
+    """mode full: a block keeps only its input and recomputes the rest in backward; selective: recomputes only
+    _RECOMPUTED_OPS."""
     if mode == "none":
         return
     for block in blocks:
         if mode == "full":
             checkpoint(block)
         else:
-            checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))
+            checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_cheap_ops))
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _recompute_cheap_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in _RECOMPUTED_OPS else CheckpointPolicy.MUST_SAVE
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
