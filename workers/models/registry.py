@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
 from ringmaster.service.catalogue import BUILTIN_MODELS, USER_DATA
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.data.pysource import pysource_splits
+from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -43,7 +44,7 @@ class EntrypointError(ValueError):
 class ModelBundle:
     """What a model builder hands the trainer. ``loss_fn(model, batch)`` returns the batch's mean
     loss; datasets are map-style so samples have stable ids. ``val_dataset`` may be None (no
-    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus.
+    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus or a data source.
 
     Optional parallelism hooks, plain functions beside the model (tiny_gpt_parallelize.py has the built-in's):
     ``tensor_parallel(model, tp_mesh)`` shards the model in place over the tensor-parallel mesh (e.g. with
@@ -72,12 +73,16 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
     except TypeError as error:
         raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
     bundle = _as_bundle(builder(**spec.model_options), entrypoint)
-    if spec.data != USER_DATA and builtin is None:
+    if isinstance(spec.data, DataSourceSpec):
+        vocab_size = builtin.option(builtin.vocab_option, spec.model_options) if builtin and builtin.vocab_option else None
+        bundle.train_dataset, bundle.val_dataset = data_source_splits(spec.data, vocab_size)
+    elif spec.data != USER_DATA and builtin is None:
         corpus = BUILTIN_CORPORA[spec.data]
         accepted = inspect.signature(corpus).parameters
         bundle.train_dataset, bundle.val_dataset = corpus(**{k: v for k, v in spec.model_options.items() if k in accepted})
     if bundle.train_dataset is None:
-        raise EntrypointError(f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in corpus")
+        raise EntrypointError(f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in "
+                              "corpus or a data source")
     return bundle
 
 
