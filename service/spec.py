@@ -175,13 +175,15 @@ class HFDatasetData(_DataSourceSpec):
 DataSourceSpec = TokensData | HFDatasetData
 
 
+_DATA_SOURCE_KINDS = ("tokens", "hf_dataset")
+
+
 def _data_form(value: Any) -> str | None:
     """Which form a data value has: a name ('corpus'), or a data source's kind."""
     if isinstance(value, str):
         return "corpus"
-    if isinstance(value, dict):
-        return value.get("kind")
-    return getattr(value, "kind", None)
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if kind in _DATA_SOURCE_KINDS else None  # anything else: the custom error below
 
 
 _DataField = Annotated[

@@ -120,6 +120,23 @@ def test_token_id_outside_the_models_vocab_fails_naming_the_file_and_window(tmp_
         bundle.train_dataset[9]
 
 
+def build_user_model(width: int = 8) -> tuple:
+    """A user entrypoint without datasets of its own: with a data source, it trains on that."""
+    return torch.nn.Embedding(256, width), None, lambda model, batch: model(batch[0]).mean()
+
+
+def test_a_user_model_on_a_token_file_gets_its_windows(tmp_path: Path) -> None:
+    path = _token_file(tmp_path / "train.bin", np.arange(1000) % 256)
+    spec = JobSpec(name="user", model=f"{__name__}:build_user_model",
+                   data={"kind": "tokens", "path": str(path), "seq_len": 16, "val_fraction": 0.1})
+
+    bundle = build_bundle(spec)
+
+    assert isinstance(bundle.train_dataset, TokenWindows) and (len(bundle.train_dataset), len(bundle.val_dataset)) == (56, 6)
+    assert bundle.train_dataset.seq_len == 16 and bundle.train_dataset.vocab_size is None
+    assert bundle.loss_fn(bundle.model, bundle.train_dataset[0]).ndim == 0
+
+
 def test_token_windows_pickle_as_their_path_not_their_tokens(tmp_path: Path) -> None:
     import pickle
 
