@@ -67,13 +67,22 @@ class BuiltinModel:
     size_defaults: dict[str, int] = field(default_factory=dict)
     # The builder's options that do not change the model's size (data options): planning ignores them.
     data_options: tuple[str, ...] = ()
+    # For a model of token sequences, the size options holding its context length and its vocabulary: it may then
+    # train on a token data source (JobSpec data kind tokens or hf_dataset) whose windows and ids fit them.
+    seq_len_option: str | None = None
+    vocab_option: str | None = None
+
+    def option(self, name: str, model_options: dict[str, object]) -> object:
+        """A size option as the builder will see it: the job's value, else the builder's default."""
+        return model_options.get(name, self.size_defaults[name])
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in (
     BuiltinModel("mlp", "ringmaster.workers.models.mlp:build", "synthetic",
                  {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2}, ("n_train", "n_val", "noise", "data_seed")),
     BuiltinModel("tiny-gpt", "ringmaster.workers.models.tiny_gpt:build", "pysource",
-                 {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}, ("max_corpus_bytes",)),
+                 {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}, ("max_corpus_bytes",),
+                 seq_len_option="seq_len", vocab_option="vocab"),
 )}
 HF_PREFIX = "hf:"  # model: hf:<transformers model class>, built from the config fields in model_options
 USER_DATA = "user"  # data: the model's entrypoint brings its own datasets

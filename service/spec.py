@@ -8,12 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA
+from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA, BuiltinModel
 from ringmaster.service.hf_models import UnknownHFModel, hf_model_facts
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
@@ -135,11 +135,92 @@ class CheckpointSpec(_Strict):
         return self
 
 
+class _DataSourceSpec(_Strict):
+    """Token windows read from a data source: sample i is (window[:-1], window[1:]) of the i-th run of seq_len + 1
+    tokens (consecutive windows share their boundary token), so a sample id names fixed tokens."""
+
+    path: str = Field(min_length=1, max_length=4096, description="Where the data lies, as the workers see it.")
+    seq_len: int | None = Field(default=None, ge=1, le=1_048_576, description="Tokens per sample; unset: the "
+                                "built-in model's seq_len option (a user model must set it).")
+    val_fraction: float = Field(default=0.0, ge=0, lt=1, description="The share of windows, taken from the end, held "
+                                "out as the validation set (0: none, unless a separate validation source is named).")
+    num_workers: int = Field(default=0, ge=0, le=64, description="DataLoader worker processes per rank that read "
+                             "samples (0: the training process reads them); the sample order is the same either way.")
+
+
+class TokensData(_DataSourceSpec):
+    """A flat binary file of token ids (the nanoGPT/torchtitan format), memory-mapped; a remote fsspec URI is
+    fetched once per node into a local cache."""
+
+    kind: Literal["tokens"]
+    path: str = Field(min_length=1, max_length=4096, description="A local path, file:// URI, or any fsspec URI "
+                      "(s3://, gs://, …): fetched once per node into RINGMASTER_DATA_CACHE.")
+    dtype: Literal["uint16", "uint32"] = Field(default="uint16", description="The width of each token id in the file.")
+    val_path: str | None = Field(default=None, min_length=1, max_length=4096, description="A second token file, "
+                                 "of the same dtype, used as the validation set.")
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_path is not None or self.val_fraction > 0
+
+    @model_validator(mode="after")
+    def _one_validation_split(self) -> "TokensData":
+        if self.val_path is not None and self.val_fraction:
+            raise ValueError("give data.val_path or data.val_fraction for the validation set, not both")
+        return self
+
+
+class HFDatasetData(_DataSourceSpec):
+    """A Hugging Face datasets directory written by save_to_disk; one column's rows are packed, in order, into one
+    stream of tokens: lists of token ids as they are, strings as UTF-8 bytes (vocab 256) joined by a newline."""
+
+    kind: Literal["hf_dataset"]
+    path: str = Field(min_length=1, max_length=4096, description="The directory datasets.load_from_disk reads.")
+    column: str = Field(min_length=1, max_length=256, description="The column of token-id lists or of strings.")
+    split: str | None = Field(default=None, min_length=1, max_length=256, description="The training split when the "
+                              "directory holds a DatasetDict (unset: 'train').")
+    val_split: str | None = Field(default=None, min_length=1, max_length=256, description="A DatasetDict's split "
+                                  "used as the validation set.")
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_split is not None or self.val_fraction > 0
+
+    @model_validator(mode="after")
+    def _one_validation_split(self) -> "HFDatasetData":
+        if self.val_split is not None and self.val_fraction:
+            raise ValueError("give data.val_split or data.val_fraction for the validation set, not both")
+        return self
+
+
+DataSourceSpec = TokensData | HFDatasetData
+
+
+_DATA_SOURCE_KINDS = ("tokens", "hf_dataset")
+
+
+def _data_form(value: Any) -> str | None:
+    """Which form a data value has: a name ('corpus'), or a data source's kind."""
+    if isinstance(value, str):
+        return "corpus"
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if kind in _DATA_SOURCE_KINDS else None  # anything else: the custom error below
+
+
+_DataField = Annotated[
+    Annotated[str, Tag("corpus")] | Annotated[TokensData, Tag("tokens")] | Annotated[HFDatasetData, Tag("hf_dataset")],
+    Discriminator(_data_form, custom_error_type="data_form", custom_error_message=(
+        f"data must be a built-in corpus ({', '.join(map(repr, CORPORA))}), 'user', or a mapping whose kind is "
+        "'tokens' or 'hf_dataset'")),
+]
+
+
 class JobSpec(_Strict):
     name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.")
     model: str = Field(description="Built-in model name, 'package.module:function' for user code, or "
                        "'hf:<transformers model class>' built from its config's fields in model_options.")
-    data: str | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic') or 'user'; default follows the model.")
+    data: _DataField | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic'), "
+                                              "'user', or a data source ({kind: tokens | hf_dataset, …}); default follows the model.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
     model_parameters: int | None = Field(default=None, ge=1, description="Parameter count of a user model, for the planner "
                                          "(strategy auto, the fit check against workers.gpu_memory_gb); built-ins are sized from model_options.")
@@ -178,10 +259,14 @@ class JobSpec(_Strict):
         builtin = BUILTIN_MODELS.get(self.model)
         if self.data is None:
             self.data = builtin.corpus if builtin else USER_DATA
-        if builtin and self.data != builtin.corpus:
-            raise ValueError(f"data: model {self.model!r} trains on {builtin.corpus!r}, got {self.data!r}")
-        if not builtin and self.data not in (USER_DATA, *CORPORA):
-            raise ValueError(f"data: must be 'user' (from the entrypoint) or one of {list(CORPORA)}, got {self.data!r}")
+        if isinstance(self.data, str):
+            if builtin and self.data != builtin.corpus:
+                raise ValueError(f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, got {self.data!r}")
+            if not builtin and self.data not in (USER_DATA, *CORPORA):
+                raise ValueError(f"data: must be 'user' (from the entrypoint), one of {list(CORPORA)} or a data source "
+                                 f"(kind tokens or hf_dataset), got {self.data!r}")
+        else:
+            self._check_data_source(builtin)
         self._check_parallel_fields()
         if self.model.startswith(HF_PREFIX) and self.parallel.tp > 1:
             model_class = self.model.removeprefix(HF_PREFIX)
@@ -208,6 +293,31 @@ class JobSpec(_Strict):
         if train.warmup_steps > train.steps:
             raise ValueError(f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})")
         return self
+
+    def _check_data_source(self, builtin: BuiltinModel | None) -> None:
+        """A data source's windows must fit the model, and a validation set must exist where one is asked for."""
+        data = self.data
+        assert not isinstance(data, str) and data is not None
+        if builtin is not None:
+            if builtin.seq_len_option is None:
+                raise ValueError(f"data: model {self.model!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
+                                 f"needs a model of token sequences")
+            model_seq_len = builtin.option(builtin.seq_len_option, self.model_options)
+            if data.seq_len is None:
+                data.seq_len = model_seq_len
+            elif isinstance(model_seq_len, int) and data.seq_len > model_seq_len:
+                raise ValueError(f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
+                                 f"model_options.{builtin.seq_len_option} ({model_seq_len})")
+        elif data.seq_len is None:
+            raise ValueError(f"data.seq_len must be set: model {self.model!r} is a user model, whose context length "
+                             f"ringmaster cannot know")
+        if not data.has_validation:
+            separate = "data.val_path" if data.kind == "tokens" else "data.val_split"
+            keep_best = self.checkpoint.keep_best
+            if self.train.eval_every_steps:
+                raise ValueError(f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}")
+            if keep_best is not None and keep_best.metric == "val_loss":
+                raise ValueError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}")
 
     def _check_parallel_fields(self) -> None:
         parallel, strategy = self.parallel, self.strategy

@@ -27,10 +27,10 @@ DATA_OPTIONS = ("seq_len", "max_corpus_bytes")  # the built-in corpus's, when th
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def build(model_class: str, **options: Any) -> ModelBundle:
+def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
     """``hf:<model_class>``: the model from its config's fields (the other model_options), with the weights of
     ``pretrained`` (a safetensors file, or a directory holding model.safetensors, at a path or fsspec URI) when given;
-    trained on the built-in byte-level corpus unless the job names other data."""
+    trained on the built-in byte-level corpus unless the job names a data source (``corpus`` False)."""
     import transformers
 
     cls = getattr(transformers, model_class, None)
@@ -49,7 +49,7 @@ def build(model_class: str, **options: Any) -> ModelBundle:
     if getattr(config, "vocab_size", 256) < 256:
         raise EntrypointError(f"model 'hf:{model_class}': vocab_size {config.vocab_size} cannot hold the byte-level "
                               "corpus's 256 tokens")
-    train, validation = pysource_splits(**data_options)
+    train, validation = pysource_splits(**data_options) if corpus else (None, None)
     return hf_bundle(model, train, validation)
 
 

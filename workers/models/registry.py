@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
 from ringmaster.service.catalogue import BUILTIN_MODELS, HF_PREFIX, USER_DATA
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.data.pysource import pysource_splits
+from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -44,7 +45,7 @@ class EntrypointError(ValueError):
 class ModelBundle:
     """What a model builder hands the trainer. ``loss_fn(model, batch)`` returns the batch's mean
     loss; datasets are map-style so samples have stable ids. ``val_dataset`` may be None (no
-    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus.
+    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus or a data source.
 
     Optional parallelism hooks, plain functions beside the model (tiny_gpt_parallelize.py has the built-in's):
     ``tensor_parallel(model, tp_mesh)`` shards the model in place over the tensor-parallel mesh (e.g. with
@@ -70,7 +71,7 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
     if spec.model.startswith(HF_PREFIX):
         from ringmaster.workers.models import hf
 
-        builder = partial(hf.build, spec.model.removeprefix(HF_PREFIX))
+        builder = partial(hf.build, spec.model.removeprefix(HF_PREFIX), corpus=not isinstance(spec.data, DataSourceSpec))
     else:
         builder = resolve_entrypoint(entrypoint)
     try:
@@ -79,12 +80,19 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
         raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
     bundle = _as_bundle(builder(**spec.model_options), entrypoint)
     _with_hf_hooks(bundle)
-    if spec.data != USER_DATA and builtin is None:
+    if isinstance(spec.data, DataSourceSpec):
+        if builtin and builtin.vocab_option:
+            vocab_size = builtin.option(builtin.vocab_option, spec.model_options)
+        else:
+            vocab_size = spec.model_options.get("vocab_size") if spec.model.startswith(HF_PREFIX) else None
+        bundle.train_dataset, bundle.val_dataset = data_source_splits(spec.data, vocab_size)
+    elif spec.data != USER_DATA and builtin is None:
         corpus = BUILTIN_CORPORA[spec.data]
         accepted = inspect.signature(corpus).parameters
         bundle.train_dataset, bundle.val_dataset = corpus(**{k: v for k, v in spec.model_options.items() if k in accepted})
     if bundle.train_dataset is None:
-        raise EntrypointError(f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in corpus")
+        raise EntrypointError(f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in "
+                              "corpus or a data source")
     return bundle
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from ringmaster.service.reports import MetricPoint
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
@@ -72,7 +72,7 @@ class Trainer:
         self._batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if self.parallel.schedule else 1)
         self._validator = None if bundle.val_dataset is None else Validator(
             self.parallel, bundle.loss_fn, bundle.val_dataset, ctx.device, self._autocast,
-            dp_rank=self._dp_rank, dp=dims.dp, pipeline_batch_size=self._batch_size)
+            dp_rank=self._dp_rank, dp=dims.dp, pipeline_batch_size=self._batch_size, num_workers=_data_workers(spec))
         # [sum of this rank's micro-step losses, stop votes]: one all-reduce per step carries both. Only loss-holding
         # ranks (last pipeline stage, first tp rank) add losses, so each counts once.
         self._step_stats = torch.zeros(2, device=ctx.device)
@@ -89,7 +89,14 @@ class Trainer:
         self._stream = GlobalBatchStream(
             self._bundle.train_dataset, micro_batch_size=self._batch_size, dp_rank=self._dp_rank, dp_size=self._dims.dp,
             seed=spec.train.seed, global_batch_size=spec.train.global_batch_size, position=restored.position,
-            pin_memory=ctx.device.type == "cuda")
+            pin_memory=ctx.device.type == "cuda", num_workers=_data_workers(spec))
+        try:
+            return self._train_from_restored()
+        finally:
+            self._stream.close()
+
+    def _train_from_restored(self) -> TrainResult:
+        spec = self.spec
         self._audit = self._sample_audit() if spec.train.record_sample_ids else None
         for part in self.parallel.parts:
             part.train()
@@ -202,6 +209,11 @@ def _forward_backward(parallel: ParallelModel, loss_fn: LossFn, batch: Any, accu
         loss = loss_fn(parallel.parts[0], batch)
     (loss / accumulation).backward()
     return loss.detach() if parallel.holds_loss else None
+
+
+def _data_workers(spec: JobSpec) -> int:
+    """DataLoader worker processes per rank: a data source's num_workers; built-in corpora are read in-process."""
+    return spec.data.num_workers if isinstance(spec.data, DataSourceSpec) else 0
 
 
 def _accumulation_steps(spec: JobSpec, world_size: int) -> int:

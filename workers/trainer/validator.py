@@ -15,7 +15,7 @@ VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-
 
 class Validator:
     def __init__(self, parallel: ParallelModel, loss_fn: LossFn, dataset: Dataset, device: torch.device,
-                 autocast: torch.autocast, *, dp_rank: int, dp: int, pipeline_batch_size: int) -> None:
+                 autocast: torch.autocast, *, dp_rank: int, dp: int, pipeline_batch_size: int, num_workers: int = 0) -> None:
         self._parallel = parallel
         self._loss_fn = loss_fn
         self._dataset = dataset
@@ -23,6 +23,7 @@ class Validator:
         self._autocast = autocast
         self._dp_rank, self._dp = dp_rank, dp
         self._pipeline_batch_size = pipeline_batch_size
+        self._num_workers = num_workers
         self._evaluated: tuple[int, float] | None = None  # (step, value): the end of training reuses a checkpoint's
 
     def loss_at(self, step: int) -> tuple[float, bool]:
@@ -43,7 +44,8 @@ class Validator:
         batch_size = self._pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE
         sampler = DistributedSampler(dataset, num_replicas=self._dp, rank=self._dp_rank, shuffle=False, drop_last=True)
         # A private generator: evaluating between training steps must not draw from the training RNG.
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=pipelined, generator=torch.Generator())
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=pipelined, generator=torch.Generator(),
+                            num_workers=self._num_workers)
         batch_sizes = (min(batch_size, len(sampler) - start) for start in range(0, len(sampler), batch_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of per-sample losses, samples]
         for part in parallel.parts:
