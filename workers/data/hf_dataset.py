@@ -78,7 +78,7 @@ def _packed(dataset: Any, data: HFDatasetData) -> tuple[Path, str]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    column = dataset.flatten_indices().data.column(data.column) if dataset._indices is not None else dataset.data.column(data.column)
+    column = dataset.with_format("arrow")[data.column]  # a pyarrow ChunkedArray, in row order
     value_type = column.type
     if pa.types.is_string(value_type) or pa.types.is_large_string(value_type):
         dtype = "uint8"
@@ -87,6 +87,7 @@ def _packed(dataset: Any, data: HFDatasetData) -> tuple[Path, str]:
     else:
         raise ValueError(f"data.column {data.column!r} of {data.path!r} holds {value_type}; it must hold strings or "
                          f"lists of integer token ids")
+    # What the rows were read from: the dataset's fingerprint and its arrow files as they are now.
     files = [(entry["filename"], *_stat(entry["filename"])) for entry in dataset.cache_files]
     name = f"{cache_key(os.path.abspath(data.path), data.column, dataset._fingerprint, files)}-packed.{dtype}"
 
