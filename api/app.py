@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
 from ringmaster.api.limits import BodySizeLimit
-from ringmaster.api.routes import health, internal, jobs, metrics, plan, tenants
+from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants
 from ringmaster.service import telemetry
 from ringmaster.service.auth import ensure_local_admin_token
 from ringmaster.service.db import Database, upgrade_schema
@@ -75,8 +75,10 @@ def create_app(
     registry.register(telemetry.DatabaseCollector(lambda: getattr(app.state, "db", None)))
     app.state.stream_poll_s = 0.5
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
+                       per_path={code.UPLOAD_PATH: (settings.max_code_bytes, "RINGMASTER_MAX_CODE_BYTES")})
     app.include_router(jobs.router)
+    app.include_router(code.router)
     app.include_router(tenants.router)
     app.include_router(plan.router)
     app.include_router(internal.router)

@@ -21,7 +21,8 @@ from pydantic import BaseModel
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
 from ringmaster.service.auth import Forbidden, TokenNotFound, Unauthorized
-from ringmaster.service.errors import InvalidSpec, JobConflict, JobNotFound, LogsUnavailable, PlanError
+from ringmaster.service.errors import (CodeNotFound, CodeTooLarge, InvalidCode, InvalidSpec, JobConflict, JobNotFound,
+                                       LogsUnavailable, PlanError)
 from ringmaster.service.states import IllegalTransition
 from ringmaster.service.tenants import InvalidTenant, TenantNotFound
 
@@ -111,6 +112,15 @@ async def _data_error(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return FiniteJSONResponse(status_code=422, content={"detail": [error]})
 
 
+async def _too_large(_request: Request, exc: Exception) -> FiniteJSONResponse:
+    return _detail(status.HTTP_413_CONTENT_TOO_LARGE, exc)
+
+
+async def _invalid_code(_request: Request, exc: Exception) -> FiniteJSONResponse:
+    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "code_invalid", "loc": ["body"], "field": None,
+                                                                    "msg": str(exc)}]})
+
+
 async def _unavailable(_request: Request, exc: Exception) -> FiniteJSONResponse:
     return _detail(status.HTTP_503_SERVICE_UNAVAILABLE, exc)
 
@@ -145,6 +155,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(JobNotFound, _not_found)
     app.add_exception_handler(TenantNotFound, _not_found)
     app.add_exception_handler(TokenNotFound, _not_found)
+    app.add_exception_handler(CodeNotFound, _not_found)
+    app.add_exception_handler(CodeTooLarge, _too_large)
+    app.add_exception_handler(InvalidCode, _invalid_code)
     app.add_exception_handler(InvalidTenant, _invalid_tenant)
     app.add_exception_handler(DataError, _data_error)
     app.add_exception_handler(OperationalError, _database_unavailable)

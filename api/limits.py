@@ -29,24 +29,29 @@ MAX_INT = 2**63 - 1  # what a BIGINT (and SQLite's INTEGER) holds
 class RequestTooLarge(HTTPException):
     """An HTTPException, so FastAPI's own body parsing passes it on instead of calling it a bad body (400)."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body exceeds the limit of {limit} bytes (RINGMASTER_MAX_REQUEST_BYTES)")
+    def __init__(self, limit: int, setting: str = "RINGMASTER_MAX_REQUEST_BYTES") -> None:
+        super().__init__(413, f"the request body exceeds the limit of {limit} bytes ({setting})")
 
 
 class BodySizeLimit:
-    """Refuses a body over max_bytes with 413: at once from Content-Length, else as soon as the stream passes it."""
+    """Refuses a body over max_bytes with 413: at once from Content-Length, else as soon as the stream passes it.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    ``per_path``: other limits for some paths, with the setting that sets each (code archives are larger than specs).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, setting = self.per_path.get(scope["path"], (self.max_bytes, "RINGMASTER_MAX_REQUEST_BYTES"))
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            error = RequestTooLarge(self.max_bytes)
+        if declared.isdigit() and int(declared) > limit:
+            error = RequestTooLarge(limit, setting)
             await JSONResponse({"detail": error.detail}, status_code=error.status_code)(scope, receive, send)
             return
         received = 0
@@ -56,8 +61,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise RequestTooLarge(self.max_bytes)
+                if received > limit:
+                    raise RequestTooLarge(limit, setting)
             return message
 
         await self.app(scope, limited, send)

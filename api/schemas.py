@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ringmaster.api.limits import check_document
 from ringmaster.service import jobs, planner, tenants
 from ringmaster.service.errors import InvalidSpec
-from ringmaster.service.models import ApiToken, Checkpoint, Job, JobEvent, Metric, Tenant
+from ringmaster.service import code_store
+from ringmaster.service.models import ApiToken, Checkpoint, CodeArchive, Job, JobEvent, Metric, Tenant
 from ringmaster.service.settings import Settings
 from ringmaster.service.states import JobState
 
@@ -198,6 +199,21 @@ class CheckpointOut(BaseModel):
             metric_value=checkpoint.metric_value,
             best=checkpoint.best,
         )
+
+
+class CodeArchiveOut(BaseModel):
+    """A stored code archive of the caller's tenant; a JobSpec names it by ``code``."""
+
+    code: str = Field(description="'sha256:<hex>' of the archive: the value of a JobSpec's code field.")
+    size_bytes: int
+    unpacked_bytes: int
+    files: int
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: CodeArchive) -> "CodeArchiveOut":
+        return cls(code=code_store.ref_of(row.sha256), size_bytes=row.size_bytes, unpacked_bytes=row.unpacked_bytes,
+                   files=row.files, created_at=row.created_at)
 
 
 class Page(BaseModel, Generic[Item]):

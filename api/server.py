@@ -123,7 +123,7 @@ class BackgroundServer:
 
     def client(self) -> RingmasterClient:
         """A REST client of this server with its token."""
-        return RingmasterClient(self.url, token=self.token)
+        return RingmasterClient(self.url, token=self.token, max_code_bytes=self.plane.settings.max_code_bytes)
 
     def __enter__(self) -> "BackgroundServer":
         self._thread.start()

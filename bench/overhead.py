@@ -11,6 +11,12 @@ and submit-to-first-step time on a warm cluster (goal ≤ 5 s): one whose warm p
 (RINGMASTER_WARM_WORKERS_PER_NODE, default 2) has refilled since the last job. With
 RINGMASTER_WARM_WORKERS_PER_NODE=0 every job starts cold workers.
 
+With --code DIR, each round then also submits the same tiny-gpt job with that directory as its code (as
+`ringmaster submit --code DIR` does: packed, uploaded over REST unless stored already, handed to Ray as the job's
+working_dir) and prints its submit-to-first-step (goal ≤ 5 s on a warm cluster). A job with its own code runs only in
+processes of its own runtime env, never in warm pool workers, so this is a cold start in a cached package: the
+warm-up round before the measured ones has uploaded the package and unpacked it on the node.
+
 The script asks for the job's state every --poll-s seconds while it trains, as a user's `ringmaster
 watch` would (each request takes CPU on the same two cores).
 
@@ -63,6 +69,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-steps", type=int, default=10)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--code", type=Path, help="Also time submit-to-first-step of the job shipped with this "
+                        "directory as its code (e.g. examples/project).")
+    parser.add_argument("--code-steps", type=int, default=20, help="Steps of each --code job (only its start is timed).")
     return parser.parse_args()
 
 
@@ -118,6 +127,25 @@ def wait_for_warm_pool(workers: int, timeout_s: float = 180.0) -> float:
         time.sleep(0.25)
 
 
+def code_job_first_step(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, dict]:
+    """Seconds from the start of `submit --code` (packing and upload included) to the end of step 1, and where they
+    went."""
+    submitted = time.time()
+    job = client.submit(job_spec(args, name, args.code_steps), code=args.code)
+    uploaded = time.time() - submitted
+    done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600, poll_s=args.poll_s)
+    if done["state"] != "SUCCEEDED":
+        raise SystemExit(f"--code job {job['id']} ended {done['state']}: {done['error']}")
+    first = next(row["wall_time"] for row in client.metrics(job["id"])["items"] if row["step"] == 1)
+    events = client.events(job["id"])["items"]
+    moments = {event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
+               for event in events if event["to_state"] in ("ADMITTED", "RUNNING")}
+    running = next(event for event in events if event["to_state"] == "RUNNING")
+    return first - submitted, {"packed_and_submitted_s": round(uploaded, 2), "admitted_s": round(moments["ADMITTED"], 2),
+                               "group_formed_s": round(moments["RUNNING"], 2),
+                               "warm_pool_workers": running["data"]["warm_pool_workers"]}
+
+
 def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str,
                        sampler: BusySampler) -> tuple[float, float, dict, CpuPerStep]:
     """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, where they went, and
@@ -171,7 +199,7 @@ def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], idle: list[C
 
 def main() -> None:
     args = parse_args()
-    bare, managed, ratios, first_step = [], [], [], []
+    bare, managed, ratios, first_step, code_first_step = [], [], [], [], []
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
     idle: list[Cpu] = []
@@ -179,6 +207,8 @@ def main() -> None:
         for server in running_control_plane(Path(data_dir)):
             client = server.client()
             through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
+            if args.code:
+                code_job_first_step(client, args, "warm-up-code")  # the package is uploaded and unpacked once
             for round_index in range(args.rounds):
                 # The pool refills after each job (its workers import torch): both runs start once it is idle.
                 if Settings().warm_workers_per_node:
@@ -195,6 +225,13 @@ def main() -> None:
                 print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
                       f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
                 print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
+                if args.code:
+                    if Settings().warm_workers_per_node:
+                        wait_for_warm_pool(args.workers)  # as for the plain job: a pool it could, but must not, take
+                    to_first_step, phases = code_job_first_step(client, args, f"overhead-code-{round_index}")
+                    code_first_step.append(to_first_step)
+                    print(f"round {round_index}: --code {args.code}: submit→first step {to_first_step:.2f} s {phases}",
+                          flush=True)
     print(json.dumps({
         "workers": args.workers, "steps": args.steps, "rounds": args.rounds,
         "bare_steps_per_s_median": round(statistics.median(bare), 3),
@@ -203,6 +240,7 @@ def main() -> None:
         "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
         "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
         "warm_workers_per_node": Settings().warm_workers_per_node,
+        **({"code_submit_to_first_step_s_median": round(statistics.median(code_first_step), 2)} if code_first_step else {}),
         **_cpu_summary(bare_cpu, managed_cpu, idle),
     }))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -46,7 +47,9 @@ class StandInCluster:
         self.free_cpus = cpus
         self.groups: dict[str, int] = {}  # placement group name -> CPUs it holds
         self.submitted: dict[str, str] = {}  # submission id -> entrypoint
+        self.runtime_envs: dict[str, dict[str, Any]] = {}  # submission id -> its runtime_env
         self.ray_status: dict[str, str] = {}  # submission id -> the Ray job's state
+        self.start_failures: dict[str, str] = {}  # submission id -> why its driver never started (set with FAILED)
         self.stopped: list[str] = []
         self.refuse_submit = False  # True: submit raises, as an unreachable Jobs API does
         self.duplicates: list[str] = []  # submission ids submitted more than once
@@ -76,12 +79,13 @@ class StandInCluster:
             if self.free_cpus is not None:
                 self.free_cpus += held
 
-    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
         if self.refuse_submit:
             raise RuntimeError("Jobs API unavailable")
         if submission_id in self.submitted:
             self.duplicates.append(submission_id)
         self.submitted[submission_id] = entrypoint
+        self.runtime_envs[submission_id] = runtime_env
         self.ray_status[submission_id] = "RUNNING"
         if self._drivers is not None:
             self._to_finish.put(submission_id)
@@ -89,6 +93,9 @@ class StandInCluster:
     def status(self, submission_id: str) -> str | None:
         self.status_calls.append(submission_id)
         return self.ray_status.get(submission_id)
+
+    def start_failure(self, submission_id: str) -> str | None:
+        return self.start_failures.get(submission_id) if self.ray_status.get(submission_id) == "FAILED" else None
 
     def stop(self, submission_id: str) -> None:
         self.stopped.append(submission_id)

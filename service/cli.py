@@ -14,10 +14,13 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ringmaster.service.client import ApiError, RingmasterClient
+from ringmaster.service.code_packing import CodeDirectoryError
+from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.planner import GB, format_bytes
 from ringmaster.service.settings import get_settings
 
@@ -43,7 +46,8 @@ def _client(api: str | None) -> RingmasterClient:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    # Unwrapped, and the message's own brackets (paths, a spec's text) printed as they are, not read as markup.
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code=1)
 
 
@@ -59,12 +63,19 @@ def serve(port: Annotated[Optional[int], typer.Option(help="API port (RINGMASTER
 
 @app.command()
 def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Job spec, YAML or JSON.")],
+           code: Annotated[Optional[Path], typer.Option("--code", exists=True, file_okay=False, help="The job's own code: "
+                           "this directory is packed (minus .gitignore/.ringmasterignore matches) and shipped with the job; "
+                           "its modules are importable in the job's driver and workers.")] = None,
            api: ApiOption = None) -> None:
     """Submit a job spec; prints the new job's id."""
     try:
-        job = _client(api).submit_yaml(file.read_text())
+        job = _client(api).submit_yaml(file.read_text(), code=code)
     except ApiError as error:
         _fail(_describe(error))
+    except (CodeTooLarge, CodeDirectoryError, ValueError, yaml.YAMLError) as error:
+        _fail(str(error))
+    except httpx.HTTPError as error:
+        _fail(f"cannot reach the API: {error}")
     console.print(f"submitted [bold]{job['name']}[/bold] as job [bold]{job['id']}[/bold] ({job['state']})")
     print(job["id"])
 

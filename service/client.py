@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
+from ringmaster.service.code_packing import pack_directory
 from ringmaster.service.settings import Settings
+
+UPLOAD_TIMEOUT_S = 600.0  # an archive may be RINGMASTER_MAX_CODE_BYTES (100 MiB by default)
 
 
 class ApiError(RuntimeError):
@@ -19,14 +24,17 @@ class ApiError(RuntimeError):
 
 
 class RingmasterClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0,
+                 max_code_bytes: int = Settings.model_fields["max_code_bytes"].default) -> None:
+        """`max_code_bytes`: the largest code archive this client packs (the server refuses larger ones with 413)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.max_code_bytes = max_code_bytes
 
     @classmethod
     def from_settings(cls, settings: Settings, api_url: str | None = None) -> "RingmasterClient":
         """A client of api_url (default: the settings' API URL) with the settings' token (Settings.client_token)."""
-        return cls(api_url or settings.resolved_api_url(), token=settings.client_token())
+        return cls(api_url or settings.resolved_api_url(), token=settings.client_token(), max_code_bytes=settings.max_code_bytes)
 
     def close(self) -> None:
         self._http.close()
@@ -54,11 +62,34 @@ class RingmasterClient:
                 raise TimeoutError(f"the API did not become healthy within {timeout_s:.0f}s")
             time.sleep(0.2)
 
-    def submit_yaml(self, text: str) -> dict[str, Any]:
-        return self._call("POST", "/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
+    def submit_yaml(self, text: str, code: Path | None = None) -> dict[str, Any]:
+        """Submit a YAML (or JSON) spec; with `code`, that directory is packed and uploaded first and the spec names it."""
+        if code is None:
+            return self._call("POST", "/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
+        spec = yaml.safe_load(text)
+        if not isinstance(spec, dict):
+            raise ValueError("a job spec must be a mapping of fields")
+        return self.submit(spec, code=code)
 
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def submit(self, spec: dict[str, Any], code: Path | None = None) -> dict[str, Any]:
+        """Submit a spec; with `code`, that directory is packed and uploaded first (upload_code) and the spec names it."""
+        if code is not None:
+            if spec.get("code") is not None:
+                raise ValueError(f"the spec names its code already ({spec['code']}); leave out either that field or the directory")
+            spec = {**spec, "code": self.upload_code(code)["code"]}
         return self._call("POST", "/v1/jobs", json=spec)
+
+    def upload_code(self, directory: Path) -> dict[str, Any]:
+        """Pack a directory (service.code_packing) and store it for this token's tenant, unless it is stored already;
+        the answer's `code` is what a spec names it by. Raises CodeTooLarge, CodeDirectoryError or ApiError."""
+        packed = pack_directory(Path(directory), self.max_code_bytes)
+        try:
+            return self._call("GET", f"/v1/code/{packed.ref}")
+        except ApiError as error:
+            if error.status != 404:
+                raise
+        return self._call("POST", "/v1/code", content=packed.content, headers={"Content-Type": "application/zip"},
+                          timeout=UPLOAD_TIMEOUT_S)
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")

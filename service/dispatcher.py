@@ -1,6 +1,7 @@
 """The dispatcher: claims queued jobs, admits them gang-shaped onto Ray, and watches them run.
 
-Each pass (1) resubmits jobs whose Ray job died without the driver reporting, (2) closes
+Each pass (1) resubmits jobs whose Ray job died without the driver reporting (or fails them, once, when the driver
+never started: its runtime env could not be set up, or it exited with an error before its first report), (2) closes
 attempts that ended or were superseded (stop the Ray job, free its placement group), and (3) admits
 queued jobs in priority order. A job that cannot be placed now stays queued and does not block smaller jobs
 behind it. Several dispatchers may run against one database: the queue lease keeps them apart.
@@ -17,11 +18,13 @@ import threading
 import time
 import uuid
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ringmaster.service import auth, jobs, queue, telemetry, tenants
+from ringmaster.service import auth, code_store, jobs, queue, telemetry, tenants
+from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
 from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
 from ringmaster.service.ray_cluster import ClusterBackend
@@ -135,13 +138,14 @@ class Dispatcher:
             jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size,
                                max_workers=granted.max_workers, report_token_hash=report_token_hash)
         try:
-            # The secret travels in the Ray job's environment, never on its command line (shown in the dashboard).
-            env_vars = {REPORT_TOKEN_ENV: report_token}
-            if self.settings.code_path:
-                env_vars["PYTHONPATH"] = self.settings.code_path
+            runtime_env = self._runtime_env(current, spec, report_token)
             driver_spec = _capped(spec, granted.max_workers)
-            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, driver_spec), env_vars)
+            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, driver_spec), runtime_env)
             self._seen_alive.add(submission_id)  # started here: watching it later is not an adoption
+        except CodeNotFound as error:  # checked at submit and never deleted: no retry would find it either
+            self.cluster.release(group_name)
+            self._fail(job.id, submission_id, f"attempt {attempt}: {error}")
+            return None
         except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
             log.warning("Ray refused job %s attempt %d: %s", job.id, attempt, error, extra={"job_id": job.id})
             self.cluster.release(group_name)
@@ -163,6 +167,38 @@ class Dispatcher:
             if self.cluster.reserve(group_name, bundles, self.settings.admission_wait_s):
                 return size
         return None
+
+    def _runtime_env(self, job: Job, spec: JobSpec, report_token: str) -> dict[str, Any]:
+        """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the spec's variables and
+        pip requirements, its code as the working_dir (a local zip that Ray's Jobs client uploads as a package, once per
+        content, for every node to unpack), and PYTHONPATH ending in RINGMASTER_CODE_PATH."""
+        own = spec.runtime_env
+        env_vars = dict(own.env_vars) if own else {}
+        # Ray puts the working_dir before all of these; the spec's own PYTHONPATH comes before the cluster's code path.
+        python_path = os.pathsep.join(path for path in (env_vars.get("PYTHONPATH"), self.settings.code_path) if path)
+        if python_path:
+            env_vars["PYTHONPATH"] = python_path
+        # The secret travels in the Ray job's environment, never on its command line (shown in the dashboard).
+        env_vars[REPORT_TOKEN_ENV] = report_token
+        runtime_env: dict[str, Any] = {"env_vars": env_vars}
+        if own and own.pip:
+            runtime_env["pip"] = list(own.pip)
+        if spec.code:
+            with self.sessions() as session:
+                runtime_env["working_dir"] = str(code_store.local_copy(session, job.tenant, spec.code,
+                                                                       self.settings.code_cache_dir()))
+        return runtime_env
+
+    def _fail(self, job_id: str, submission_id: str, message: str) -> None:
+        """End the job FAILED now, not retried: what failed would fail the same way in every attempt."""
+        with self.sessions() as session, session.begin():
+            current = session.get(Job, job_id, with_for_update=True, populate_existing=True)
+            if current is None or current.state not in ACTIVE or current.submission_id != submission_id:
+                return  # the driver's report, a cancel, or another replica got there first
+            current.lease_owner = current.lease_expires_at = None
+            jobs.transition(session, current, JobState.FAILED, message)
+            telemetry.record_reconciler_action(session, "failed_unstarted")
+        log.warning("job %s failed: %s", job_id, message.splitlines()[0], extra={"job_id": job_id, "submission_id": submission_id})
 
     def _entrypoint(self, job: Job, attempt: int, group_name: str, spec: JobSpec) -> str:
         spec_b64 = base64.b64encode(spec.model_dump_json().encode()).decode()
@@ -210,6 +246,10 @@ class Dispatcher:
         if ray_status is None and job.state == JobState.ADMITTED and job.admitted_at and \
                 (utcnow() - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S:
             return  # another replica may be between recording the attempt and submitting it
+        if ray_status == "FAILED" and last_report_at is None and \
+                (never_started := self.cluster.start_failure(job.submission_id)) is not None:
+            self._fail(job.id, job.submission_id, f"attempt {job.attempt}: the job's driver never started: {never_started}")
+            return
         found = "is gone from Ray" if ray_status is None else f"ended {ray_status} without the driver reporting"
         message = f"attempt {job.attempt}: Ray job {job.submission_id} {found}; resubmitting"
         tail = self._log_tail(job.submission_id)  # fetched before locking: never hold the row (SQLite: the database) across a Ray call

@@ -37,3 +37,24 @@ class PlanError(RingmasterError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class CodeTooLarge(RingmasterError):
+    """A code archive (or what it unpacks to) over RINGMASTER_MAX_CODE_BYTES."""
+
+    def __init__(self, what: str, size: int, limit: int, hint: str = "") -> None:
+        super().__init__(f"{what} is {size} bytes, over the limit of {limit} bytes (RINGMASTER_MAX_CODE_BYTES){hint}")
+        self.size, self.limit = size, limit
+
+
+class InvalidCode(RingmasterError):
+    """An upload that is not a code archive ringmaster can hand Ray: not a zip, an unsafe path inside, nothing in it."""
+
+
+class CodeNotFound(RingmasterError):
+    """No code archive of this hash for the tenant (another tenant's is not found either)."""
+
+    def __init__(self, ref: str, tenant: str) -> None:
+        super().__init__(f"no code archive {ref[:80]} for tenant {tenant!r}: upload it first (POST /v1/code, "
+                         "or `ringmaster submit --code DIR`)")
+        self.ref = ref

@@ -18,8 +18,8 @@ from sqlalchemy import ColumnElement, Select, func, insert, or_, select
 from sqlalchemy.orm import Session, make_transient_to_detached
 
 from ringmaster.service.auth import SYSTEM, Principal
-from ringmaster.service.errors import InvalidSpec, JobConflict, JobNotFound
-from ringmaster.service import telemetry, tenants
+from ringmaster.service.errors import CodeNotFound, InvalidSpec, JobConflict, JobNotFound
+from ringmaster.service import code_store, telemetry, tenants
 from ringmaster.service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from ringmaster.service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
 from ringmaster.service.planner import StateMemory
@@ -102,7 +102,7 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
 
     The planner runs first: ``auto`` is stored as the strategy it resolves to (with a "plan" event saying
     why), and a job that cannot fit its GPUs or nodes, or the tenant's quota even alone, raises InvalidSpec
-    before anything is written. resume_from must name a job the principal may read.
+    before anything is written. resume_from must name a job the principal may read, and code an archive of its tenant.
     """
     if spec.resume_from is not None:
         try:
@@ -110,6 +110,9 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
         except JobNotFound:
             raise InvalidSpec([{"type": "value_error", "loc": ["resume_from"],
                                 "msg": f"resume_from: no job with id {spec.resume_from[:64]!r}", "input": spec.resume_from}]) from None
+    if spec.code is not None and not code_store.has_archive(session, principal.tenant, spec.code):
+        raise InvalidSpec([{"type": "value_error", "loc": ["code"], "msg": str(CodeNotFound(spec.code, principal.tenant)),
+                            "input": spec.code}])
     rejections = tenants.submit_rejections(spec, tenants.get_tenant(session, principal.tenant))
     if rejections:
         raise InvalidSpec(rejections)

@@ -10,6 +10,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    LargeBinary,
     DateTime,
     Dialect,
     Float,
@@ -90,6 +91,21 @@ class ApiToken(Base):
     description: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None]
+
+
+class CodeArchive(Base):
+    """A job's code as uploaded (a zip), content-addressed by its SHA-256 within its tenant; kept in the database, the
+    control plane's only state, so every replica and every later attempt of a job finds it."""
+
+    __tablename__ = "code_archives"
+
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    unpacked_bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # read only when a dispatcher hands it to Ray
 
 
 class Job(Base):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ringmaster.service.naming import NAMESPACE
 
@@ -22,8 +22,9 @@ class ClusterBackend(Protocol):
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
     def release(self, name: str) -> None: ...
-    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None: ...
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
+    def start_failure(self, submission_id: str) -> str | None: ...
     def stop(self, submission_id: str) -> None: ...
     def logs(self, submission_id: str) -> str: ...
     def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None: ...
@@ -123,11 +124,11 @@ class RayCluster:
         except ValueError:
             pass  # already removed
 
-    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+        """`runtime_env`: Ray's; a local zip as its working_dir is uploaded as a Ray package unless the cluster has it."""
         _, jobs = self._connect()
         # The driver holds no cluster resources of its own: the job's placement group has them all.
-        jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0,
-                        runtime_env={"env_vars": env_vars})
+        jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0, runtime_env=runtime_env)
 
     def status(self, submission_id: str) -> str | None:
         _, jobs = self._connect()
@@ -137,6 +138,30 @@ class RayCluster:
             if "does not exist" in str(error):
                 return None
             raise
+
+    def start_failure(self, submission_id: str) -> str | None:
+        """Why a FAILED Ray job's driver never ran, when it is a failure every attempt would meet: its runtime env could
+        not be set up (a pip install failed), its entrypoint could not be started, or it exited by itself with an error
+        code (a crash at import). None for a driver killed by a signal, a lost supervisor or node, or any other end."""
+        _, jobs = self._connect()
+        try:
+            info = jobs.get_job_info(submission_id)
+        except RuntimeError as error:
+            if "does not exist" in str(error):
+                return None
+            raise
+        message = (info.message or "").strip()
+        if str(info.status.value) != "FAILED":
+            return None
+        if info.error_type == "RUNTIME_ENV_SETUP_FAILURE":
+            return f"its runtime env could not be set up: {message}"
+        if info.error_type == "JOB_ENTRYPOINT_COMMAND_START_ERROR":
+            return f"its entrypoint could not be started: {message}"
+        code = info.driver_exit_code
+        # 1-127: the process exited by itself; a signal shows as a negative code (or 128 + N through a shell).
+        if info.error_type == "JOB_ENTRYPOINT_COMMAND_ERROR" and code is not None and 0 < code < 128:
+            return message
+        return None
 
     def stop(self, submission_id: str) -> None:
         _, jobs = self._connect()

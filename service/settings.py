@@ -37,6 +37,8 @@ class Settings(BaseSettings):
                                     "admin token an embedded server writes to data_dir/admin.token.")
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body the API reads; "
                                    "a larger one is refused with 413 before it is read.")
+    max_code_bytes: int = Field(default=100 * 1024 * 1024, ge=1024, description="Largest code archive a job may ship "
+                                "(POST /v1/code), packed and unpacked alike; a larger one is refused with 413.")
 
     def resolved_database_url(self) -> str:
         if self.database_url:
@@ -47,6 +49,10 @@ class Settings(BaseSettings):
         if self.storage_uri:
             return self.storage_uri
         return str((self.data_dir / "checkpoints").resolve())
+
+    def code_cache_dir(self) -> Path:
+        """Where the dispatcher writes the code archives it hands Ray (copies of the database's, by tenant and hash)."""
+        return (self.data_dir / "code").resolve()
 
     def local_token_path(self) -> Path:
         """Where a server on the embedded database keeps its local admin token (mode 0600)."""

@@ -11,6 +11,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import yaml
+from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA, BuiltinModel
@@ -19,6 +20,14 @@ from ringmaster.service.hf_models import UnknownHFModel, hf_model_facts
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _HF_MODEL = re.compile(rf"^{HF_PREFIX}[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
+CODE_REF = re.compile(r"^sha256:[0-9a-f]{64}$")
+_ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV_PREFIX = "RINGMASTER_"  # the control plane's own variables (the driver's report secret among them)
+MAX_REQUIREMENTS = 100
+MAX_REQUIREMENT_CHARS = 1000
+MAX_ENV_VARS = 100
+MAX_ENV_NAME_CHARS = 128
+MAX_ENV_VALUE_CHARS = 32 * 1024
 
 
 class _Strict(BaseModel):
@@ -215,6 +224,41 @@ _DataField = Annotated[
 ]
 
 
+class RuntimeEnvSpec(_Strict):
+    """What the job's Ray runtime env adds: pip requirements installed for the job alone, and environment variables."""
+
+    pip: list[str] = Field(default_factory=list, max_length=MAX_REQUIREMENTS, description="Requirement strings "
+                           "(PEP 508: 'name==1.2', 'name @ file:///path/to.whl'), installed by Ray for this job's processes.")
+    env_vars: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_VARS, description="Environment variables "
+                                     f"of the job's driver and workers; names starting {RESERVED_ENV_PREFIX} are ringmaster's own.")
+
+    @field_validator("pip")
+    @classmethod
+    def _requirements_parse(cls, value: list[str]) -> list[str]:
+        for index, text in enumerate(value):
+            if len(text) > MAX_REQUIREMENT_CHARS:
+                raise ValueError(f"pip[{index}]: a requirement is at most {MAX_REQUIREMENT_CHARS} characters, got {len(text)}")
+            try:
+                Requirement(text)
+            except InvalidRequirement as error:
+                raise ValueError(f"pip[{index}]: {text[:100]!r} is not a requirement (PEP 508, e.g. 'name==1.2' or "
+                                 f"'name @ file:///path/to.whl'): {error}") from None
+        return value
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_vars_bounded(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if len(name) > MAX_ENV_NAME_CHARS or not _ENV_VAR_NAME.match(name):
+                raise ValueError(f"env_vars: {name[:MAX_ENV_NAME_CHARS]!r} is not a variable name (letters, digits and '_', "
+                                 f"not starting with a digit, at most {MAX_ENV_NAME_CHARS} characters)")
+            if name.upper().startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(f"env_vars: {name!r} is reserved: names starting {RESERVED_ENV_PREFIX} are ringmaster's own")
+            if len(text) > MAX_ENV_VALUE_CHARS:
+                raise ValueError(f"env_vars: the value of {name!r} is {len(text)} characters; at most {MAX_ENV_VALUE_CHARS}")
+        return value
+
+
 class JobSpec(_Strict):
     name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.")
     model: str = Field(description="Built-in model name, 'package.module:function' for user code, or "
@@ -233,6 +277,22 @@ class JobSpec(_Strict):
     priority: int = Field(default=0, ge=-1000, le=1000)
     resume_from: str | None = Field(default=None, description="Id of another job: this job starts from that job's newest usable "
                                     "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.")
+    code: str | None = Field(default=None, description="The job's own code: 'sha256:<hex>' of an archive uploaded with "
+                             "POST /v1/code (`ringmaster submit --code DIR`); the job's processes run in it and import from it.")
+    runtime_env: RuntimeEnvSpec | None = Field(default=None, description="pip requirements and environment variables of the "
+                                               "job's own Ray runtime env.")
+
+    @field_validator("code")
+    @classmethod
+    def _code_ref_shape(cls, value: str | None) -> str | None:
+        if value is not None and not CODE_REF.match(value):
+            raise ValueError(f"must be 'sha256:' and 64 lower-case hex digits (what POST /v1/code answers), got {value[:80]!r}")
+        return value
+
+    @property
+    def has_own_runtime_env(self) -> bool:
+        """The job runs in processes of its own (its code, requirements or variables), never in shared warm workers."""
+        return self.code is not None or self.runtime_env is not None
 
     @field_validator("name")
     @classmethod
@@ -367,8 +427,9 @@ class JobSpec(_Strict):
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
         # Specs without these optional fields hash as they did before the fields existed.
-        if fields["resume_from"] is None:
-            del fields["resume_from"]
+        for name in ("resume_from", "code", "runtime_env"):
+            if fields[name] is None:
+                del fields[name]
         if fields["checkpoint"]["keep_best"] is None:
             del fields["checkpoint"]["keep_best"]
         for name, default in TrainSpec().model_dump(mode="json", include=set(_LATER_TRAIN_FIELDS)).items():

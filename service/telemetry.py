@@ -30,7 +30,7 @@ from ringmaster.service.states import JobState
 
 _PENDING = "ringmaster_telemetry"
 # Seconds: from one second (a busy loop) to an hour (a cluster that scales up).
-RECONCILER_ACTIONS = ("resubmitted", "adopted", "attempt_closed")
+RECONCILER_ACTIONS = ("resubmitted", "adopted", "attempt_closed", "failed_unstarted")
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
@@ -70,7 +70,7 @@ class Telemetry:
         )
         self.reconciler_actions = Counter(
             "ringmaster_reconciler_actions", "What the reconciler did: resubmitted a lost attempt, adopted a running "
-            "Ray job it had not started, closed an ended attempt.", ["action"], registry=registry,
+            "Ray job it had not started, closed an ended attempt, failed a job whose driver never started.", ["action"], registry=registry,
         )
         for action in RECONCILER_ACTIONS:
             self.reconciler_actions.labels(action=action)

@@ -45,9 +45,9 @@ class RecordingCluster(FakeCluster):
         super().__init__(cpus)
         self.env: dict[str, dict[str, str]] = {}
 
-    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        super().submit(submission_id, entrypoint, env_vars)
-        self.env[submission_id] = dict(env_vars)
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+        super().submit(submission_id, entrypoint, runtime_env)
+        self.env[submission_id] = dict(runtime_env["env_vars"])
 
 
 class Service:
