@@ -42,11 +42,9 @@ STRATEGIES = {
 }
 
 
-def hf_spec(model: str, strategy: str, workers: int = 2, steps: int = STEPS, tied: bool = True, **overrides) -> dict:
+def hf_spec(model: str, strategy: str, workers: int = 2, steps: int = STEPS, **overrides) -> dict:
     name, options = MODELS[model]
     kind, parallel, micro_batch_size, _ = STRATEGIES[strategy]
-    if not tied or kind == "pipeline":
-        options = {**options, "tie_word_embeddings": False}  # pipeline stages would hold the tied pair apart
     return {"name": f"hf-{model}-{strategy}", "model": name, "model_options": options, "strategy": kind,
             "parallel": parallel, "workers": {"min": workers, "max": workers},
             "train": {"steps": steps, "global_batch_size": 16, "micro_batch_size": micro_batch_size, "lr": 3e-3,
@@ -59,14 +57,13 @@ def _cases() -> list[tuple[str, str]]:
 
 
 def _train_every_case(rank: int, world_size: int, root: str) -> None:
-    untied_ddp = [(model, "ddp", "ddp-untied") for model in MODELS]  # the pipeline's reference
-    for model, strategy, name in [(model, strategy, strategy) for model, strategy in _cases()] + untied_ddp:
+    for model, strategy in _cases():
         points: list = []
-        run_training(JobSpec.model_validate(hf_spec(model, strategy, tied=name != "ddp-untied")), TrainContext(
-            rank, world_size, torch.device("cpu"), "hf", f"{root}/{model}-{name}",
+        run_training(JobSpec.model_validate(hf_spec(model, strategy)), TrainContext(
+            rank, world_size, torch.device("cpu"), "hf", f"{root}/{model}-{strategy}",
             sink=CallbackSink(on_metric=points.append), ranks_per_node=STRATEGIES[strategy][3]))
         if rank == 0:
-            Path(root, f"{model}-{name}.json").write_text(json.dumps(
+            Path(root, f"{model}-{strategy}.json").write_text(json.dumps(
                 [(point.loss, point.grad_norm) for point in points if point.loss is not None]))
 
 
@@ -79,21 +76,35 @@ def trained(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("model,strategy", [case for case in _cases() if case[1] != "ddp"])
 def test_every_strategy_follows_ddp(trained: Path, model: str, strategy: str) -> None:
-    untied = STRATEGIES[strategy][0] == "pipeline"
-    ddp = json.loads((trained / f"{model}-{'ddp-untied' if untied else 'ddp'}.json").read_text())
+    ddp = json.loads((trained / f"{model}-ddp.json").read_text())
     other = json.loads((trained / f"{model}-{strategy}.json").read_text())
     assert len(other) == STEPS
     assert [loss for loss, _ in other] == pytest.approx([loss for loss, _ in ddp], abs=1e-5)
     assert [norm for _, norm in other] == pytest.approx([norm for _, norm in ddp], rel=1e-5)
 
 
-def test_tied_embeddings_stay_tied_through_fsdp_and_its_checkpoint(trained: Path) -> None:
-    spec = JobSpec.model_validate(hf_spec("gpt2", "fsdp-zero3"))
-    model = build_bundle(spec).model
+@pytest.mark.parametrize("strategy", ["fsdp-zero3", "pipeline-1f1b"])
+def test_tied_embeddings_stay_tied_in_the_checkpoint(trained: Path, strategy: str) -> None:
+    """Under the pipeline the first stage trains wte and the last lm_head: the checkpoint holds both, equal."""
+    model = build_bundle(JobSpec.model_validate(hf_spec("gpt2", strategy))).model
     untouched = model.lm_head.weight.detach().clone()
-    load_model_weights(latest_committed(trained / "gpt2-fsdp-zero3").path, model)
+    checkpoint = latest_committed(trained / f"gpt2-{strategy}").path
+    load_model_weights(checkpoint, model)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert not torch.equal(model.lm_head.weight, untouched)  # the trained weights were loaded
+    untied = build_bundle(JobSpec.model_validate(hf_spec("gpt2", strategy, model_options={**GPT2, "tie_word_embeddings": False}))).model
+    load_model_weights(checkpoint, untied)  # loads each name on its own: the two saved copies are equal
+    torch.testing.assert_close(untied.lm_head.weight, untied.transformer.wte.weight, rtol=0, atol=0)
+
+
+def test_pipeline_stages_keep_the_unsplit_names() -> None:
+    from ringmaster.workers.models.hf import pipeline_stage
+
+    for model in MODELS:
+        whole = build_bundle(JobSpec.model_validate(hf_spec(model, "ddp", workers=1))).model
+        names = set(whole.state_dict())
+        stages = [set(pipeline_stage(whole, index, 2).state_dict()) for index in range(2)]
+        assert stages[0] | stages[1] == names and all(stage < names for stage in stages), model
 
 
 def test_fsdp_units_are_the_blocks_inside_the_model(single_rank_group: None) -> None:
@@ -135,13 +146,8 @@ def test_what_cannot_work_is_refused_at_submit_with_the_reason() -> None:
     JobSpec.model_validate(hf_spec("llama", "tensor"))  # Llama's config carries one
 
 
-def test_unknown_config_fields_and_tied_pipeline_get_clear_errors(single_rank_group: None) -> None:
+def test_unknown_config_fields_get_a_clear_error() -> None:
     spec = hf_spec("gpt2", "ddp", workers=1)
     spec["model_options"] = {**GPT2, "n_layers": 2}
     with pytest.raises(ValueError, match=r"model_options \['n_layers'\] are not fields of GPT2Config"):
         build_bundle(JobSpec.model_validate(spec))
-    from ringmaster.workers.models.hf import pipeline_stage
-
-    model = build_bundle(JobSpec.model_validate(hf_spec("gpt2", "ddp", workers=1))).model
-    with pytest.raises(ValueError, match="ties its input and output embeddings"):
-        pipeline_stage(model, 0, 2)

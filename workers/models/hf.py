@@ -138,20 +138,16 @@ class _Zeros(nn.Module):
         return torch.zeros((), dtype=torch.get_default_dtype(), device=ids.device)
 
 
-class HFStage(nn.Module):
-    """One pipeline stage of a transformers causal LM: the model, copied, holding only this stage's blocks under the
-    unsplit model's names. The first stage takes token ids; later ones take the hidden states as inputs_embeds (their
-    input embeddings gone, position embeddings adding zero); the last ends in the norm and head, the others skip them."""
+class _StageForward:
+    """A pipeline stage's forward, set on the stage's copy of the model so parameter names stay the unsplit model's.
+    The first stage takes token ids; later ones take the hidden states as inputs_embeds (their input embeddings gone,
+    position embeddings adding zero); the last ends in the norm and head, the others skip them."""
 
-    def __init__(self, model: nn.Module, first: bool) -> None:
-        super().__init__()
-        self.model = model
-        self.first = first
-        self._no_split_modules = model._no_split_modules  # its blocks, for FSDP and activation checkpointing
+    def __init__(self, forward, first: bool) -> None:
+        self._forward, self._first = forward, first
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        output = self.model(input_ids=inputs) if self.first else self.model(inputs_embeds=inputs)
-        return _logits(output)
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return _logits(self._forward(input_ids=inputs) if self._first else self._forward(inputs_embeds=inputs))
 
 
 def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Module:
@@ -159,9 +155,6 @@ def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Mo
     found = block_container(model, blocks)
     if found is None or len(blocks) < num_stages:
         raise ValueError(f"{type(model).__name__}: {len(blocks)} blocks cannot fill {num_stages} pipeline stages")
-    if _has_tied_embeddings(model):
-        raise ValueError(f"{type(model).__name__} ties its input and output embeddings, which the first and last pipeline "
-                         "stages would hold apart; set model_options.tie_word_embeddings: false to train it pipelined")
     container_name, _ = found
     stage = copy.deepcopy(model)
     container = stage.get_submodule(container_name)
@@ -183,12 +176,8 @@ def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Mo
             parent._modules[name] = nn.Identity()
     if not last:
         _replace(stage, stage.get_output_embeddings(), nn.Identity())
-    return HFStage(stage, first=stage_index == 0)
-
-
-def _has_tied_embeddings(model: nn.Module) -> bool:
-    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    return output is not None and embeddings is not None and output.weight is embeddings.weight
+    stage.forward = _StageForward(stage.forward, first=stage_index == 0)
+    return stage
 
 
 def _replace(root: nn.Module, target: nn.Module | None, replacement: nn.Module) -> None:

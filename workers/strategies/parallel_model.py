@@ -71,3 +71,5 @@ class ParallelModel:
     # Pipeline only: the schedule that runs forward and backward over micro-batches, and this rank's stages.
     schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
     stages: list[PipelineStage] = field(default_factory=list)
+    # Pipeline only: parameters the unsplit model shares between stages (tied embeddings), a copy on each holder.
+    tied: list = field(default_factory=list)  # of pipeline.TiedAcrossStages

@@ -18,7 +18,7 @@ from ringmaster.workers.strategies.ddp import wrap_ddp
 from ringmaster.workers.strategies.fsdp import apply_fsdp, apply_replicate, without_gradient_sync
 from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 from ringmaster.workers.strategies.per_block import apply_activation_checkpointing, compile_blocks
-from ringmaster.workers.strategies.pipeline import build_schedule, split_stages
+from ringmaster.workers.strategies.pipeline import build_schedule, shared_parameters, split_stages, tied_across_stages
 from ringmaster.workers.strategies.tensor import apply_tensor_parallel
 from ringmaster.workers.strategies.zero1 import sharded_optimizer
 
@@ -34,6 +34,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
                          f"available: {sorted(STRATEGIES)}")
     entry, dims = STRATEGIES[strategy], setup.dims
     pipelined = dims.pp > 1
+    shared = shared_parameters(bundle.model) if pipelined else []
     indices, modules = split_stages(bundle, setup) if pipelined else ([], [bundle.model])
     if dims.tp > 1:
         for module in modules:
@@ -55,7 +56,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
     # The schedule runs a step's micro-batches itself; each of its backward passes syncs.
     schedule, stages = build_schedule(parts, indices, bundle, setup)
     return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=stages[-1].is_last and first_tp_rank,
-                         schedule=schedule, stages=stages)
+                         schedule=schedule, stages=stages, tied=tied_across_stages(shared, parts, setup))
 
 
 def _data_parallel(entry: StrategyEntry, setup: ParallelSetup) -> tuple[Callable[[nn.Module], nn.Module], LocalAccumulation]:

@@ -3,7 +3,14 @@ mesh, driven by a GPipe, 1F1B or interleaved 1F1B schedule over micro-batches.""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
@@ -46,3 +53,68 @@ def build_schedule(parts: list[nn.Module], indices: list[int], bundle: ModelBund
 def _stages_per_rank(setup: ParallelSetup) -> int:
     parallel = setup.spec.parallel
     return parallel.stages_per_rank if parallel.schedule == "interleaved1f1b" else 1
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    names: list[str]  # first name first
+    shape: torch.Size
+
+
+def shared_parameters(model: nn.Module) -> list[SharedParameter]:
+    """Each parameter the model holds under several names (tied embeddings)."""
+    names: dict[int, list[str]] = defaultdict(list)
+    shapes: dict[int, torch.Size] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names[id(parameter)].append(name)
+        shapes[id(parameter)] = parameter.shape
+    return [SharedParameter(group, shapes[key]) for key, group in names.items() if len(group) > 1]
+
+
+@dataclass
+class TiedAcrossStages:
+    """A parameter the unsplit model shares between modules that different pipeline stages hold (GPT-2's lm_head and
+    wte): each holding stage trains its own copy, and summing the copies' gradients over the pipeline group before
+    every update keeps them equal, as one shared parameter would be trained."""
+
+    copies: list[nn.Parameter]  # this rank's
+    duplicates: list[nn.Parameter]  # the copies held under a later name: the gradient norm counts the parameter once
+    shape: torch.Size
+    device: torch.device
+    group: dist.ProcessGroup
+
+    def sync_gradients(self) -> None:
+        grads = [_local(copy.grad) for copy in self.copies if copy.grad is not None]
+        total = torch.stack(grads).sum(0) if grads else torch.zeros(self.shape, device=self.device)
+        dist.all_reduce(total, group=self.group)
+        for grad in grads:
+            grad.copy_(total)
+
+
+def tied_across_stages(shared: list[SharedParameter], parts: list[nn.Module], setup: ParallelSetup) -> list[TiedAcrossStages]:
+    """Collective over the pipeline group: which shared parameters the stages hold apart, and this rank's copies."""
+    tied = []
+    for parameter in shared:
+        names = parameter.names
+        held = {name: parameter for part in parts for name, parameter in _named_parameters(part) if name in names}
+        holders = [None] * setup.mesh["pp"].size()
+        dist.all_gather_object(holders, sorted(held), group=setup.mesh["pp"].get_group())
+        if sum(bool(holder) for holder in holders) < 2:
+            continue  # one stage holds every name: the parameter stays shared inside it
+        copies = list(held.values())
+        if not copies and setup.dims.dp > 1 and setup.spec.strategy == "3d":
+            raise ValueError(f"{names} are one parameter held by the first and last of {setup.dims.pp} pipeline stages, "
+                             "which the stages between cannot relay while FSDP shards it; use parallel.pp = 2 or untie it")
+        shape = _local(copies[0]).shape if copies else parameter.shape
+        tied.append(TiedAcrossStages(copies, [held[name] for name in names[1:] if name in held], shape, setup.device,
+                                     setup.mesh["pp"].get_group()))
+    return tied
+
+
+def _named_parameters(part: nn.Module):
+    module = part.module if isinstance(part, DistributedDataParallel) else part
+    return module.named_parameters(remove_duplicate=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -83,19 +83,24 @@ class OptimizerStep:
     ``grad_clip`` (their global norm over every shard and rank) when one is set."""
 
     def __init__(self, optimizers: list[Optimizer], base_lr: float, lr_factor: Callable[[int], float],
-                 grad_clip: float | None = None, pipeline_group: dist.ProcessGroup | None = None) -> None:
+                 grad_clip: float | None = None, pipeline_group: dist.ProcessGroup | None = None,
+                 counted_elsewhere: Iterable[torch.Tensor] = ()) -> None:
+        """``counted_elsewhere``: parameters another stage also holds (tied across pipeline stages), whose gradient
+        the norm takes from that stage only."""
         self._optimizers = optimizers
         self._base_lr = base_lr
         self._lr_factor = lr_factor
         self._grad_clip = grad_clip
         self._pipeline_group = pipeline_group
+        self._counted_elsewhere = {id(parameter) for parameter in counted_elsewhere}
         self.grad_norm: torch.Tensor | None = None  # of the last step, before clipping
 
     def step(self, completed_steps: int) -> float:
         """Update the parameters from their gradients for step ``completed_steps + 1``; returns the learning rate."""
         parameters = [parameter for optimizer in self._optimizers for group in optimizer.param_groups
                       for parameter in group["params"]]
-        self.grad_norm = global_grad_norm(parameters, self._pipeline_group)
+        self.grad_norm = global_grad_norm([parameter for parameter in parameters if id(parameter) not in self._counted_elsewhere],
+                                          self._pipeline_group)
         if self._grad_clip is not None:
             clip_gradients(parameters, self._grad_clip, self.grad_norm)
         lr = self._base_lr * self._lr_factor(completed_steps)

@@ -61,7 +61,8 @@ class Trainer:
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
         self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train), spec.train.grad_clip,
-                                        pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None)
+                                        pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None,
+                                        counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates])
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
                                     keep_for_checkpoints=bool(spec.checkpoint.every_steps))
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
@@ -141,6 +142,8 @@ class Trainer:
         self._checkpointer.before_state_changes()
         for stage in self.parallel.stages:
             stage.scale_grads(self.spec.parallel.microbatches * self._accumulation)  # the schedule left them summed
+        for tied in self.parallel.tied:
+            tied.sync_gradients()
         if self.ctx.sink.stop_requested():
             stop_votes.fill_(1.0)
         reduction = dist.all_reduce(self._step_stats, async_op=True)
