@@ -113,7 +113,8 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
 
 
 def _job_code_first() -> None:
-    """Put the job's code path (its PYTHONPATH, set from RINGMASTER_CODE_PATH) first on sys.path. Ray puts the directory
+    """Put the job's code path (its PYTHONPATH: the job's own code, which Ray unpacked as its working_dir, then the spec's
+    runtime_env PYTHONPATH and RINGMASTER_CODE_PATH, in that order) first on sys.path. Ray puts the directory
     the job's driver (or, for a warm pool worker, the control plane) started in before it; when that is a ringmaster
     checkout, its api/, service/ and workers/ folders would shadow a user's own packages of those names. ringmaster
     itself imports only ringmaster.*, so nothing of its own can be shadowed in turn."""
