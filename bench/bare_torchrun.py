@@ -1,6 +1,7 @@
-"""Baseline: tiny-gpt trained by a hand-written DDP loop under torchrun, with no ringmaster in the way.
+"""Baseline: tiny-gpt (or, with --model hf-gpt2, a Hugging Face GPT-2) trained by a hand-written DDP loop under
+torchrun, with no ringmaster in the way.
 
-    torchrun --nproc_per_node=N bench/bare_torchrun.py --steps S --global-batch-size G --micro-batch-size M --seed 0
+    torchrun --nproc_per_node=N bench/bare_torchrun.py --steps S --global-batch-size G --micro-batch-size M --seed 0 [--model hf-gpt2]
 
 Prints one JSON line whose steps_per_s_steady ringmaster's overhead is measured against, and the wall-clock span of the
 steady steps (steady_wall).
@@ -25,8 +26,27 @@ from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
 
+# hf-gpt2: the model_options of ringmaster's `model: hf:GPT2LMHeadModel` in bench/overhead.py, and this script's GPT-2
+HF_GPT2_OPTIONS = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                   "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+SEQ_LEN = 64  # tiny-gpt's default, and GPT-2's n_positions above
+
+
+def build_model(name: str) -> torch.nn.Module:
+    if name == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(**HF_GPT2_OPTIONS))
+    return TinyGPT(TinyGPTConfig())
+
+
+def logits(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny-gpt", "hf-gpt2"], default="tiny-gpt")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -62,10 +82,9 @@ def main() -> None:
     accumulation = args.global_batch_size // (args.micro_batch_size * world_size)
 
     torch.manual_seed(args.seed)
-    config = TinyGPTConfig()
-    model = DistributedDataParallel(TinyGPT(config).to(device), device_ids=[device] if use_cuda else None)
+    model = DistributedDataParallel(build_model(args.model).to(device), device_ids=[device] if use_cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    train_dataset, _ = pysource_splits(seq_len=config.seq_len)
+    train_dataset, _ = pysource_splits(seq_len=SEQ_LEN)
     sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     batches = micro_batches(train_dataset, sampler, args.micro_batch_size, device)
 
@@ -78,7 +97,7 @@ def main() -> None:
         for micro_step in range(accumulation):
             inputs, targets = next(batches)
             with model.no_sync() if micro_step < accumulation - 1 else nullcontext():
-                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                loss = F.cross_entropy(logits(model(inputs)).flatten(0, 1), targets.flatten())
                 (loss / accumulation).backward()
             loss_sum += loss.detach()
         optimizer.step()

@@ -1,8 +1,8 @@
 """What ringmaster costs over bare torchrun, for the same model, world size and steps.
 
-    python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5]
+    python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5] [--model tiny-gpt|hf-gpt2] [--code DIR]
 
-(a) trains tiny-gpt through ringmaster: REST submit → queue → Ray job → worker actors;
+(a) trains tiny-gpt (--model hf-gpt2: `model: hf:GPT2LMHeadModel`, a 2-block GPT-2) through ringmaster: REST submit → queue → Ray job → worker actors;
 (b) trains it with bench/bare_torchrun.py under torchrun, beside the same idle Ray cluster and
 control plane. Each round runs b then a, back to back, so the machine's slow spells (which move
 either by ±15% here) hit a pair alike. Prints steady-state steps/s of each (wall clock between
@@ -52,6 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.bare_torchrun import HF_GPT2_OPTIONS, SEQ_LEN  # noqa: E402
 from bench.cpu_time import BusySampler, Cpu  # noqa: E402
 from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
@@ -62,6 +63,7 @@ IDLE_SAMPLE_S = 3.0
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny-gpt", "hf-gpt2"], default="tiny-gpt")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=5)
@@ -92,7 +94,7 @@ class CpuPerStep:
 def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float, CpuPerStep]:
     """Steady steps/s, and the CPU per step."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
-               str(REPO / "bench" / "bare_torchrun.py"), "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
+               str(REPO / "bench" / "bare_torchrun.py"), "--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
                "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
     started = time.time()
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
@@ -105,7 +107,9 @@ def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float
 
 def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     return {
-        "name": name, "model": "tiny-gpt", "strategy": "ddp",
+        "name": name, "strategy": "ddp",
+        **({"model": "hf:GPT2LMHeadModel", "model_options": {**HF_GPT2_OPTIONS, "seq_len": SEQ_LEN}}
+           if args.model == "hf-gpt2" else {"model": "tiny-gpt"}),
         "workers": {"min": args.workers, "max": args.workers, "cpus_per_worker": 1},
         "train": {"steps": steps, "global_batch_size": args.global_batch_size,
                   "micro_batch_size": args.micro_batch_size, "lr": 0.001, "seed": 0},

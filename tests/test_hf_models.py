@@ -151,3 +151,25 @@ def test_unknown_config_fields_get_a_clear_error() -> None:
     spec["model_options"] = {**GPT2, "n_layers": 2}
     with pytest.raises(ValueError, match=r"model_options \['n_layers'\] are not fields of GPT2Config"):
         build_bundle(JobSpec.model_validate(spec))
+
+
+def test_the_hugging_face_token_file_example_trains(tmp_path: Path, single_rank_group: None, monkeypatch) -> None:
+    """examples/make_tokens.py writes the token file examples/hf-tokens.yaml trains on (here two steps on one rank)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    tokens = tmp_path / "text.bin"
+    subprocess.run([sys.executable, "examples/make_tokens.py", "--out", str(tokens)], check=True)
+    document = yaml.safe_load(Path("examples/hf-tokens.yaml").read_text())
+    document["data"]["path"] = str(tokens)
+    document["workers"] = {"min": 1, "max": 1}
+    document["checkpoint"] = {"every_steps": 0, "keep": 1}
+    document["train"] = {**document["train"], "steps": 2, "warmup_steps": 1, "eval_every_steps": 0}
+    points: list = []
+    result = run_training(JobSpec.model_validate(document), TrainContext(
+        0, 1, torch.device("cpu"), "example", str(tmp_path / "job"), sink=CallbackSink(on_metric=points.append)))
+    losses = [point.loss for point in points if point.loss is not None]
+    assert len(losses) == 2 and result.val_loss is not None
+    assert abs(losses[0] - torch.log(torch.tensor(256.0)).item()) < 0.5  # random init on bytes: about log(256)
