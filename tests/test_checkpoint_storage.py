@@ -53,7 +53,8 @@ def s3_endpoint() -> Iterator[str]:
     before = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
-        fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
+        # moto keeps its buckets in this process across servers: another module's server may have made it already.
+        fsspec.filesystem("s3", skip_instance_cache=True).makedirs(BUCKET, exist_ok=True)
         yield settings["AWS_ENDPOINT_URL_S3"]
     finally:
         for name, value in before.items():
