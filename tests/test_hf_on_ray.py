@@ -1,24 +1,25 @@
 """Hugging Face models through the real job path (REST → queue → Ray job → workers): `hf:` models and a user's own
-function returning a transformers model follow ddp's losses under the sharding and splitting strategies."""
+function returning a transformers model follow one process's losses and grad norms under the sharding and splitting
+strategies (tests/test_hf_models.py compares every strategy with ddp on local ranks)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.ray_cluster import wait_for_state
+from harness.sinks import CallbackSink
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.trainer import TrainContext, run_training
 from test_hf_models import hf_spec
 
 pytestmark = pytest.mark.integration
 
 USER_GPT2 = {"model": "examples.hf_user_model:build", "model_options": {"layers": 2, "width": 32, "seq_len": 32}}
-# name: (the JobSpec, the name of the ddp run it must follow)
 JOBS = {
-    "gpt2-ddp": (hf_spec("gpt2", "ddp"), None),
-    "gpt2-fsdp-zero3": (hf_spec("gpt2", "fsdp-zero3"), "gpt2-ddp"),
-    "llama-ddp": (hf_spec("llama", "ddp"), None),
-    "llama-tensor": (hf_spec("llama", "tensor"), "llama-ddp"),
-    "user-gpt2-ddp": ({**hf_spec("gpt2", "ddp"), **USER_GPT2, "name": "user-gpt2-ddp"}, None),
-    "user-gpt2-fsdp-zero3": ({**hf_spec("gpt2", "fsdp-zero3"), **USER_GPT2, "name": "user-gpt2-zero3"}, "user-gpt2-ddp"),
+    "gpt2-fsdp-zero3": hf_spec("gpt2", "fsdp-zero3"),
+    "llama-tensor": hf_spec("llama", "tensor"),
+    "user-gpt2-fsdp-zero3": {**hf_spec("gpt2", "fsdp-zero3"), **USER_GPT2, "name": "user-gpt2-zero3"},
 }
 
 
@@ -26,7 +27,7 @@ JOBS = {
 def finished(ray_server) -> dict[str, list[dict]]:
     """Each job's per-step metric rows, as the metrics API serves them."""
     client = ray_server.client()
-    ids = {name: client.submit(spec)["id"] for name, (spec, _) in JOBS.items()}
+    ids = {name: client.submit(spec)["id"] for name, spec in JOBS.items()}
     rows = {}
     for name, job_id in ids.items():
         done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED", "CANCELLED"})
@@ -35,11 +36,18 @@ def finished(ray_server) -> dict[str, list[dict]]:
     return rows
 
 
-@pytest.mark.parametrize("name", [name for name, (_, reference) in JOBS.items() if reference])
-def test_follows_ddp_through_rest(finished: dict[str, list[dict]], name: str) -> None:
-    reference = JOBS[name][1]
-    assert len(finished[name]) == JOBS[name][0]["train"]["steps"]
-    for field, tolerance in (("loss", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-5})):
-        values, expected = [row[field] for row in finished[name]], [row[field] for row in finished[reference]]
-        assert values == pytest.approx(expected, **tolerance), (field, values, expected)
-    assert all(row["grad_norm"] > 0 for row in finished[name])
+def _one_process(spec: dict, root) -> list:
+    """The same job as one process on the same global batches: what every layout must compute."""
+    one = JobSpec.model_validate({**spec, "strategy": "ddp", "parallel": {}, "workers": {"min": 1, "max": 1},
+                                  "train": {**spec["train"], "micro_batch_size": 4}})
+    points: list = []
+    run_training(one, TrainContext(0, 1, torch.device("cpu"), "one", str(root), sink=CallbackSink(on_metric=points.append)))
+    return [point for point in points if point.loss is not None]
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_follows_one_process_through_rest(finished: dict[str, list[dict]], name: str, tmp_path, single_rank_group) -> None:
+    reference = _one_process(JOBS[name], tmp_path)
+    assert len(finished[name]) == len(reference) == JOBS[name]["train"]["steps"]
+    assert [row["loss"] for row in finished[name]] == pytest.approx([point.loss for point in reference], abs=1e-5)
+    assert [row["grad_norm"] for row in finished[name]] == pytest.approx([point.grad_norm for point in reference], rel=1e-5)
