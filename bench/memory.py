@@ -138,25 +138,13 @@ def zero3_peak(args: argparse.Namespace) -> None:
 
 
 def activations(args: argparse.Namespace) -> None:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from ringmaster.workers.models import build_bundle
-    from ringmaster.workers.strategies.blocks import repeated_blocks
-    from ringmaster.workers.strategies.per_block import apply_activation_checkpointing
+    from harness.activation_memory import peak_activation_bytes
 
     print(f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), batch 8 × 64 tokens: peak activation bytes of one step")
     peaks = {}
     for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
-        bundle = build_bundle(_gpt2_spec(args, 1))
-        apply_activation_checkpointing(repeated_blocks(bundle.model), mode)
-        inputs, targets = next(iter(torch.utils.data.DataLoader(bundle.train_dataset, batch_size=8)))
-        tracker = MemTracker()
-        tracker.track_external(bundle.model)
-        with tracker:
-            bundle.loss_fn(bundle.model, (inputs, targets)).backward()
-        (peak,) = tracker.get_tracker_snapshot("peak").values()
-        peaks[mode] = next(value for kind, value in peak.items() if str(kind).endswith("ACT"))
+        peaks[mode] = peak_activation_bytes(_gpt2_spec(args, 1), mode)
         print(f"  {mode:<10} {peaks[mode]:>12} bytes  ({peaks[mode] / peaks['none']:.3f} of none)", flush=True)
 
 

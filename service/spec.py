@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
@@ -156,6 +156,18 @@ class _DataSourceSpec(_Strict):
     num_workers: int = Field(default=0, ge=0, le=64, description="DataLoader worker processes per rank that read "
                              "samples (0: the training process reads them); the sample order is the same either way.")
 
+    _separate_validation: ClassVar[str]  # the field naming a validation set of its own, besides val_fraction
+
+    @property
+    def has_validation(self) -> bool:
+        return getattr(self, self._separate_validation) is not None or self.val_fraction > 0
+
+    @model_validator(mode="after")
+    def _one_validation_split(self) -> "_DataSourceSpec":
+        if getattr(self, self._separate_validation) is not None and self.val_fraction:
+            raise ValueError(f"give data.{self._separate_validation} or data.val_fraction for the validation set, not both")
+        return self
+
 
 class TokensData(_DataSourceSpec):
     """A flat binary file of token ids (the nanoGPT/torchtitan format), memory-mapped; a remote fsspec URI is
@@ -168,15 +180,7 @@ class TokensData(_DataSourceSpec):
     val_path: str | None = Field(default=None, min_length=1, max_length=4096, description="A second token file, "
                                  "of the same dtype, used as the validation set.")
 
-    @property
-    def has_validation(self) -> bool:
-        return self.val_path is not None or self.val_fraction > 0
-
-    @model_validator(mode="after")
-    def _one_validation_split(self) -> "TokensData":
-        if self.val_path is not None and self.val_fraction:
-            raise ValueError("give data.val_path or data.val_fraction for the validation set, not both")
-        return self
+    _separate_validation: ClassVar[str] = "val_path"
 
 
 class HFDatasetData(_DataSourceSpec):
@@ -191,15 +195,7 @@ class HFDatasetData(_DataSourceSpec):
     val_split: str | None = Field(default=None, min_length=1, max_length=256, description="A DatasetDict's split "
                                   "used as the validation set.")
 
-    @property
-    def has_validation(self) -> bool:
-        return self.val_split is not None or self.val_fraction > 0
-
-    @model_validator(mode="after")
-    def _one_validation_split(self) -> "HFDatasetData":
-        if self.val_split is not None and self.val_fraction:
-            raise ValueError("give data.val_split or data.val_fraction for the validation set, not both")
-        return self
+    _separate_validation: ClassVar[str] = "val_split"
 
 
 DataSourceSpec = TokensData | HFDatasetData

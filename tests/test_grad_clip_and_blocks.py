@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch import nn
 
+from harness.activation_memory import peak_activation_bytes
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.models import build_bundle
 from ringmaster.workers.strategies.blocks import repeated_blocks
-from ringmaster.workers.strategies.per_block import apply_activation_checkpointing
 from ringmaster.workers.trainer import TrainContext, run_training
 from strategy_reference import GLOBAL_BATCH, strategy_spec, train_reference
 
@@ -119,19 +117,10 @@ def _tiny_gpt(**train) -> JobSpec:
 
 
 def _peak_activation_bytes(mode: str) -> int:
-    """The most activation memory alive during one forward and backward of a small GPT-2, as torch's MemTracker
-    counts it."""
-    bundle = build_bundle(JobSpec(name="ac", model="hf:GPT2LMHeadModel", model_options={
+    """Of one forward and backward of a small GPT-2."""
+    return peak_activation_bytes(JobSpec(name="ac", model="hf:GPT2LMHeadModel", model_options={
         "vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64, "seq_len": 64,
-        "max_corpus_bytes": 32_768}))
-    apply_activation_checkpointing(repeated_blocks(bundle.model), mode)
-    inputs, targets = next(iter(torch.utils.data.DataLoader(bundle.train_dataset, batch_size=8)))
-    tracker = MemTracker()
-    tracker.track_external(bundle.model)
-    with tracker:
-        bundle.loss_fn(bundle.model, (inputs, targets)).backward()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return next(value for kind, value in peak.items() if str(kind).endswith("ACT"))
+        "max_corpus_bytes": 32_768}), mode)
 
 
 def test_checkpointing_keeps_fewer_activations_full_fewer_than_selective() -> None:

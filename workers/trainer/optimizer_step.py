@@ -92,17 +92,18 @@ class OptimizerStep:
         self._lr_factor = lr_factor
         self._grad_clip = grad_clip
         self._pipeline_group = pipeline_group
-        self._counted_elsewhere = {id(parameter) for parameter in counted_elsewhere}
+        # The parameter lists are fixed once the optimizers exist: found once here, not every step.
+        self._parameters = [parameter for optimizer in optimizers for group in optimizer.param_groups
+                            for parameter in group["params"]]
+        elsewhere = {id(parameter) for parameter in counted_elsewhere}
+        self._counted_here = [parameter for parameter in self._parameters if id(parameter) not in elsewhere]
         self.grad_norm: torch.Tensor | None = None  # of the last step, before clipping
 
     def step(self, completed_steps: int) -> float:
         """Update the parameters from their gradients for step ``completed_steps + 1``; returns the learning rate."""
-        parameters = [parameter for optimizer in self._optimizers for group in optimizer.param_groups
-                      for parameter in group["params"]]
-        self.grad_norm = global_grad_norm([parameter for parameter in parameters if id(parameter) not in self._counted_elsewhere],
-                                          self._pipeline_group)
+        self.grad_norm = global_grad_norm(self._counted_here, self._pipeline_group)
         if self._grad_clip is not None:
-            clip_gradients(parameters, self._grad_clip, self.grad_norm)
+            clip_gradients(self._parameters, self._grad_clip, self.grad_norm)
         lr = self._base_lr * self._lr_factor(completed_steps)
         for optimizer in self._optimizers:
             for group in optimizer.param_groups:
