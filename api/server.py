@@ -25,12 +25,12 @@ from ringmaster.service.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def _warm_pool(per_node: int, runtime_env: dict | None):
+def _warm_pool(per_node: int):
     """The composition root hands the control plane the workers' warm pool (imported only once the cluster is used:
     it imports ray, not torch)."""
     from ringmaster.workers.warm_pool import WarmPoolKeeper
 
-    return WarmPoolKeeper(per_node, runtime_env)
+    return WarmPoolKeeper(per_node)
 
 
 class ControlPlane:

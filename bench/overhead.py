@@ -1,6 +1,6 @@
 """What ringmaster costs over bare torchrun, for the same model, world size and steps.
 
-    python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5] [--model tiny-gpt|hf-gpt2] [--code DIR]
+    python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5] [--model tiny-gpt|hf-gpt2] [--code DIR [--code-only]]
 
 (a) trains tiny-gpt (--model hf-gpt2: `model: hf:GPT2LMHeadModel`, a 2-block GPT-2) through ringmaster: REST submit → queue → Ray job → worker actors;
 (b) trains it with bench/bare_torchrun.py under torchrun, beside the same idle Ray cluster and
@@ -13,9 +13,12 @@ RINGMASTER_WARM_WORKERS_PER_NODE=0 every job starts cold workers.
 
 With --code DIR, each round then also submits the same tiny-gpt job with that directory as its code (as
 `ringmaster submit --code DIR` does: packed, uploaded over REST unless stored already, handed to Ray as the job's
-working_dir) and prints its submit-to-first-step (goal ≤ 5 s on a warm cluster). A job with its own code runs only in
-processes of its own runtime env, never in warm pool workers, so this is a cold start in a cached package: the
-warm-up round before the measured ones has uploaded the package and unpacked it on the node.
+working_dir) twice, and prints each one's submit-to-first-step (goal ≤ 5 s on a warm cluster). A job with its own
+runtime env never takes a shared pool worker; the control plane keeps a pool of its own for the few envs jobs most
+recently ran in (RINGMASTER_WARM_RUNTIME_ENVS). "pooled": the job's env has such a pool, refilled since the job
+before; "cold": the same code with an environment variable no job had (a new runtime env), so its workers start
+cold in the cached package. The warm-up before the rounds has uploaded the package and unpacked it on the node.
+--code-only measures just these two.
 
 The script asks for the job's state every --poll-s seconds while it trains, as a user's `ringmaster
 watch` would (each request takes CPU on the same two cores).
@@ -57,6 +60,7 @@ from bench.cpu_time import BusySampler, Cpu  # noqa: E402
 from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
+from ringmaster.service.spec import SHARED_POOL, JobSpec  # noqa: E402
 
 IDLE_SAMPLE_S = 3.0
 
@@ -74,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--code", type=Path, help="Also time submit-to-first-step of the job shipped with this "
                         "directory as its code (e.g. examples/project).")
     parser.add_argument("--code-steps", type=int, default=20, help="Steps of each --code job (only its start is timed).")
+    parser.add_argument("--code-only", action="store_true", help="Only the --code jobs' starts, no steady-state rounds.")
     return parser.parse_args()
 
 
@@ -117,25 +122,32 @@ def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     }
 
 
-def wait_for_warm_pool(workers: int, timeout_s: float = 180.0) -> float:
-    """Seconds until `workers` idle pool workers are warm."""
+def wait_for_warm_pool(workers: int, pool: str = SHARED_POOL, timeout_s: float = 180.0) -> float:
+    """Seconds until `workers` idle workers of `pool` are warm and no pool worker is still starting (one importing
+    torch beside a measured start would slow it)."""
     from ringmaster.workers.warm_pool import pool_workers
 
     started = time.monotonic()
     while True:
-        statuses = list(pool_workers().values())
-        if sum(status["warm"] and status["claimant"] is None for status in statuses) >= workers:
+        statuses = pool_workers()
+        ready = sum(status["warm"] and status["claimant"] is None for name, status in statuses.items()
+                    if name.split(":")[1] == pool)
+        if ready >= workers and all(status["warm"] for status in statuses.values()):
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
-            raise SystemExit(f"fewer than {workers} warm pool workers within {timeout_s:.0f}s: {statuses}")
+            raise SystemExit(f"fewer than {workers} warm workers in pool {pool} within {timeout_s:.0f}s: {statuses}")
         time.sleep(0.25)
 
 
-def code_job_first_step(client: RingmasterClient, args: argparse.Namespace, name: str) -> tuple[float, dict]:
-    """Seconds from the start of `submit --code` (packing and upload included) to the end of step 1, and where they
-    went."""
+def code_job_first_step(client: RingmasterClient, args: argparse.Namespace, name: str,
+                        env_vars: dict[str, str] | None = None) -> tuple[float, dict, dict]:
+    """Seconds from the start of `submit --code` (packing and upload included) to the end of step 1, where they
+    went, and the job."""
     submitted = time.time()
-    job = client.submit(job_spec(args, name, args.code_steps), code=args.code)
+    spec = job_spec(args, name, args.code_steps)
+    if env_vars:
+        spec["runtime_env"] = {"env_vars": env_vars}
+    job = client.submit(spec, code=args.code)
     uploaded = time.time() - submitted
     done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600, poll_s=args.poll_s)
     if done["state"] != "SUCCEEDED":
@@ -147,7 +159,20 @@ def code_job_first_step(client: RingmasterClient, args: argparse.Namespace, name
     running = next(event for event in events if event["to_state"] == "RUNNING")
     return first - submitted, {"packed_and_submitted_s": round(uploaded, 2), "admitted_s": round(moments["ADMITTED"], 2),
                                "group_formed_s": round(moments["RUNNING"], 2),
-                               "warm_pool_workers": running["data"]["warm_pool_workers"]}
+                               "warm_pool_workers": running["data"]["warm_pool_workers"]}, job
+
+
+def code_round(client: RingmasterClient, args: argparse.Namespace, round_index: int, pool: str) -> tuple[float, float]:
+    """Submit-to-first-step of the --code job in its env's warm pool, then of the same code in a new env (cold)."""
+    pooled_workers = args.workers if Settings().warm_workers_per_node and Settings().warm_runtime_envs else 0
+    wait_for_warm_pool(pooled_workers, pool)
+    pooled, phases, _ = code_job_first_step(client, args, f"overhead-code-{round_index}")
+    print(f"round {round_index}: --code {args.code} pooled: submit→first step {pooled:.2f} s {phases}", flush=True)
+    wait_for_warm_pool(pooled_workers, pool)  # the same quiet machine for the cold one
+    cold, phases, _ = code_job_first_step(client, args, f"overhead-code-cold-{round_index}",
+                                          env_vars={"BENCH_NEW_ENV": f"{time.time_ns()}"})
+    print(f"round {round_index}: --code {args.code} cold (new env): submit→first step {cold:.2f} s {phases}", flush=True)
+    return pooled, cold
 
 
 def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str,
@@ -203,7 +228,9 @@ def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], idle: list[C
 
 def main() -> None:
     args = parse_args()
-    bare, managed, ratios, first_step, code_first_step = [], [], [], [], []
+    if args.code_only and not args.code:
+        raise SystemExit("--code-only needs --code DIR")
+    bare, managed, ratios, first_step, code_pooled, code_cold = [], [], [], [], [], []
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
     idle: list[Cpu] = []
@@ -211,42 +238,47 @@ def main() -> None:
         for server in running_control_plane(Path(data_dir)):
             client = server.client()
             through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
-            if args.code:
-                code_job_first_step(client, args, "warm-up-code")  # the package is uploaded and unpacked once
+            code_pool = None
+            if args.code:  # the package is uploaded and unpacked once; its env's pool fills after it
+                _, _, job = code_job_first_step(client, args, "warm-up-code")
+                code_pool = JobSpec.model_validate(job["spec"]).warm_pool
             for round_index in range(args.rounds):
-                # The pool refills after each job (its workers import torch): both runs start once it is idle.
-                if Settings().warm_workers_per_node:
-                    wait_for_warm_pool(args.workers)
-                idle.append(idle_cpu_rate(sampler))
-                bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
-                bare.append(bare_rate)
-                bare_cpu.append(bare_cpu_now)
-                steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
-                managed.append(steady)
-                managed_cpu.append(cpu)
-                ratios.append(steady / bare[-1])
-                first_step.append(to_first_step)
-                print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
-                      f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
-                print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
-                if args.code:
+                if not args.code_only:
+                    # The pool refills after each job (its workers import torch): both runs start once it is idle.
                     if Settings().warm_workers_per_node:
-                        wait_for_warm_pool(args.workers)  # as for the plain job: a pool it could, but must not, take
-                    to_first_step, phases = code_job_first_step(client, args, f"overhead-code-{round_index}")
-                    code_first_step.append(to_first_step)
-                    print(f"round {round_index}: --code {args.code}: submit→first step {to_first_step:.2f} s {phases}",
-                          flush=True)
-    print(json.dumps({
-        "workers": args.workers, "steps": args.steps, "rounds": args.rounds,
-        "bare_steps_per_s_median": round(statistics.median(bare), 3),
-        "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
-        "ratio": round(statistics.median(ratios), 3), "ratio_goal": 0.97,
-        "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
-        "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
-        "warm_workers_per_node": Settings().warm_workers_per_node,
-        **({"code_submit_to_first_step_s_median": round(statistics.median(code_first_step), 2)} if code_first_step else {}),
-        **_cpu_summary(bare_cpu, managed_cpu, idle),
-    }))
+                        wait_for_warm_pool(args.workers)
+                    idle.append(idle_cpu_rate(sampler))
+                    bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
+                    bare.append(bare_rate)
+                    bare_cpu.append(bare_cpu_now)
+                    steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
+                    managed.append(steady)
+                    managed_cpu.append(cpu)
+                    ratios.append(steady / bare[-1])
+                    first_step.append(to_first_step)
+                    print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
+                          f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
+                    print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
+                if code_pool is not None:
+                    pooled, cold = code_round(client, args, round_index, code_pool)
+                    code_pooled.append(pooled)
+                    code_cold.append(cold)
+    summary: dict = {"workers": args.workers, "rounds": args.rounds, "warm_workers_per_node": Settings().warm_workers_per_node}
+    if not args.code_only:
+        summary.update({
+            "steps": args.steps,
+            "bare_steps_per_s_median": round(statistics.median(bare), 3),
+            "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
+            "ratio": round(statistics.median(ratios), 3), "ratio_goal": 0.97,
+            "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
+            "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
+            **_cpu_summary(bare_cpu, managed_cpu, idle)})
+    if code_pooled:
+        summary.update({"warm_runtime_envs": Settings().warm_runtime_envs,
+                        "code_submit_to_first_step_s_median": {"pooled": round(statistics.median(code_pooled), 2),
+                                                               "cold": round(statistics.median(code_cold), 2),
+                                                               "goal": 5.0}})
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

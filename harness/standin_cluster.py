@@ -54,6 +54,7 @@ class StandInCluster:
         self.refuse_submit = False  # True: submit raises, as an unreachable Jobs API does
         self.duplicates: list[str] = []  # submission ids submitted more than once
         self.warm_pool_calls: list[tuple[int, set[str]]] = []
+        self.warm_pool_envs: dict[str, dict[str, Any]] = {}  # the pools asked for by the latest keep_warm
         self.status_calls: list[str] = []
         self._lock = threading.Lock()
         self._drivers = drivers
@@ -105,8 +106,9 @@ class StandInCluster:
     def logs(self, submission_id: str) -> str:
         return f"log of {submission_id}"
 
-    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
+    def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None:
         self.warm_pool_calls.append((per_node, set(active_submissions)))
+        self.warm_pool_envs = runtime_envs
 
     def close(self) -> None:
         """Stop the driver thread (when there is one) once it has finished the jobs submitted so far."""

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -30,7 +31,7 @@ from ringmaster.service.naming import placement_group_name, submission_id_for, w
 from ringmaster.service.ray_cluster import ClusterBackend
 from ringmaster.service.reports import REPORT_TOKEN_ENV
 from ringmaster.service.settings import Settings
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.spec import SHARED_POOL, JobSpec
 from ringmaster.service.states import ACTIVE, JobState
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ _LOG_TAIL = 4000
 _DRIVER_EXIT_GRACE_S = 30.0
 _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
+_RECENT_JOBS_FOR_POOLS = 50  # the runtime envs that keep a warm pool are found among this many newest jobs
+_RAN_IN_ITS_ENV = [JobState.RUNNING.value, JobState.RECOVERING.value, JobState.SUCCEEDED.value]
 # A driver reports every second while its job trains; one that reported this recently is not asked after in Ray.
 _REPORTING_DRIVER_ALIVE_S = 3.0
 
@@ -55,6 +58,7 @@ class Dispatcher:
         # Submission ids this process has logged as alive, so adoption is logged once (not each pass).
         self._seen_alive: set[str] = set()
         self._warm_pool_due = 0.0
+        self._code_zips: dict[tuple[str, str], Path] = {}  # (tenant, code ref) -> its local zip
 
     def run_once(self) -> None:
         self.watch_active_jobs()
@@ -71,9 +75,38 @@ class Dispatcher:
             with self.sessions() as session:
                 active = set(session.scalars(select(Job.submission_id).where(
                     Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None))))
-            self.cluster.keep_warm(self.settings.warm_workers_per_node, active, self.settings.code_path)
+                runtime_envs = self._warm_pool_envs(session)
+            self.cluster.keep_warm(self.settings.warm_workers_per_node, active, runtime_envs)
         except Exception:  # noqa: BLE001 — the pool only saves start-up time: admission must go on without it
             log.exception("warm pool upkeep failed")
+
+    def _warm_pool_envs(self, session: Session) -> dict[str, dict[str, Any]]:
+        """pool -> the runtime_env its workers start in: the shared pool, and one for each of the
+        `warm_runtime_envs` distinct envs of their own most recently submitted (read from the database each time, so
+        every dispatcher replica keeps the same pools)."""
+        pools: dict[str, dict[str, Any]] = {SHARED_POOL: self._shared_runtime_env()}
+        if self.settings.warm_runtime_envs == 0:
+            return pools
+        wanted = self.settings.warm_runtime_envs + 1
+        # Only envs a job has run in: one that could not be set up (a failed pip install) would fail each pool worker too.
+        rows = session.execute(select(Job.tenant, Job.spec).where(Job.state.in_(_RAN_IN_ITS_ENV))
+                               .order_by(Job.created_at.desc()).limit(_RECENT_JOBS_FOR_POOLS))
+        for tenant, raw in rows:
+            if not (raw.get("code") or raw.get("runtime_env")):
+                continue
+            spec = JobSpec.model_validate(raw)
+            if spec.warm_pool in pools or spec.workers.gpus_per_worker:  # GPU workers are never pooled
+                continue
+            try:
+                pools[spec.warm_pool] = self._own_runtime_env(session, tenant, spec)
+            except CodeNotFound:
+                continue
+            if len(pools) == wanted:
+                break
+        return pools
+
+    def _shared_runtime_env(self) -> dict[str, Any]:
+        return {"env_vars": {"PYTHONPATH": self.settings.code_path}} if self.settings.code_path else {}
 
     def wake(self) -> None:
         """Start the next pass now (a job was submitted or cancelled in this process)."""
@@ -169,25 +202,37 @@ class Dispatcher:
         return None
 
     def _runtime_env(self, job: Job, spec: JobSpec, report_token: str) -> dict[str, Any]:
-        """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the spec's variables and
-        pip requirements, its code as the working_dir (a local zip that Ray's Jobs client uploads as a package, once per
-        content, for every node to unpack), and PYTHONPATH ending in RINGMASTER_CODE_PATH."""
+        """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the job's own
+        (below), and this attempt's report secret, which travels in the environment, never on the command line (shown
+        in the dashboard)."""
+        with self.sessions() as session:
+            runtime_env = self._own_runtime_env(session, job.tenant, spec) if spec.has_own_runtime_env else self._shared_runtime_env()
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), REPORT_TOKEN_ENV: report_token}
+        return runtime_env
+
+    def _own_runtime_env(self, session: Session, tenant: str, spec: JobSpec) -> dict[str, Any]:
+        """The runtime env of a job that brings its own, as its warm pool's workers start in it too: the spec's
+        variables and pip requirements, its code as the working_dir (a local zip that Ray's Jobs client uploads as a
+        package, once per content, for every node to unpack), and PYTHONPATH ending in RINGMASTER_CODE_PATH."""
         own = spec.runtime_env
         env_vars = dict(own.env_vars) if own else {}
         # Ray puts the working_dir before all of these; the spec's own PYTHONPATH comes before the cluster's code path.
         python_path = os.pathsep.join(path for path in (env_vars.get("PYTHONPATH"), self.settings.code_path) if path)
         if python_path:
             env_vars["PYTHONPATH"] = python_path
-        # The secret travels in the Ray job's environment, never on its command line (shown in the dashboard).
-        env_vars[REPORT_TOKEN_ENV] = report_token
         runtime_env: dict[str, Any] = {"env_vars": env_vars}
         if own and own.pip:
             runtime_env["pip"] = list(own.pip)
         if spec.code:
-            with self.sessions() as session:
-                runtime_env["working_dir"] = str(code_store.local_copy(session, job.tenant, spec.code,
-                                                                       self.settings.code_cache_dir()))
+            runtime_env["working_dir"] = str(self._code_zip(session, tenant, spec.code))
         return runtime_env
+
+    def _code_zip(self, session: Session, tenant: str, code: str) -> Path:
+        """The local zip of a tenant's code archive, written (and its hash checked) once per process."""
+        path = self._code_zips.get((tenant, code))
+        if path is None or not path.exists():
+            path = self._code_zips[(tenant, code)] = code_store.local_copy(session, tenant, code, self.settings.code_cache_dir())
+        return path
 
     def _fail(self, job_id: str, submission_id: str, message: str) -> None:
         """End the job FAILED now, not retried: what failed would fail the same way in every attempt."""

@@ -5,6 +5,7 @@ Imports ray lazily: the API process starts without it until the dispatcher first
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -27,7 +28,7 @@ class ClusterBackend(Protocol):
     def start_failure(self, submission_id: str) -> str | None: ...
     def stop(self, submission_id: str) -> None: ...
     def logs(self, submission_id: str) -> str: ...
-    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None: ...
+    def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
 
 
 class WarmPool(Protocol):
@@ -35,11 +36,11 @@ class WarmPool(Protocol):
 
     per_node: int
 
-    def tick(self, active_claimants: set[str]) -> None: ...
+    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
 
 
-# per_node, the pool workers' runtime_env -> a pool; the composition root supplies it (it lives with the workers).
-WarmPoolFactory = Callable[[int, dict | None], WarmPool]
+# per_node -> a pool keeper; the composition root supplies it (it lives with the workers).
+WarmPoolFactory = Callable[[int], WarmPool]
 
 
 class RayCluster:
@@ -93,14 +94,22 @@ class RayCluster:
             self._connected = False
             self._jobs = None
 
-    def keep_warm(self, per_node: int, active_submissions: set[str], code_path: str | None) -> None:
-        """Top up the cluster's warm worker pool on every node; kill pool workers whose job attempt has ended."""
+    def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None:
+        """Top up each warm pool (pool -> the runtime_env its workers start in) on every node; kill pool workers whose
+        job attempt has ended, and idle workers of pools not named."""
         if self._warm_pool_factory is None:
             return
-        self._connect()
+        _, jobs = self._connect()
         if self._warm_pool is None or self._warm_pool.per_node != per_node:
-            self._warm_pool = self._warm_pool_factory(per_node, {"env_vars": {"PYTHONPATH": code_path}} if code_path else None)
-        self._warm_pool.tick(active_submissions)
+            self._warm_pool = self._warm_pool_factory(per_node)
+        resolved = {}
+        for pool, runtime_env in runtime_envs.items():
+            runtime_env = copy.deepcopy(runtime_env)
+            # An actor's runtime_env takes no local path: the code zip becomes the same content-addressed Ray package
+            # the job's own submission uploads (a no-op once the cluster has it), so pool and job share one copy.
+            jobs._upload_working_dir_if_needed(runtime_env)
+            resolved[pool] = runtime_env
+        self._warm_pool.tick(active_submissions, resolved)
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         """All-or-nothing: a placement group of these bundles is ready within wait_s, or nothing is held."""

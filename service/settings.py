@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     warm_workers_per_node: int = Field(default=2, ge=0, description="Idle CPU worker processes, torch imported, that "
                                        "the dispatcher keeps on each node for any job to claim: a job's CPU workers "
                                        "start without a process start or `import torch`. 0 turns the pool off.")
+    warm_runtime_envs: int = Field(default=2, ge=0, description="Runtime envs of jobs that bring their own (code, pip "
+                                   "requirements or variables) that keep a warm pool of their own, the most recently "
+                                   "submitted first: the next job in one of these envs starts warm. 0: such jobs always "
+                                   "start cold workers.")
     token: SecretStr | None = Field(default=None, description="API token the CLI and client send; default: the local "
                                     "admin token an embedded server writes to data_dir/admin.token.")
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body the API reads; "

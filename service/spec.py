@@ -21,6 +21,7 @@ _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _HF_MODEL = re.compile(rf"^{HF_PREFIX}[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
 CODE_REF = re.compile(r"^sha256:[0-9a-f]{64}$")
+SHARED_POOL = "shared"  # the warm pool of jobs that bring no runtime env of their own
 _ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV_PREFIX = "RINGMASTER_"  # the control plane's own variables (the driver's report secret among them)
 MAX_REQUIREMENTS = 100
@@ -289,6 +290,16 @@ class JobSpec(_Strict):
     def has_own_runtime_env(self) -> bool:
         """The job runs in processes of its own (its code, requirements or variables), never in shared warm workers."""
         return self.code is not None or self.runtime_env is not None
+
+    @property
+    def warm_pool(self) -> str:
+        """The warm pool whose workers this job may claim: SHARED_POOL, or one per distinct runtime env (code,
+        requirements and variables), named by their hash, so a job only ever takes processes of its own env."""
+        if not self.has_own_runtime_env:
+            return SHARED_POOL
+        own = self.runtime_env or RuntimeEnvSpec()
+        content = json.dumps({"code": self.code, "pip": own.pip, "env_vars": own.env_vars}, sort_keys=True)
+        return "env-" + hashlib.sha256(content.encode()).hexdigest()[:16]
 
     @field_validator("name")
     @classmethod

@@ -17,7 +17,8 @@ from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job
 from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.reports import REPORT_TOKEN_ENV
+from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
 from ringmaster.service.states import JobState
 
 
@@ -215,6 +216,33 @@ def test_two_dispatchers_never_admit_the_same_job(db):
     assert sorted(cluster.submitted) == sorted(f"ringmaster-{job_id}-1" for job_id in ids)
     assert cluster.duplicates == [] and cluster.free_cpus == 64 - 12
     assert {_state(db, job_id) for job_id in ids} == {JobState.ADMITTED}
+
+
+def test_warm_pools_are_the_shared_one_and_the_newest_runtime_envs_a_job_ran_in(db, dispatcher):
+    """A pool per runtime env: the shared one, and one for each of the `warm_runtime_envs` newest envs of their own
+    whose job ran (one whose env could not even be set up would fail every pool worker too)."""
+    dispatcher, cluster = dispatcher
+    dispatcher.settings = dispatcher.settings.model_copy(update={"warm_runtime_envs": 2})
+    ids = {}
+    for name, state in [("old", JobState.SUCCEEDED), ("a", JobState.SUCCEEDED), ("again-a", JobState.RUNNING),
+                        ("b", JobState.RUNNING), ("plain", JobState.SUCCEEDED), ("broken", JobState.FAILED)]:
+        project = name.removeprefix("again-")
+        spec = _spec(name, workers=1) if name == "plain" else \
+            _spec(name, workers=1).model_copy(update={"runtime_env": RuntimeEnvSpec(env_vars={"PROJECT": project})})
+        ids[name] = _submit(db, spec)
+        with db.sessions() as session, session.begin():
+            session.get(Job, ids[name]).state = state
+    dispatcher.keep_pool_warm()
+    pools = cluster.warm_pool_envs
+
+    def pool_of(name: str) -> str:
+        with db.sessions() as session:
+            return JobSpec.model_validate(session.get(Job, ids[name]).spec).warm_pool
+
+    assert pool_of("a") == pool_of("again-a") != pool_of("b") and pool_of("plain") == SHARED_POOL
+    assert sorted(pools) == sorted([SHARED_POOL, pool_of("a"), pool_of("b")]), "the two newest envs that ran, and the shared one"
+    assert pools[pool_of("b")] == {"env_vars": {"PROJECT": "b"}} and pools[SHARED_POOL] == {}
+    assert all(REPORT_TOKEN_ENV not in env.get("env_vars", {}) for env in pools.values()), "no attempt's secret in a pool"
 
 
 def test_warm_pool_upkeep_names_the_active_attempts_and_never_stops_admission(db, dispatcher):

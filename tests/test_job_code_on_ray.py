@@ -3,7 +3,8 @@ becomes the Ray job's working_dir (a Ray package every node unpacks), a wheel bu
 job's own runtime env, and what cannot start fails the job once with the reason.
 
 The modules live only in temporary directories, outside the repository and RINGMASTER_CODE_PATH; the warm pool is
-on (2 per node), yet jobs with their own runtime env run in processes of their own."""
+on (2 per node): a job with its own runtime env never takes a shared pool worker, and the next job in the env a job
+ran in starts in that env's own pool."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from harness.ray_cluster import REPO_ROOT, running_control_plane, wait_for_state
+from ringmaster.service.spec import SHARED_POOL, JobSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -60,7 +62,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory):
     copy of the whole virtualenv, minutes on a small machine) before the job fails, which ringmaster then fails once."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RUNTIME_ENV_RETRY_TIMES", "1")
-        yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"))
+        yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"), warm_runtime_envs=1)
 
 
 def _project(root: Path, version: int, imports: str = "", extra: str = "") -> Path:
@@ -83,13 +85,17 @@ def _markers(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(directory.glob("rank-*.json"))]
 
 
-def _wait_for_warm_pool(count: int, timeout_s: float = 180.0) -> None:
-    """Until `count` idle pool workers are warm: a job that could take them is offered them."""
-    from ringmaster.workers.warm_pool import pool_workers
+def _wait_for_warm_pool(count: int, pool: str = SHARED_POOL, timeout_s: float = 180.0) -> None:
+    """Until `count` idle workers of `pool` are warm: a job that could take them is offered them."""
+    from ringmaster.workers.warm_pool import pool_by_node, pool_statuses
+
+    def idle_and_warm() -> int:
+        names = [name for names in pool_by_node(pool).values() for name in names]
+        return sum(status["warm"] and status["claimant"] is None for _, status in pool_statuses(names).values())
 
     deadline = time.monotonic() + timeout_s
-    while sum(status["warm"] and status["claimant"] is None for status in pool_workers().values()) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} warm pool workers after {timeout_s:.0f}s"
+    while idle_and_warm() < count:
+        assert time.monotonic() < deadline, f"fewer than {count} warm workers in pool {pool} after {timeout_s:.0f}s"
         time.sleep(0.5)
 
 
@@ -117,9 +123,21 @@ def test_two_jobs_shipping_their_own_version_of_one_module_each_train_it_on_two_
             assert shipped.parent.name.startswith("_ray_pkg_") and shipped.parent == Path(marker["cwd"]).resolve()
             assert not shipped.is_relative_to(tmp_path) and not shipped.is_relative_to(REPO_ROOT)
             assert not (shipped.parent / "notes.log").exists(), ".gitignore'd files are not shipped"
-        assert _running_event(client, job["id"])["data"]["warm_pool_workers"] == 0, "no pool worker runs shipped code"
+        assert _running_event(client, job["id"])["data"]["warm_pool_workers"] == 0, "no shared pool worker runs shipped code"
         rows = client.metrics(job["id"])["items"]
         assert [row["step"] for row in rows] == list(range(1, STEPS + 1)) and {row["world_size"] for row in rows} == {2}
+
+    # v2 ran last: its env now has a warm pool of its own, which the next v2 job takes, still training its own code.
+    _wait_for_warm_pool(2, pool=JobSpec.model_validate(jobs[2]["spec"]).warm_pool)
+    again = client.submit(_spec("shipped-v2-again", tmp_path / "markers-v2-again", max_failures=0),
+                          code=tmp_path / "project-v2")
+    assert again["spec"]["code"] == jobs[2]["spec"]["code"]
+    done = wait_for_state(client, again["id"], TERMINAL)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    assert _running_event(client, again["id"])["data"]["warm_pool_workers"] == 2
+    markers = _markers(tmp_path / "markers-v2-again")
+    assert len(markers) == 2 and {marker["version"] for marker in markers} == {2}
+    assert all(Path(marker["file"]).parent.name.startswith("_ray_pkg_") for marker in markers)
 
 
 def test_an_import_error_in_the_users_module_fails_the_job_once_with_its_traceback(ray_server, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from ringmaster.service.naming import NAMESPACE
+from ringmaster.service.spec import SHARED_POOL
 from ringmaster.workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("scenario", ["fills_the_node_and_each_warm_worker_serves_one_claimant",
                                       "claim_takes_only_workers_on_the_slots_nodes",
                                       "a_node_holding_a_placement_group_is_not_refilled",
-                                      "a_claimed_worker_ends_with_its_driver"])
+                                      "a_claimed_worker_ends_with_its_driver",
+                                      "each_runtime_env_has_a_pool_of_its_own"])
 def test_warm_pool(scenario: str) -> None:
     result = subprocess.run([sys.executable, "-m", "tests.test_warm_pool", scenario], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=240)
@@ -34,8 +36,8 @@ def test_warm_pool(scenario: str) -> None:
     assert f"{scenario}: ok" in result.stdout
 
 
-def _pool(node: str) -> dict[str, dict]:
-    return {name: status for name, (_, status) in pool_statuses(pool_by_node().get(node, [])).items()}
+def _pool(node: str, pool: str = SHARED_POOL) -> dict[str, dict]:
+    return {name: status for name, (_, status) in pool_statuses(pool_by_node(pool).get(node, [])).items()}
 
 
 def _wait_for(condition, what: str, timeout_s: float = 120.0):
@@ -133,6 +135,28 @@ def a_claimed_worker_ends_with_its_driver(node: str) -> None:
               "the dead driver's pool worker gone", timeout_s=15)
     print(f"the dead driver's worker ended {time.monotonic() - killed:.1f}s after it", flush=True)
     ray.kill(mine[0], no_restart=True)
+    WarmPoolKeeper(per_node=0).tick(active_claimants=set())
+
+
+def each_runtime_env_has_a_pool_of_its_own(node: str) -> None:
+    """A job with its own runtime env claims only workers started in that env; a pool no longer wanted empties."""
+    keeper = WarmPoolKeeper(per_node=1)
+    envs = {SHARED_POOL: {}, "env-project": {"env_vars": {"PROJECT_SETTING": "project"}}}
+    keeper.tick(active_claimants=set(), runtime_envs=envs)
+    _wait_for(lambda: all(len(_pool(node, pool)) == 1 and all(status["warm"] for status in _pool(node, pool).values())
+                          for pool in envs), "a warm worker in each pool")
+    assert claim_workers([node], "attempt-f", cpus=1, pool_key="env-other") == {}, "claimed from another env's pool"
+    [shared] = claim_workers([node], "attempt-f", cpus=1).values()
+    [own] = claim_workers([node], "attempt-g", cpus=1, pool_key="env-project").values()
+    setting = lambda actor: ray.get(actor.__ray_call__.remote(lambda _: os.environ.get("PROJECT_SETTING")))  # noqa: E731
+    assert (setting(shared), setting(own)) == (None, "project"), "each pool's workers run in their own env"
+
+    # Only the shared pool is wanted now: the project's pool starts nothing more; its claimed worker stays with its attempt.
+    keeper.tick(active_claimants={"attempt-f", "attempt-g"}, runtime_envs={SHARED_POOL: {}})
+    time.sleep(1.0)
+    assert list(_pool(node, "env-project").values()) == [{"claimant": "attempt-g", "warm": True}]
+    for actor in (shared, own):
+        ray.kill(actor, no_restart=True)
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())
 
 

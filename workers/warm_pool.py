@@ -12,6 +12,11 @@ state behind). Should the driver die without cleaning up, a claimed worker exits
 driver's Ray job dead; as a backstop the keeper kills claimed workers whose attempt is no longer active.
 GPU workers are not pooled: Ray gives GPU ids to the actor that holds the bundle. Pool workers are detached
 actors, so they survive a restart of the control plane.
+
+There is a pool per runtime env. The shared pool serves jobs that bring no env of their own; a job with its own
+code, requirements or variables (`JobSpec.warm_pool`) claims only workers started in exactly that env, which the
+keeper keeps for the few envs most recently submitted: the second job of a project starts warm. Pool workers
+import the training stack, never the user's modules (those are imported when a claimed worker trains).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ringmaster.service.spec import SHARED_POOL
 from ringmaster.workers.worker import TrainWorker
 
 log = logging.getLogger("ringmaster.warm_pool")
@@ -37,19 +43,24 @@ STATUS_TIMEOUT_S = 1.0  # a pool worker answers at once unless its process is st
 ORPHAN_GRACE_S = 30.0
 
 
-def pool_name(node_id: str, index: int) -> str:
-    return f"{NAME_PREFIX}:{node_id}:{index}"
+def pool_name(pool: str, node_id: str, index: int) -> str:
+    return f"{NAME_PREFIX}:{pool}:{node_id}:{index}"
 
 
-def pool_by_node() -> dict[str, list[str]]:
-    """Names of the live pool workers on each node, oldest first (likeliest to be warm)."""
-    by_node: dict[str, list[tuple[int, str]]] = defaultdict(list)
+def pools_by_node() -> dict[str, dict[str, list[str]]]:
+    """pool -> node -> names of its live workers there, oldest first (likeliest to be warm)."""
+    found: dict[str, dict[str, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
     for name in ray.util.list_named_actors():
-        prefix, _, rest = name.partition(":")
-        node_id, _, index = rest.rpartition(":")
-        if prefix == NAME_PREFIX and node_id and index.isdigit():
-            by_node[node_id].append((int(index), name))
-    return {node: [name for _, name in sorted(names)] for node, names in by_node.items()}
+        parts = name.split(":")
+        if len(parts) == 4 and parts[0] == NAME_PREFIX and parts[3].isdigit():
+            found[parts[1]][parts[2]].append((int(parts[3]), name))
+    return {pool: {node: [name for _, name in sorted(names)] for node, names in nodes.items()}
+            for pool, nodes in found.items()}
+
+
+def pool_by_node(pool: str = SHARED_POOL) -> dict[str, list[str]]:
+    """Names of one pool's live workers on each node, oldest first."""
+    return pools_by_node().get(pool, {})
 
 
 def pool_statuses(names: list[str]) -> dict[str, tuple[Any, dict[str, Any]]]:
@@ -73,15 +84,16 @@ def pool_statuses(names: list[str]) -> dict[str, tuple[Any, dict[str, Any]]]:
 
 def pool_workers() -> dict[str, dict[str, Any]]:
     """Every pool worker that answers, on any node: name -> its pool_status."""
-    return {name: status for names in pool_by_node().values() for name, (_, status) in pool_statuses(names).items()}
+    return {name: status for nodes in pools_by_node().values() for names in nodes.values()
+            for name, (_, status) in pool_statuses(names).items()}
 
 
-def claim_workers(nodes: list[str | None], claimant: str, cpus: float) -> dict[int, Any]:
-    """Claim an idle, warm pool worker on each of these nodes: {position in nodes: actor}.
+def claim_workers(nodes: list[str | None], claimant: str, cpus: float, pool_key: str = SHARED_POOL) -> dict[int, Any]:
+    """Claim an idle, warm worker of pool `pool_key` on each of these nodes: {position in nodes: actor}.
 
     `claimant` is the job attempt's Ray submission id; positions with no idle pool worker are left out.
     """
-    pool = pool_by_node()
+    pool = pool_by_node(pool_key)
     wanted = {node for node in nodes if node is not None}
     statuses = pool_statuses([name for node in wanted for name in pool.get(node, [])])
     # Only warm ones: one still importing does so at the lowest priority, so under load it may be slower than a cold start.
@@ -108,46 +120,47 @@ def _nodes_with_placement_groups() -> set[str]:
 
 
 class WarmPoolKeeper:
-    """Keeps `per_node` idle pool workers on every live node with CPUs, refilling a node once no placement group
-    holds any of it (between jobs); called by the dispatcher every few seconds."""
+    """Keeps `per_node` idle workers of each wanted pool on every live node with CPUs, refilling a node once no
+    placement group holds any of it (between jobs); called by the dispatcher every few seconds."""
 
-    def __init__(self, per_node: int, runtime_env: dict[str, Any] | None = None, orphan_grace_s: float = ORPHAN_GRACE_S) -> None:
+    def __init__(self, per_node: int, orphan_grace_s: float = ORPHAN_GRACE_S) -> None:
         self.per_node = per_node
-        self.runtime_env = runtime_env or {}
         self.orphan_grace_s = orphan_grace_s
         self._orphans_seen: dict[str, float] = {}  # pool worker name -> when first seen claimed by an inactive attempt
 
-    def tick(self, active_claimants: set[str]) -> None:
-        pool = pool_by_node()
-        statuses = pool_statuses([name for names in pool.values() for name in names])
+    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]] | None = None) -> None:
+        """`runtime_envs`: pool -> the Ray runtime_env its workers start in (URIs only: Ray refuses local paths for an
+        actor); pools not named here are emptied of idle workers. Default: the shared pool alone, in this process's env."""
+        wanted = {SHARED_POOL: {}} if runtime_envs is None else runtime_envs
+        pools = pools_by_node()
+        statuses = pool_statuses([name for nodes in pools.values() for names in nodes.values() for name in names])
         self._kill_orphans(statuses, active_claimants)
         busy = _nodes_with_placement_groups()
-        for node in ray.nodes():
-            cpus = node.get("Resources", {}).get("CPU", 0)
-            if not node["Alive"] or cpus < 1:
-                continue
-            names = pool.get(node["NodeID"], [])
-            # A worker that did not answer counts as idle: most likely its process is still starting.
-            idle = [name for name in names if name not in statuses or statuses[name][1]["claimant"] is None]
-            target = min(self.per_node, int(cpus))
-            if node["NodeID"] not in busy:
-                # Only on a node nothing runs on: starting a worker takes seconds of CPU, taken from training otherwise.
-                self._start(node["NodeID"], names, target - len(idle))
-            for name in idle[target:]:  # the pool was made smaller (or turned off)
-                if name in statuses:
-                    ray.kill(statuses[name][0], no_restart=True)
+        live = [node for node in ray.nodes() if node["Alive"] and node.get("Resources", {}).get("CPU", 0) >= 1]
+        for pool in sorted(set(pools) | set(wanted)):
+            for node in live:
+                names = pools.get(pool, {}).get(node["NodeID"], [])
+                # A worker that did not answer counts as idle: most likely its process is still starting.
+                idle = [name for name in names if name not in statuses or statuses[name][1]["claimant"] is None]
+                target = min(self.per_node, int(node["Resources"]["CPU"])) if pool in wanted else 0
+                if node["NodeID"] not in busy and pool in wanted:
+                    # Only on a node nothing runs on: starting a worker takes seconds of CPU, taken from training otherwise.
+                    self._start(pool, wanted[pool], node["NodeID"], names, target - len(idle))
+                for name in idle[target:]:  # the pool was made smaller, turned off, or is no longer wanted
+                    if name in statuses:
+                        ray.kill(statuses[name][0], no_restart=True)
 
-    def _start(self, node_id: str, names: list[str], count: int) -> None:
+    def _start(self, pool: str, runtime_env: dict[str, Any], node_id: str, names: list[str], count: int) -> None:
         taken = set(names)
         index = 0
         for _ in range(max(0, count)):
-            while pool_name(node_id, index) in taken:
+            while pool_name(pool, node_id, index) in taken:
                 index += 1
-            name = pool_name(node_id, index)
+            name = pool_name(pool, node_id, index)
             taken.add(name)
             try:
                 TrainWorker.options(
-                    name=name, lifetime="detached", num_cpus=0, runtime_env=self.runtime_env,
+                    name=name, lifetime="detached", num_cpus=0, runtime_env=runtime_env,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 ).remote(0, False, pooled=True)
             except ValueError:

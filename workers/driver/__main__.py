@@ -47,11 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
     try:
-        # Warm pool workers run in the cluster's shared runtime env, with no one's code imported: a job with its own code,
-        # requirements or variables starts every worker in its own (inherited from this Ray job), never in the pool.
-        claimant = None if spec.has_own_runtime_env else submission_id_for(args.job_id, args.attempt)
+        # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
+        # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
         code = Controller(spec, args.job_id, args.attempt, args.placement_group, args.storage_uri, reporter,
-                          claimant=claimant).run()
+                          claimant=submission_id_for(args.job_id, args.attempt)).run()
     finally:
         # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
         # rerun a finished job as a failed attempt.

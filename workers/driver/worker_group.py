@@ -69,7 +69,7 @@ class WorkerGroup:
         resources = self.spec.workers
         pooled: dict[int, Any] = {}
         if slots and self.claimant and not resources.gpus_per_worker:
-            pooled = claim_workers(slot_nodes(slots), self.claimant, resources.cpus_per_worker)
+            pooled = claim_workers(slot_nodes(slots), self.claimant, resources.cpus_per_worker, self.spec.warm_pool)
             self.pooled_started += len(pooled)
         return [
             (pooled.get(position) or TrainWorker.options(
