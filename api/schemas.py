@@ -111,12 +111,25 @@ class RankMemoryOut(BaseModel):
         )
 
 
+class ProgressOut(BaseModel):
+    step: int = Field(description="The newest completed training step (0 before the first).")
+    total_steps: int = Field(description="train.steps of the spec.")
+    loss: float | None = Field(description="The newest step's training loss.")
+    world_size: int | None = Field(description="Workers training at the newest step.")
+    samples_per_s: float | None
+    recoveries: int = Field(description="Times the job went RECOVERING (a worker was lost and the group re-formed).")
+    eta_s: float | None = Field(description="Seconds left at the pace of the newest 20 steps; null unless the job is active.")
+
+
 class JobDetailOut(JobOut):
     memory: list[RankMemoryOut] = Field(description="Per attempt and rank: training-state bytes measured beside predicted.")
+    progress: ProgressOut
 
     @classmethod
-    def from_job(cls, job: Job, settings: Settings, memory: list[jobs.RankMemoryComparison]) -> "JobDetailOut":
-        return cls(**cls._fields(job, settings), memory=[RankMemoryOut.from_comparison(m) for m in memory])
+    def from_job(cls, job: Job, settings: Settings, memory: list[jobs.RankMemoryComparison],
+                 progress: jobs.Progress) -> "JobDetailOut":
+        return cls(**cls._fields(job, settings), memory=[RankMemoryOut.from_comparison(m) for m in memory],
+                   progress=ProgressOut(**vars(progress)))
 
 
 class EventOut(BaseModel):

@@ -39,7 +39,8 @@ class ControlPlane:
     def __init__(self, settings: Settings) -> None:
         self.head: RayHead | None = None
         if settings.ray_address is None:
-            self.head = start_head(settings.data_dir)
+            self.head = start_head(settings.data_dir, ray_client_server=settings.ray_client_server,
+                                   timeout_s=settings.ray_start_timeout_s)
             settings = settings.model_copy(update={
                 "ray_address": self.head.gcs_address,
                 "ray_dashboard_url": self.head.dashboard_url,
@@ -87,14 +88,19 @@ class ControlPlane:
 
 
 def run_server(settings: Settings) -> None:
-    """Serve until interrupted; an embedded Ray head is stopped with the server."""
-    configure_logging()
+    """Serve until interrupted; an embedded Ray head is stopped with the server. While it serves, the URL it listens
+    on is in the data directory (Settings.api_address_path), where the CLI looks for it."""
+    configure_logging(log_format=settings.log_format)
     plane = ControlPlane(settings)
     log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
+    address = settings.api_address_path()
     try:
-        # log_config=None: uvicorn keeps the JSON handlers configure_logging installed.
+        address.parent.mkdir(parents=True, exist_ok=True)
+        address.write_text(plane.settings.resolved_api_url() + "\n")
+        # log_config=None: uvicorn keeps the handlers configure_logging installed.
         uvicorn.run(plane.app(), host=plane.settings.api_host, port=plane.settings.api_port, log_config=None)
     finally:
+        address.unlink(missing_ok=True)
         plane.close()
 
 
@@ -133,9 +139,11 @@ class BackgroundServer:
                 self.plane.close()
                 raise RuntimeError(f"the API server did not start on {self.url}")
             time.sleep(0.05)
+        self.plane.settings.api_address_path().write_text(self.url + "\n")  # where the CLI finds it (as `serve`'s)
         return self
 
     def __exit__(self, *_: object) -> None:
+        self.plane.settings.api_address_path().unlink(missing_ok=True)
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self.plane.close()

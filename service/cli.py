@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -18,8 +19,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ringmaster.service.client import ApiError, RingmasterClient
+from ringmaster.service.client import ApiError, RingmasterClient, TokenRefused
 from ringmaster.service.code_packing import CodeDirectoryError
+from ringmaster.service.embedded_ray import HeadStartFailed
 from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.planner import GB, format_bytes
 from ringmaster.service.settings import get_settings
@@ -37,6 +39,9 @@ app.add_typer(tenant_app, name="tenant")
 console = Console()
 
 ApiOption = Annotated[Optional[str], typer.Option("--api", help="API URL; default from RINGMASTER_API_URL / host and port.")]
+_JOB_ID_LENGTH = 32
+_PREFIX_MATCHES_SHOWN = 5
+_TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 _STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "ADMITTED": "blue", "QUEUED": "white"}
 
 
@@ -51,6 +56,56 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=1)
 
 
+def _unreachable(error: httpx.TransportError) -> str:
+    try:
+        url = error.request.url
+        where = f"{url.scheme}://{url.netloc.decode()}"
+    except RuntimeError:  # an error raised before a request existed
+        where = get_settings().client_api_url()
+    if isinstance(error, httpx.TimeoutException):
+        return f"ringmaster at {where} did not answer in time ({type(error).__name__})"
+    return f"cannot reach ringmaster at {where} — is `ringmaster serve` running? set RINGMASTER_API_URL or --api"
+
+
+def _handled(command):
+    """The expected failures of a command that calls the API end it with one line and exit code 1, never a
+    traceback: the server unreachable, a refused token (naming where it came from), any 4xx/5xx answer."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except TokenRefused as error:
+            _fail(f"the API refused the token from {error.source} ({error.detail}); set RINGMASTER_TOKEN to a token "
+                  "from `ringmaster token create`, or run the server on embedded defaults, which writes a local "
+                  "admin token this command picks up")
+        except ApiError as error:
+            _fail(_describe(error))
+        except httpx.TransportError as error:
+            _fail(_unreachable(error))
+        except HeadStartFailed as error:
+            _fail(str(error))
+
+    return run
+
+
+def _job_id(client: RingmasterClient, text: str) -> str:
+    """A full job id, or an unambiguous prefix of one (as git and docker take them)."""
+    text = text.strip().lower()
+    if len(text) == _JOB_ID_LENGTH:
+        return text
+    if not text or any(char not in "0123456789abcdef" for char in text):
+        _fail(f"not a job id: {text!r} (ids are {_JOB_ID_LENGTH} hex digits; any unambiguous prefix of one will do)")
+    matches = client.jobs(id_prefix=text, limit=_PREFIX_MATCHES_SHOWN)
+    if matches["total"] == 0:
+        _fail(f"no job id starts with {text!r}")
+    if matches["total"] > 1:
+        shown = ", ".join(job["id"][:12] for job in matches["items"])
+        more = f" and {matches['total'] - len(matches['items'])} more" if matches["total"] > len(matches["items"]) else ""
+        _fail(f"{text!r} is ambiguous: {matches['total']} job ids start with it ({shown}{more}); give more of the id")
+    return matches["items"][0]["id"]
+
+
 @app.command()
 def serve(port: Annotated[Optional[int], typer.Option(help="API port (RINGMASTER_API_PORT).")] = None,
           host: Annotated[Optional[str], typer.Option(help="API host (RINGMASTER_API_HOST).")] = None) -> None:
@@ -58,10 +113,14 @@ def serve(port: Annotated[Optional[int], typer.Option(help="API port (RINGMASTER
     from ringmaster.api.server import run_server  # the composition root lives with the API, which may import the service
 
     overrides = {key: value for key, value in {"api_port": port, "api_host": host}.items() if value is not None}
-    run_server(get_settings().model_copy(update=overrides))
+    try:
+        run_server(get_settings().model_copy(update=overrides))
+    except HeadStartFailed as error:
+        _fail(str(error))
 
 
 @app.command()
+@_handled
 def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Job spec, YAML or JSON.")],
            code: Annotated[Optional[Path], typer.Option("--code", exists=True, file_okay=False, help="The job's own code: "
                            "this directory is packed (minus .gitignore/.ringmasterignore matches) and shipped with the job; "
@@ -70,39 +129,73 @@ def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
     """Submit a job spec; prints the new job's id."""
     try:
         job = _client(api).submit_yaml(file.read_text(), code=code)
-    except ApiError as error:
-        _fail(_describe(error))
     except (CodeTooLarge, CodeDirectoryError, ValueError, yaml.YAMLError) as error:
         _fail(str(error))
-    except httpx.HTTPError as error:
-        _fail(f"cannot reach the API: {error}")
     console.print(f"submitted [bold]{job['name']}[/bold] as job [bold]{job['id']}[/bold] ({job['state']})")
     print(job["id"])
 
 
 @app.command()
-def status(job_id: Annotated[Optional[str], typer.Argument()] = None, api: ApiOption = None,
+@_handled
+def status(job_id: Annotated[Optional[str], typer.Argument(help="A job id or an unambiguous prefix; without it, "
+                                                           "a table of jobs.")] = None, api: ApiOption = None,
            state: Annotated[Optional[str], typer.Option(help="Only jobs in this state.")] = None) -> None:
-    """A table of jobs, or one job's details."""
+    """A table of jobs, or one job's details: its step of the total, loss, world size, recoveries and ETA."""
     client = _client(api)
-    try:
-        rows = [client.job(job_id)] if job_id else client.jobs(state=state)["items"]
-    except ApiError as error:
-        _fail(_describe(error))
-    table = Table("id", "name", "state", "attempt", "created", "finished", "error")
+    if job_id:
+        _print_job(client.job(_job_id(client, job_id)))
+        return
+    rows = client.jobs(state=state)["items"]
+    # Fits 80 columns: ids as short as `status ID` takes them, names and times trimmed.
+    table = Table("id", "name", "state", "try", "created", box=None, padding=(0, 1))
     for job in rows:
         style = _STATE_STYLE.get(job["state"], "white")
-        table.add_row(job["id"], job["name"], f"[{style}]{job['state']}[/{style}]", str(job["attempt"]),
-                      job["created_at"][:19], (job.get("finished_at") or "")[:19], (job.get("error") or "")[:60])
+        table.add_row(job["id"][:12], _trimmed(job["name"], 24), f"[{style}]{job['state']}[/{style}]", str(job["attempt"]),
+                      job["created_at"][:19].replace("T", " "))
     console.print(table)
-    if job_id and rows[0].get("dashboard_url"):
-        console.print(f"Ray dashboard: {rows[0]['dashboard_url']}")
+
+
+def _trimmed(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _print_job(job: dict[str, Any]) -> None:
+    style = _STATE_STYLE.get(job["state"], "white")
+    progress = job["progress"]
+    console.print(f"job [bold]{job['id']}[/bold] {escape(job['name'])}: [{style}]{job['state']}[/{style}] "
+                  f"(attempt {job['attempt']}, tenant {escape(job['tenant'])})", soft_wrap=True)
+    parts = [f"step {progress['step']}/{progress['total_steps']}"]
+    if progress["loss"] is not None:
+        parts.append(f"loss {progress['loss']:.4f}")
+    if progress["world_size"] is not None:
+        parts.append(f"world size {progress['world_size']}")
+    parts.append(f"recoveries {progress['recoveries']}")
+    if progress["eta_s"] is not None:
+        parts.append(f"ETA {_duration(progress['eta_s'])}")
+    console.print("  ".join(parts))
+    times = [f"{label} {job[field][:19].replace('T', ' ')}" for label, field in
+             (("created", "created_at"), ("started", "started_at"), ("finished", "finished_at")) if job.get(field)]
+    console.print("  ".join(times))
+    if job.get("waiting_reason"):
+        console.print(f"waiting: {escape(job['waiting_reason'])}", soft_wrap=True)
+    if job.get("error"):
+        console.print(f"error: {escape(job['error'])}", soft_wrap=True)
+    if job.get("dashboard_url"):
+        console.print(f"Ray dashboard: {job['dashboard_url']}", soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 @app.command()
+@_handled
 def watch(job_id: str, api: ApiOption = None) -> None:
     """Live progress (step, loss, samples/s) until the job ends."""
-    job = _watch(_client(api), job_id)
+    client = _client(api)
+    job = _watch(client, _job_id(client, job_id))
     raise typer.Exit(code=0 if job["state"] == "SUCCEEDED" else 1)
 
 
@@ -145,22 +238,42 @@ def _progress(client: RingmasterClient, job_id: str) -> Iterator[tuple[str | Non
 
 
 @app.command()
-def logs(job_id: str, api: ApiOption = None) -> None:
+@_handled
+def logs(job_id: str, api: ApiOption = None,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
+         interval_s: Annotated[float, typer.Option(help="With --follow, how often to look for new lines.")] = 1.0) -> None:
     """The job driver's log from Ray."""
-    try:
-        print(_client(api).logs(job_id))
-    except ApiError as error:
-        _fail(_describe(error))
+    client = _client(api)
+    job_id = _job_id(client, job_id)
+    if not follow:
+        print(client.logs(job_id))
+        return
+    printed = ""
+    while True:
+        finished = client.job(job_id)["state"] in _TERMINAL
+        try:
+            text = client.logs(job_id)
+        except ApiError as error:
+            if error.status not in (409, 503):  # no log yet (not dispatched), or Ray cannot serve it now: look again
+                raise
+            text = printed
+        # The log is the current attempt's: a new attempt starts a new one, printed from its start.
+        new = text[len(printed):] if text.startswith(printed) else text
+        if new:
+            print(new, end="" if new.endswith("\n") else "\n", flush=True)
+        printed = text
+        if finished:
+            return
+        time.sleep(interval_s)
 
 
 @app.command()
+@_handled
 def cancel(job_id: str, api: ApiOption = None) -> None:
     """Cancel a job; its Ray job is stopped and its resources freed."""
-    try:
-        job = _client(api).cancel(job_id)
-    except ApiError as error:
-        _fail(_describe(error))
-    console.print(f"job {job_id}: {job['state']}")
+    client = _client(api)
+    job = client.cancel(_job_id(client, job_id))
+    console.print(f"job {job['id']}: {job['state']}")
 
 
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -190,6 +303,7 @@ def _model_options(pairs: list[str]) -> dict[str, Any]:
 
 
 @app.command()
+@_handled
 def plan(
     gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="Memory of each GPU, GB (10⁹ bytes).")],
     parameters: Annotated[Optional[str], typer.Option("--parameters", "-p", help="Parameter count: 7B, 350M, 13e9.")] = None,
@@ -253,7 +367,10 @@ def _gb(value: float | None) -> str:
 
 
 @app.command()
-def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] = None) -> None:
+@_handled
+def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] = None,
+         keep: Annotated[bool, typer.Option("--keep", help="Leave the server running after the job, so the links "
+                                            "printed keep working (Ctrl-C ends it).")] = False) -> None:
     """Start everything locally, train examples/tiny-gpt.yaml over REST, and show it to the end."""
     from ringmaster.api.server import BackgroundServer
 
@@ -262,7 +379,7 @@ def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] 
     console.print("starting the API server, the dispatcher and a local Ray head …")
     with BackgroundServer(settings) as server:
         client = server.client()
-        console.print(f"API: {server.url}/docs   Ray dashboard: {server.dashboard_url}")
+        console.print(f"API: {server.url}/docs   Ray dashboard: {server.dashboard_url}", soft_wrap=True)
         job = client.submit_yaml(spec_path.read_text())
         console.print(f"submitted {spec_path.name} as job {job['id']}")
         started = time.monotonic()
@@ -272,6 +389,16 @@ def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] 
         if checkpoints:
             console.print(f"checkpoint: {checkpoints[-1]['uri']}", soft_wrap=True)
         console.print(f"Ray dashboard: {final.get('dashboard_url') or server.dashboard_url}", soft_wrap=True)
+        if keep:
+            console.print(f"the server keeps running at {server.url} (`ringmaster status` finds it); Ctrl-C ends it")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+        else:
+            console.print("the server and its Ray head stop now, and these links with them; "
+                          "`ringmaster demo --keep` leaves them running")
     raise typer.Exit(code=0 if final["state"] == "SUCCEEDED" else 1)
 
 
@@ -431,13 +558,11 @@ def _quota_text(quota: Any) -> str:
 
 
 def _describe(error: ApiError, subject: str = "job spec") -> str:
-    if error.status == 401:
-        return (f"{error.detail}\nset RINGMASTER_TOKEN to a token from `ringmaster token create`, or run the server on "
-                "embedded defaults, which writes a local admin token this command picks up")
     if error.status == 422 and isinstance(error.detail, list):
         return f"invalid {subject}:\n" + "\n".join(
             f"  {'.'.join(str(part) for part in item.get('loc', [])[1:]) or '(spec)'}: {item.get('msg')}" for item in error.detail)
-    return str(error)
+    detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
+    return f"{detail} (HTTP {error.status})"
 
 
 if __name__ == "__main__":

@@ -23,18 +23,30 @@ class ApiError(RuntimeError):
         self.status, self.detail = status, detail
 
 
+class TokenRefused(ApiError):
+    """401: the API did not accept the token; `source` says where the token came from."""
+
+    def __init__(self, status: int, detail: Any, source: str) -> None:
+        super().__init__(status, detail)
+        self.source = source
+
+
 class RingmasterClient:
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0,
-                 max_code_bytes: int = Settings.model_fields["max_code_bytes"].default) -> None:
-        """`max_code_bytes`: the largest code archive this client packs (the server refuses larger ones with 413)."""
+                 max_code_bytes: int = Settings.model_fields["max_code_bytes"].default, token_source: str = "the caller") -> None:
+        """`max_code_bytes`: the largest code archive this client packs (the server refuses larger ones with 413);
+        `token_source`: where the token came from, named when the API refuses it."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
         self.max_code_bytes = max_code_bytes
+        self.token_source = token_source
 
     @classmethod
     def from_settings(cls, settings: Settings, api_url: str | None = None) -> "RingmasterClient":
-        """A client of api_url (default: the settings' API URL) with the settings' token (Settings.client_token)."""
-        return cls(api_url or settings.resolved_api_url(), token=settings.client_token(), max_code_bytes=settings.max_code_bytes)
+        """A client of api_url (default: Settings.client_api_url) with the settings' token (Settings.client_token)."""
+        return cls(api_url or settings.client_api_url(), token=settings.client_token(), max_code_bytes=settings.max_code_bytes,
+                   token_source=settings.client_token_source())
 
     def close(self) -> None:
         self._http.close()
@@ -46,6 +58,8 @@ class RingmasterClient:
                 detail = response.json().get("detail", response.text)
             except (json.JSONDecodeError, AttributeError):
                 detail = response.text
+            if response.status_code == 401:
+                raise TokenRefused(response.status_code, detail, self.token_source)
             raise ApiError(response.status_code, detail)
         return response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
 
@@ -94,10 +108,12 @@ class RingmasterClient:
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def jobs(self, state: str | None = None, limit: int = 50, offset: int = 0) -> dict[str, Any]:
+    def jobs(self, state: str | None = None, limit: int = 50, offset: int = 0, id_prefix: str | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if state:
             params["state"] = state
+        if id_prefix:
+            params["id_prefix"] = id_prefix
         return self._call("GET", "/v1/jobs", params=params)
 
     def cancel(self, job_id: str) -> dict[str, Any]:

@@ -1,15 +1,15 @@
 """An embedded single-node Ray head for `ringmaster serve`/`demo` and the tests.
 
-Started as `ray start --head --block` in its own process group, so stopping it ends exactly the
-processes it started (never `ray stop`, which would end every Ray on the machine). Its ports are
-chosen free, never 6379, and recorded in the data directory so a restarted server reuses it.
+Started as `ray start --head --block` (through this module, which leaves out Ray's client server unless asked for)
+in its own process group, so stopping it ends exactly the processes it started (never `ray stop`, which would end
+every Ray on the machine). Its ports are chosen free, never 6379, and recorded in the data directory so a restarted
+server reuses it. A start that fails is cleaned up and tried once more before the cause is reported.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -66,14 +66,32 @@ def _dashboard_ready(url: str) -> bool:
         return False
 
 
-def _ray_executable() -> str:
-    beside_python = Path(sys.executable).with_name("ray")
-    return str(beside_python) if beside_python.exists() else (shutil.which("ray") or "ray")
+class HeadStartFailed(RuntimeError):
+    """The embedded head did not come up (twice); the message holds the cause from its log, and the log's path."""
+
+
+# Lines of a failed head's log that say why, most telling first.
+_CAUSE_MARKERS = ("Error", "error", "Failed", "failed", "Exception", "Timed out", "timed out")
+
+
+def _cause(log_path: Path, offset: int) -> str:
+    """The last lines of this start's part of the head's log that name an error, else its last line."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log was written"
+    telling = [line for line in lines if any(marker in line for marker in _CAUSE_MARKERS)]
+    return " | ".join(telling[-2:]) if telling else (lines[-1] if lines else "the log is empty")
 
 
 def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
-               system_config: dict | None = None, timeout_s: float = 60.0) -> RayHead:
-    """Start a local head (or reuse the one recorded in data_dir if it still answers)."""
+               system_config: dict | None = None, timeout_s: float = 60.0, ray_client_server: bool = False,
+               attempts: int = 2) -> RayHead:
+    """Start a local head (or reuse the one recorded in data_dir if it still answers). A start that fails (the
+    process exits, or the dashboard does not answer in timeout_s) is cleaned up, every process of it ended, and tried
+    again up to `attempts` times in all; then HeadStartFailed says why and where the log is."""
     data_dir.mkdir(parents=True, exist_ok=True)
     state_path = data_dir / _STATE_FILE
     if state_path.exists():
@@ -81,19 +99,40 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
         if recorded.alive():
             return recorded
         state_path.unlink()
+    log_path = data_dir / "ray-head.log"
+    causes = []
+    for _ in range(attempts):
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        try:
+            head = _start_once(data_dir, log_path, num_cpus, resources, system_config, timeout_s, ray_client_server)
+        except _StartFailed as failure:
+            causes.append(f"{failure}: {_cause(log_path, offset)}")
+            continue
+        state_path.write_text(json.dumps(asdict(head)))
+        return head
+    raise HeadStartFailed(f"the embedded Ray head did not start ({len(causes)} tries). Last: {causes[-1]}. "
+                          f"Its log: {log_path.resolve()}")
 
+
+class _StartFailed(RuntimeError):
+    pass
+
+
+def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources: dict[str, float] | None,
+                system_config: dict | None, timeout_s: float, ray_client_server: bool) -> RayHead:
     port, dashboard_port = _free_port(), _free_port()
     # Its own temp dir: Ray resolves "auto" addresses (as the Jobs API does for each job's driver)
     # through <temp dir>/ray_current_cluster, which a shared /tmp/ray lets another cluster overwrite.
     # Kept short: Ray's Unix socket paths live below it.
     temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
     command = [
-        _ray_executable(), "start", "--head", "--block",
+        sys.executable, "-m", "ringmaster.service.embedded_ray", *([] if ray_client_server else ["--no-client-server"]),
+        "start", "--head", "--block",
         "--port", str(port),
         "--dashboard-host", "127.0.0.1",
         "--dashboard-port", str(dashboard_port),
         "--include-dashboard", "true",
-        "--ray-client-server-port", str(_free_port()),
+        *(["--ray-client-server-port", str(_free_port())] if ray_client_server else []),
         "--dashboard-agent-listen-port", str(_free_port()),
         "--disable-usage-stats",
         "--temp-dir", temp_dir,
@@ -103,25 +142,55 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
     if resources:
         command += ["--resources", json.dumps(resources)]
     command += ["--system-config", json.dumps({**CLUSTER_SYSTEM_CONFIG, **(system_config or {})})]
-    log = open(data_dir / "ray-head.log", "ab")
     # The head's processes inherit PATH, so the job driver finds this interpreter's packages.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     head = RayHead(pid=process.pid, gcs_address=f"127.0.0.1:{port}", dashboard_url=f"http://127.0.0.1:{dashboard_port}")
     deadline = time.monotonic() + timeout_s
     while not _dashboard_ready(head.dashboard_url):
+        failure = None
         if process.poll() is not None:
-            raise RuntimeError(f"ray head exited with code {process.returncode}; see {data_dir / 'ray-head.log'}")
-        if time.monotonic() > deadline:
-            stop_head(head)
-            raise TimeoutError(f"ray head did not answer within {timeout_s:.0f}s; see {data_dir / 'ray-head.log'}")
+            failure = f"`ray start` exited with code {process.returncode}"
+        elif time.monotonic() > deadline:
+            failure = f"its dashboard did not answer within {timeout_s:.0f}s"
+        if failure is not None:
+            stop_head(head)  # the processes it did start sit in its process group: none is left behind
+            raise _StartFailed(failure)
         time.sleep(0.25)
-    state_path.write_text(json.dumps(asdict(head)))
     return head
 
 
+def _started_at(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """pid -> start time of every live process below pid (Ray puts its workers in process groups of their own, out
+    of the head's group); the start time tells a reused pid apart later."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (known := _started_at(int(entry))) is not None:
+            children.setdefault(known[0], []).append((int(entry), known[1]))
+    found: dict[int, int] = {}
+    frontier = [pid]
+    while frontier:
+        for child, started in children.get(frontier.pop(), []):
+            if child not in found:
+                found[child] = started
+                frontier.append(child)
+    return found
+
+
 def stop_head(head: RayHead, data_dir: Path | None = None, grace_s: float = 10.0) -> None:
-    """End the head's process group: SIGTERM first (it stops its children), SIGKILL what is left."""
+    """End the head's process group: SIGTERM first (it stops its children), SIGKILL what is left, and then any
+    process of its tree outside the group."""
+    tree = _descendants(head.pid) if os.path.isdir("/proc") else {}
     try:
         os.killpg(head.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -139,6 +208,12 @@ def stop_head(head: RayHead, data_dir: Path | None = None, grace_s: float = 10.0
     except ProcessLookupError:
         pass
     _reap(head.pid)
+    for pid, started in tree.items():  # the same process only if it started at the same tick
+        if (known := _started_at(pid)) is not None and known[1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     if data_dir is not None:
         (data_dir / _STATE_FILE).unlink(missing_ok=True)
 
@@ -148,3 +223,20 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
+
+
+def _ray_start(argv: list[str]) -> None:
+    """`ray start ARGV`, as the `ray` command runs it; after --no-client-server, without the Ray client server
+    (ray://), which ringmaster does not use and `ray start` offers no way to leave out (a slow one once failed whole
+    starts on a loaded machine): it starts one whenever its client's dependency (grpc) imports."""
+    from ray.scripts import scripts
+
+    if argv[:1] == ["--no-client-server"]:
+        argv = argv[1:]
+        scripts.get_ray_client_dependency_error = lambda: ImportError("no Ray client server on ringmaster's head")
+    sys.argv = ["ray", *argv]
+    scripts.main()
+
+
+if __name__ == "__main__":
+    _ray_start(sys.argv[1:])

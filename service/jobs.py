@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import ColumnElement, Select, func, insert, or_, select
@@ -178,14 +178,52 @@ def cancel_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
 
 
 def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, offset: int = 0,
-              tenant: str | None = None) -> Page[Job]:
-    """Newest first; with tenant, only that tenant's jobs."""
+              tenant: str | None = None, id_prefix: str | None = None) -> Page[Job]:
+    """Newest first; with tenant, only that tenant's jobs; with id_prefix, only ids that start with it."""
     query = select(Job)
     if state is not None:
         query = query.where(Job.state == state)
+    if id_prefix:
+        query = query.where(Job.id.startswith(id_prefix, autoescape=True))
     if tenant is not None:
         query = query.where(Job.tenant == tenant)
     return _page(session, query.order_by(Job.created_at.desc(), Job.id), limit, offset)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a job's training stands: its newest step, and for an active job the time left at its recent pace."""
+
+    step: int
+    total_steps: int
+    loss: float | None
+    world_size: int | None
+    samples_per_s: float | None
+    recoveries: int
+    eta_s: float | None
+
+    @staticmethod
+    def not_started(total_steps: int) -> "Progress":
+        return Progress(0, total_steps, None, None, None, 0, None)
+
+
+_PACE_STEPS = 20  # the ETA's pace: the wall time over this many newest steps
+
+
+def job_progress(session: Session, job: Job) -> Progress:
+    total = int(job.spec.get("train", {}).get("steps", 0))
+    newest = list(session.scalars(select(Metric).where(Metric.job_id == job.id, Metric.loss.is_not(None))
+                                  .order_by(Metric.attempt.desc(), Metric.step.desc()).limit(_PACE_STEPS)))
+    recoveries = session.scalar(select(func.count()).select_from(JobEvent).where(
+        JobEvent.job_id == job.id, JobEvent.to_state == JobState.RECOVERING.value)) or 0
+    if not newest:
+        return replace(Progress.not_started(total), recoveries=recoveries)
+    latest, oldest = newest[0], newest[-1]
+    eta = None
+    if JobState(job.state) in ACTIVE and latest.wall_time and oldest.wall_time and latest.step > oldest.step:
+        seconds_per_step = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
+        eta = max(0.0, (total - latest.step) * seconds_per_step)
+    return Progress(latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta)
 
 
 def list_events(session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None) -> Page[JobEvent]:

@@ -1,4 +1,5 @@
-"""Structured (JSON, one object a line) logs; a record logged with ``extra={"job_id": ...}`` carries the job id."""
+"""The control plane's logs: structured (JSON, one object a line) for collectors, or text lines for a person at a
+terminal; a record logged with ``extra={"job_id": ...}`` carries the job id (a field in JSON, `key=value` in text)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
-def configure_logging(level: int | str = logging.INFO, stream: TextIO | None = None) -> logging.Handler:
-    """Send the root logger (and uvicorn's, which otherwise keep their own handlers) to one JSON handler."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
+class TextFormatter(logging.Formatter):
+    """`time level logger: message key=value …`, the extra fields after the message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        moment = datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
+        extra = " ".join(f"{key}={value}" for key, value in vars(record).items()
+                         if key not in _STANDARD and not key.startswith("_"))
+        line = f"{moment} {record.levelname:<7} {record.name}: {record.getMessage()}" + (f"  [{extra}]" if extra else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure_logging(level: int | str = logging.INFO, stream: TextIO | None = None, log_format: str = "json") -> logging.Handler:
+    """Send the root logger (and uvicorn's, which otherwise keep their own handlers) to one handler: JSON lines, text
+    lines, or (auto) text on a terminal and JSON otherwise."""
+    stream = stream or sys.stderr
+    text = log_format == "text" or (log_format == "auto" and stream.isatty())
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(TextFormatter() if text else JsonFormatter())
     root = logging.getLogger()
     for existing in list(root.handlers):
         root.removeHandler(existing)

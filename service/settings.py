@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +38,12 @@ class Settings(BaseSettings):
                                    "requirements or variables) that keep a warm pool of their own, the most recently "
                                    "submitted first: the next job in one of these envs starts warm. 0: such jobs always "
                                    "start cold workers.")
+    ray_start_timeout_s: float = Field(default=60.0, gt=0, description="How long the embedded Ray head may take to "
+                                       "answer before its start counts as failed (it is tried twice).")
+    ray_client_server: bool = Field(default=False, description="Start the Ray client server (ray://) on the embedded "
+                                    "head; ringmaster itself does not need it.")
+    log_format: Literal["auto", "json", "text"] = Field(default="auto", description="`serve`'s log lines: text on a "
+                            "terminal and JSON otherwise (auto), or always json or text.")
     token: SecretStr | None = Field(default=None, description="API token the CLI and client send; default: the local "
                                     "admin token an embedded server writes to data_dir/admin.token.")
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body the API reads; "
@@ -71,11 +78,32 @@ class Settings(BaseSettings):
         except OSError:
             return None
 
+    def client_token_source(self) -> str:
+        """Where client_token comes from, as a person would look for it."""
+        if self.token is not None:
+            return "RINGMASTER_TOKEN"
+        path = self.local_token_path().resolve()
+        return str(path) if path.exists() else f"nowhere (RINGMASTER_TOKEN is unset and there is no {path})"
+
     def resolved_api_url(self) -> str:
         if self.api_url:
             return self.api_url.rstrip("/")
         host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::") else self.api_host
         return f"http://{host}:{self.api_port}"
+
+    def api_address_path(self) -> Path:
+        """Where a running `ringmaster serve` writes the URL it listens on, for the CLI to find it there."""
+        return self.data_dir / "api-url"
+
+    def client_api_url(self) -> str:
+        """The URL the CLI calls: RINGMASTER_API_URL, else RINGMASTER_API_HOST/PORT when set, else where the local
+        server said it listens (api_address_path), else the default host and port."""
+        if self.api_url or {"api_host", "api_port"} & self.model_fields_set:
+            return self.resolved_api_url()
+        try:
+            return self.api_address_path().read_text().strip().rstrip("/") or self.resolved_api_url()
+        except OSError:
+            return self.resolved_api_url()
 
 
 @lru_cache(maxsize=1)

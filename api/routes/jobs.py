@@ -78,7 +78,8 @@ def submit(request: Request, principal: CurrentPrincipal, spec: Annotated[JobSpe
     state = request.app.state
     cluster = read_cluster_shape(request)  # before the transaction opens: a provider may ask Ray, which is slow
     with session_scope(state.db.sessions) as session:
-        created = JobDetailOut.from_job(jobs.submit_job(session, spec, cluster, principal), state.settings, [])
+        job = jobs.submit_job(session, spec, cluster, principal)
+        created = JobDetailOut.from_job(job, state.settings, [], jobs.Progress.not_started(spec.train.steps))
     _wake_dispatcher(request)
     # Rendered here, in this worker thread: a returned model costs FastAPI a second trip through the thread pool.
     return FiniteJSONResponse(created.model_dump(mode="json"), status_code=status.HTTP_201_CREATED)
@@ -92,23 +93,25 @@ def list_jobs(
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Offset = 0,
+    id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="Only jobs whose id starts with "
+                                           "this (how the CLI takes an unambiguous short id).")] = None,
 ) -> Page[JobOut]:
     """The caller's tenant's jobs, newest first; an admin's token lists every tenant's."""
-    page = jobs.list_jobs(session, state, limit, offset, tenant=principal.scope)
+    page = jobs.list_jobs(session, state, limit, offset, tenant=principal.scope, id_prefix=id_prefix)
     return Page[JobOut].convert(page, lambda job: JobOut.from_row(job, settings))
 
 
 @router.get("/{job_id}")
 def get_job(job_id: str, principal: CurrentPrincipal, session: SessionDep, settings: SettingsDep) -> JobDetailOut:
     job = jobs.get_job(session, job_id, principal.scope)
-    return JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id))
+    return JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id), jobs.job_progress(session, job))
 
 
 @router.post("/{job_id}/cancel", responses=error_responses(409))
 def cancel(request: Request, job_id: str, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
     with session_scope(db.sessions) as session:
         job = jobs.cancel_job(session, job_id, principal.scope)
-        cancelled = JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id))
+        cancelled = JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id), jobs.job_progress(session, job))
     _wake_dispatcher(request)  # after the commit, so it sees the cancellation and stops the Ray job now
     return cancelled
 

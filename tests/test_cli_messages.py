@@ -1,0 +1,209 @@
+"""The real `ringmaster` CLI, in a subprocess, against a real HTTP server: every expected failure is one clear line
+and exit code 1, never a traceback; ids may be shortened; `status ID` says where training stands; tables fit 80
+columns; `logs --follow` prints a log as it grows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from harness.ports import free_port
+from ringmaster.api.app import create_app
+from ringmaster.service import jobs
+from ringmaster.service.db import session_scope
+from ringmaster.service.models import Job, JobEvent, Metric, utcnow
+from ringmaster.service.settings import Settings
+from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import JobState
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SPEC = {"name": "cli-job", "model": "mlp", "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 4}}
+
+
+@dataclass
+class Server:
+    url: str
+    data_dir: Path
+    app: object
+
+    def sessions(self):
+        return self.app.state.db.sessions
+
+
+class _Logs:
+    """The logs provider of the test server: a driver log that grows while a test watches it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def __call__(self, _submission_id: str) -> str:
+        return self.text
+
+
+@pytest.fixture(scope="module")
+def logs() -> _Logs:
+    return _Logs()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, logs: _Logs) -> Iterator[Server]:
+    """The API on an embedded SQLite database (which writes its local admin token), with no cluster behind it."""
+    data_dir = tmp_path_factory.mktemp("cli-server")
+    settings = Settings(data_dir=data_dir, api_port=free_port())
+    app = create_app(settings, logs_provider=logs)
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.api_port, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uvicorn_server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the API server did not start"
+        time.sleep(0.05)
+    yield Server(settings.resolved_api_url(), data_dir, app)
+    uvicorn_server.should_exit = True
+    thread.join(timeout=10)
+
+
+def ringmaster(*args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """The CLI as a person runs it (a fresh process), with only the given RINGMASTER_* variables."""
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("RINGMASTER_")}
+    return subprocess.run([sys.executable, "-m", "ringmaster.service.cli", *args], cwd=REPO_ROOT, text=True,
+                          capture_output=True, timeout=timeout_s, env={**clean, "COLUMNS": "80", **(env or {})})
+
+
+def at(server: Server) -> dict[str, str]:
+    """Variables that point the CLI at the test server with its local admin token (found in the data directory)."""
+    return {"RINGMASTER_API_URL": server.url, "RINGMASTER_DATA_DIR": str(server.data_dir)}
+
+
+def one_line_failure(result: subprocess.CompletedProcess) -> str:
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 1, f"exit {result.returncode}: {output}"
+    assert "Traceback" not in output, output
+    assert len(output.splitlines()) == 1, f"more than one line:\n{output}"
+    return output
+
+
+def submitted(server: Server, count: int = 1) -> list[str]:
+    with session_scope(server.sessions()) as session:
+        return [jobs.submit_job(session, JobSpec.model_validate({**SPEC, "name": f"cli-job-{index}"})).id
+                for index in range(count)]
+
+
+def test_a_server_that_is_not_there_is_named_with_what_to_do(tmp_path: Path) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    for verb in (["status"], ["status", "0" * 32], ["watch", "0" * 32], ["logs", "0" * 32], ["cancel", "0" * 32],
+                 ["submit", str(REPO_ROOT / "examples" / "tiny-gpt.yaml")]):
+        line = one_line_failure(ringmaster(*verb, env={"RINGMASTER_API_URL": nowhere, "RINGMASTER_DATA_DIR": str(tmp_path)}))
+        assert line == (f"error: cannot reach ringmaster at {nowhere} — is `ringmaster serve` running? "
+                        "set RINGMASTER_API_URL or --api"), (verb, line)
+
+
+def test_every_verb_answers_a_4xx_in_one_line(server: Server) -> None:
+    unknown = "f" * 32
+    for verb in ("status", "watch", "logs", "cancel"):
+        line = one_line_failure(ringmaster(verb, unknown, env=at(server)))
+        assert line == f"error: no job with id '{unknown}' (HTTP 404)", (verb, line)
+    [job_id] = submitted(server)
+    line = one_line_failure(ringmaster("logs", job_id, env=at(server)))
+    assert line == f"error: job {job_id} has not been dispatched to Ray yet, so it has no logs (HTTP 409)"
+
+
+def test_a_refused_token_names_where_it_came_from(server: Server, tmp_path: Path) -> None:
+    line = one_line_failure(ringmaster("status", env={**at(server), "RINGMASTER_TOKEN": "rm_not-a-token"}))
+    assert line.startswith("error: the API refused the token from RINGMASTER_TOKEN (")
+    stale = tmp_path / "admin.token"
+    stale.write_text("rm_a-token-from-another-server\n")
+    line = one_line_failure(ringmaster("status", env={"RINGMASTER_API_URL": server.url, "RINGMASTER_DATA_DIR": str(tmp_path)}))
+    assert line.startswith(f"error: the API refused the token from {stale.resolve()} (")
+
+
+def test_the_cli_finds_the_local_server_where_it_said_it_listens(server: Server) -> None:
+    submitted(server)
+    (server.data_dir / "api-url").write_text(server.url + "\n")  # as `ringmaster serve` writes it
+    try:
+        found = ringmaster("status", env={"RINGMASTER_DATA_DIR": str(server.data_dir)})
+    finally:
+        (server.data_dir / "api-url").unlink()
+    assert found.returncode == 0 and "cli-job-0" in found.stdout, found.stdout + found.stderr
+    gone = one_line_failure(ringmaster("status", env={"RINGMASTER_DATA_DIR": str(server.data_dir),
+                                                      "RINGMASTER_API_PORT": str(free_port())}))
+    assert gone.startswith("error: cannot reach ringmaster at http://127.0.0.1:"), "an explicit port wins over the file"
+
+
+def test_an_unambiguous_id_prefix_is_taken_and_an_ambiguous_one_is_refused(server: Server) -> None:
+    ids = submitted(server, 17)  # 17 ids: two of them share a first hex digit
+    first_digits = [job_id[0] for job_id in ids]
+    shared = next(digit for digit in first_digits if first_digits.count(digit) > 1)
+    line = one_line_failure(ringmaster("status", shared, env=at(server)))
+    assert line.startswith(f"error: '{shared}' is ambiguous: ") and line.endswith("give more of the id")
+    target = ids[0]
+    prefix = next(target[:length] for length in range(1, 33) if sum(other.startswith(target[:length]) for other in ids) == 1
+                  and not any(other.startswith(target[:length]) for other in _all_ids(server) if other != target))
+    shown = ringmaster("status", prefix, env=at(server))
+    assert shown.returncode == 0 and f"job {target}" in shown.stdout, shown.stdout + shown.stderr
+    line = one_line_failure(ringmaster("cancel", "0123456789abcdef0123456789abcde", env=at(server)))
+    assert line == "error: no job id starts with '0123456789abcdef0123456789abcde'"
+    line = one_line_failure(ringmaster("status", "not-hex", env=at(server)))
+    assert line.startswith("error: not a job id: 'not-hex'")
+
+
+def _all_ids(server: Server) -> list[str]:
+    with session_scope(server.sessions()) as session:
+        return [job.id for job in session.query(Job)]
+
+
+def test_status_of_a_job_shows_step_loss_world_size_recoveries_and_eta(server: Server) -> None:
+    [job_id] = submitted(server)
+    now = time.time()
+    with session_scope(server.sessions()) as session:
+        job = session.get(Job, job_id)
+        job.state, job.attempt = JobState.RUNNING.value, 1
+        session.add(JobEvent(job_id=job_id, at=utcnow(), kind="transition", from_state="RUNNING", to_state="RECOVERING"))
+        # Four steps one second apart: six steps of ten are left, six seconds at this pace.
+        for step in range(1, 5):
+            session.add(Metric(job_id=job_id, attempt=1, step=step, loss=2.0 / step, world_size=2, samples_per_s=8.0,
+                               wall_time=now - 4 + step))
+    shown = ringmaster("status", job_id, env=at(server))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "step 4/10  loss 0.5000  world size 2  recoveries 1  ETA 0m06s" in shown.stdout, shown.stdout
+
+
+def test_the_job_table_fits_80_columns(server: Server) -> None:
+    with session_scope(server.sessions()) as session:
+        jobs.submit_job(session, JobSpec.model_validate({**SPEC, "name": "a-job-name-that-goes-on-and-on-" + "x" * 32}))
+    listed = ringmaster("status", env=at(server))
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert len(lines) > 2 and max(len(line) for line in lines) <= 80, listed.stdout
+
+
+def test_logs_follow_prints_the_log_as_it_grows_until_the_job_ends(server: Server, logs: _Logs) -> None:
+    [job_id] = submitted(server)
+    with session_scope(server.sessions()) as session:
+        job = session.get(Job, job_id)
+        job.state, job.attempt, job.submission_id = JobState.RUNNING.value, 1, f"ringmaster-{job_id}-1"
+    logs.text = "step 1 loss 2.0\n"
+    follower = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "logs", job_id[:12], "--follow",
+                                 "--interval-s", "0.2"], cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, **at(server)})
+    try:
+        assert follower.stdout.readline() == "step 1 loss 2.0\n"
+        logs.text += "step 2 loss 1.0\n"
+        assert follower.stdout.readline() == "step 2 loss 1.0\n"
+        logs.text += "job ended\n"
+        with session_scope(server.sessions()) as session:
+            session.get(Job, job_id).state = JobState.SUCCEEDED.value
+        rest, errors = follower.communicate(timeout=30)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, errors
+    assert rest == "job ended\n", rest
