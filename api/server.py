@@ -109,6 +109,7 @@ class BackgroundServer:
 
     def __init__(self, settings: Settings) -> None:
         self.plane = ControlPlane(settings)
+        self.ray_metrics_url: str | None = self.plane.head.metrics_url if self.plane.head else None
         config = uvicorn.Config(self.plane.app(), host=self.plane.settings.api_host,
                                 port=self.plane.settings.api_port, log_level="warning")
         self._server = uvicorn.Server(config)

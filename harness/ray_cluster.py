@@ -29,13 +29,15 @@ def running_control_plane(data_dir: Path, **settings_overrides: Any) -> Iterator
     """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards (this process
     disconnected from Ray before the head stops); ``settings_overrides`` are further Settings fields, or other values
     for the defaults here (e.g. storage_uri, or code_path: the jobs' code, this repository unless given)."""
-    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
+    # Metrics reach the node's Prometheus endpoint every second (Ray's default: 10 s), so a test sees them.
+    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS, system_config={"metrics_report_interval_ms": 1000})
     settings = Settings(**{
         "data_dir": data_dir, "ray_address": head.gcs_address, "ray_dashboard_url": head.dashboard_url,
         "api_port": free_port(), "driver_python": sys.executable, "code_path": str(REPO_ROOT), **settings_overrides,
     })
     try:
         with BackgroundServer(settings) as running:
+            running.ray_metrics_url = head.metrics_url
             yield running
     finally:
         leave_ray()

@@ -48,6 +48,7 @@ class StandInCluster:
         self.groups: dict[str, int] = {}  # placement group name -> CPUs it holds
         self.submitted: dict[str, str] = {}  # submission id -> entrypoint
         self.runtime_envs: dict[str, dict[str, Any]] = {}  # submission id -> its runtime_env
+        self.metadata: dict[str, dict[str, str]] = {}  # submission id -> the Ray job's metadata
         self.ray_status: dict[str, str] = {}  # submission id -> the Ray job's state
         self.start_failures: dict[str, str] = {}  # submission id -> why its driver never started (set with FAILED)
         self.stopped: list[str] = []
@@ -80,13 +81,14 @@ class StandInCluster:
             if self.free_cpus is not None:
                 self.free_cpus += held
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
         if self.refuse_submit:
             raise RuntimeError("Jobs API unavailable")
         if submission_id in self.submitted:
             self.duplicates.append(submission_id)
         self.submitted[submission_id] = entrypoint
         self.runtime_envs[submission_id] = runtime_env
+        self.metadata[submission_id] = metadata
         self.ray_status[submission_id] = "RUNNING"
         if self._drivers is not None:
             self._to_finish.put(submission_id)

@@ -29,7 +29,7 @@ from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
 from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
 from ringmaster.service.ray_cluster import ClusterBackend
-from ringmaster.service.reports import REPORT_TOKEN_ENV
+from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import SHARED_POOL, JobSpec
 from ringmaster.service.states import ACTIVE, JobState
@@ -171,9 +171,11 @@ class Dispatcher:
             jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size,
                                max_workers=granted.max_workers, report_token_hash=report_token_hash)
         try:
-            runtime_env = self._runtime_env(current, spec, report_token)
             driver_spec = _capped(spec, granted.max_workers)
-            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name, driver_spec), runtime_env)
+            runtime_env = self._runtime_env(current, spec, report_token)
+            runtime_env["env_vars"][JOB_SPEC_ENV] = driver_spec.model_dump_json()
+            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name), runtime_env,
+                                self._metadata(current, attempt, driver_spec, world_size))
             self._seen_alive.add(submission_id)  # started here: watching it later is not an adoption
         except CodeNotFound as error:  # checked at submit and never deleted: no retry would find it either
             self.cluster.release(group_name)
@@ -245,14 +247,21 @@ class Dispatcher:
             telemetry.record_reconciler_action(session, "failed_unstarted")
         log.warning("job %s failed: %s", job_id, message.splitlines()[0], extra={"job_id": job_id, "submission_id": submission_id})
 
-    def _entrypoint(self, job: Job, attempt: int, group_name: str, spec: JobSpec) -> str:
-        spec_b64 = base64.b64encode(spec.model_dump_json().encode()).decode()
+    def _entrypoint(self, job: Job, attempt: int, group_name: str) -> str:
+        """Short and readable, as the dashboard shows it: the spec travels in the environment (JOB_SPEC_ENV)."""
         return (
             f"{self.settings.driver_python} -m ringmaster.workers.driver --job-id {job.id} --attempt {attempt} "
+            f"--tenant {job.tenant} "
             + (f"--ray-address {self.cluster.gcs_address} " if self.cluster.gcs_address else "")
             + f"--placement-group {group_name} --api-url {self.settings.resolved_api_url()} "
-            f"--storage-uri {self.settings.resolved_storage_uri()} --spec-b64 {spec_b64}"
+            f"--storage-uri {self.settings.resolved_storage_uri()}"
         )
+
+    def _metadata(self, job: Job, attempt: int, spec: JobSpec, world_size: int) -> dict[str, str]:
+        """The Ray job's metadata: what the dashboard's job list and page show of it (`job_name` is its Name column)."""
+        return {"job_name": f"{job.name} ({job.id[:8]}, attempt {attempt})", "ringmaster_job_id": job.id,
+                "name": job.name, "tenant": job.tenant, "attempt": str(attempt), "strategy": spec.strategy,
+                "world_size": str(world_size), "ringmaster_url": f"{self.settings.resolved_api_url()}/ui/jobs/{job.id}"}
 
     # -- watching ----------------------------------------------------------------------------
 

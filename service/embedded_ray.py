@@ -44,6 +44,7 @@ class RayHead:
     pid: int
     gcs_address: str
     dashboard_url: str
+    metrics_url: str | None = None  # the node's Prometheus endpoint: Ray's own series and the jobs' training series
 
     def alive(self) -> bool:
         try:
@@ -120,7 +121,7 @@ class _StartFailed(RuntimeError):
 
 def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources: dict[str, float] | None,
                 system_config: dict | None, timeout_s: float, ray_client_server: bool) -> RayHead:
-    port, dashboard_port = _free_port(), _free_port()
+    port, dashboard_port, metrics_port = _free_port(), _free_port(), _free_port()
     # Its own temp dir: Ray resolves "auto" addresses (as the Jobs API does for each job's driver)
     # through <temp dir>/ray_current_cluster, which a shared /tmp/ray lets another cluster overwrite.
     # Kept short: Ray's Unix socket paths live below it.
@@ -134,6 +135,7 @@ def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources:
         "--include-dashboard", "true",
         *(["--ray-client-server-port", str(_free_port())] if ray_client_server else []),
         "--dashboard-agent-listen-port", str(_free_port()),
+        "--metrics-export-port", str(metrics_port),
         "--disable-usage-stats",
         "--temp-dir", temp_dir,
     ]
@@ -146,7 +148,8 @@ def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    head = RayHead(pid=process.pid, gcs_address=f"127.0.0.1:{port}", dashboard_url=f"http://127.0.0.1:{dashboard_port}")
+    head = RayHead(pid=process.pid, gcs_address=f"127.0.0.1:{port}", dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+                   metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     deadline = time.monotonic() + timeout_s
     while not _dashboard_ready(head.dashboard_url):
         failure = None

@@ -15,6 +15,8 @@ from ringmaster.service.naming import NAMESPACE
 
 log = logging.getLogger(__name__)
 
+CONTROL_PLANE_JOB_NAME = "ringmaster control plane (its warm pool workers)"
+
 
 class ClusterBackend(Protocol):
     """What the dispatcher needs from a cluster; tests substitute a fake."""
@@ -23,7 +25,7 @@ class ClusterBackend(Protocol):
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
     def release(self, name: str) -> None: ...
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None: ...
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def start_failure(self, submission_id: str) -> str | None: ...
     def stop(self, submission_id: str) -> None: ...
@@ -68,6 +70,7 @@ class RayCluster:
 
     def _connect(self):
         import ray
+        import ray.job_config
         from ray.job_submission import JobSubmissionClient
 
         with self._lock:
@@ -78,8 +81,10 @@ class RayCluster:
                     log.warning("leaving Ray cluster %s to join %s", ray.get_runtime_context().gcs_address, self.address)
                     ray.shutdown()
                 if not ray.is_initialized():
+                    # Named, as the dashboard's job list shows it: this connection owns the warm pool's workers.
                     ray.init(address=self.address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                             log_to_driver=False, configure_logging=False)
+                             log_to_driver=False, configure_logging=False,
+                             job_config=ray.job_config.JobConfig(metadata={"job_name": CONTROL_PLANE_JOB_NAME}))
                 self._connected = True
             if self._jobs is None:
                 self._jobs = JobSubmissionClient(self.dashboard_url)
@@ -133,11 +138,13 @@ class RayCluster:
         except ValueError:
             pass  # already removed
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
-        """`runtime_env`: Ray's; a local zip as its working_dir is uploaded as a Ray package unless the cluster has it."""
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
+        """`runtime_env`: Ray's; a local zip as its working_dir is uploaded as a Ray package unless the cluster has it.
+        `metadata`: the Ray job's, shown in the dashboard."""
         _, jobs = self._connect()
         # The driver holds no cluster resources of its own: the job's placement group has them all.
-        jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0, runtime_env=runtime_env)
+        jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0, runtime_env=runtime_env,
+                        metadata=metadata)
 
     def status(self, submission_id: str) -> str | None:
         _, jobs = self._connect()

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 REPORT_TOKEN_ENV = "RINGMASTER_REPORT_TOKEN"
+JOB_SPEC_ENV = "RINGMASTER_JOB_SPEC"  # the attempt's JobSpec (JSON), in the driver's environment, off its command line
 """Carries an attempt's report secret to its job driver, which sends it as a bearer token with every report."""
 
 

@@ -64,7 +64,7 @@ class RecordingStandIn(StandInCluster):
         self.database = database
         self.dispatcher = dispatcher
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
         # One transaction, to keep 2,000 jobs quick: the submission is recorded and both driver reports applied.
         with session_scope(self.database.sessions) as session:
             session.execute(insert(submissions).values(submission_id=submission_id, dispatcher=self.dispatcher, at=utcnow()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 from datetime import timedelta
@@ -88,10 +87,16 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
     job_id = _submit(db, spec)
     dispatcher.run_once()
     submission_id = f"ringmaster-{job_id}-1"
-    entrypoint = cluster.submitted[submission_id].split()
+    line = cluster.submitted[submission_id]
+    entrypoint = line.split()
     assert entrypoint[:3] == ["python3", "-m", "ringmaster.workers.driver"]
-    carried = json.loads(base64.b64decode(entrypoint[entrypoint.index("--spec-b64") + 1]))
+    assert len(line) < 300 and spec.name not in line, "short and readable: the spec travels in the environment"
+    carried = json.loads(cluster.runtime_envs[submission_id]["env_vars"][JOB_SPEC_ENV])
     assert JobSpec.model_validate(carried) == spec
+    assert cluster.metadata[submission_id] == {
+        "job_name": f"one ({job_id[:8]}, attempt 1)", "ringmaster_job_id": job_id, "name": "one", "tenant": "default",
+        "attempt": "1", "strategy": spec.strategy, "world_size": "2",
+        "ringmaster_url": f"http://control-plane:8765/ui/jobs/{job_id}"}
     assert entrypoint[entrypoint.index("--api-url") + 1] == "http://control-plane:8765"
     assert entrypoint[entrypoint.index("--ray-address") + 1] == "10.0.0.1:6379"
     with db.sessions() as session:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def _cancel_once_training(client: RingmasterClient, name: str) -> tuple[dict, di
     return job, cancelled
 
 
-def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: RingmasterClient):
+def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: RingmasterClient, ray_server):
     job = client.submit(_spec("e2e-ddp"))
     assert job["state"] == "QUEUED"
     done = _wait(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"})
@@ -77,7 +78,58 @@ def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: R
     kept = sorted(path.name for path in final.parent.iterdir())
     assert kept == ["step-00000020", "step-00000030"], "retention keeps the newest checkpoint.keep"
 
-    assert f"job {job['id']} attempt 1 ended with code 0" in client.logs(job["id"])
+    driver_log = client.logs(job["id"])
+    assert f"job {job['id']} attempt 1 ended with code 0" in driver_log
+    _check_the_dashboards_view(ray_server, job["id"], done["ray_job_id"], driver_log)
+
+
+def _check_the_dashboards_view(ray_server, job_id: str, submission_id: str, driver_log: str) -> None:
+    """What the Ray dashboard shows of the job: named metadata, a short entrypoint, a training log, the job's worker
+    actors, and training series on the node's Prometheus endpoint."""
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import get_actor
+
+    info = JobSubmissionClient(ray_server.dashboard_url).get_job_info(submission_id)
+    assert info.metadata["job_name"] == f"e2e-ddp ({job_id[:8]}, attempt 1)"
+    assert {key: info.metadata[key] for key in ("ringmaster_job_id", "tenant", "attempt", "strategy", "world_size")} == \
+        {"ringmaster_job_id": job_id, "tenant": "default", "attempt": "1", "strategy": "ddp", "world_size": "2"}
+    assert info.metadata["ringmaster_url"].endswith(f"/ui/jobs/{job_id}")
+    assert len(info.entrypoint) < 400 and "e2e-ddp" not in info.entrypoint, info.entrypoint
+
+    assert "HTTP Request" not in driver_log, "no line per report"
+    assert "[RUNNING] training on 2 workers across 1 node(s)" in driver_log
+    assert re.search(r"step \d+/30  loss \d+\.\d{4}  [\d.]+ samples/s  lr [\d.e-]+  world size 2", driver_log), driver_log
+    assert "checkpoint committed at step 20" in driver_log and "checkpoint committed at step 30" in driver_log
+    assert re.search(r"validation loss \d+\.\d{4} at step 30", driver_log)
+
+    # Each rank is a named actor: the job's own (under its Ray job) or a warm pool worker (under the control plane's).
+    running = next(e for e in ray_server.client().events(job_id)["items"] if e["to_state"] == "RUNNING")
+    ranks = running["data"]["ranks"]
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
+    for rank in ranks:
+        actor = get_actor(rank["actor_id"], address=ray_server.plane.settings.ray_address)
+        assert actor is not None and actor.name == rank["name"] and actor.pid == rank["pid"], (rank, actor)
+        assert rank["name"].startswith(("warm-worker:shared:", f"e2e-ddp-{job_id[:8]}-a1-w")), rank
+        assert f"rank {rank['rank']}: pid {rank['pid']}" in driver_log and rank["actor_id"] in driver_log
+
+    deadline = time.monotonic() + 30
+    while not (series := _training_series(ray_server.ray_metrics_url, job_id)):
+        assert time.monotonic() < deadline, "no ringmaster_train_* series for the job on the node's metrics endpoint"
+        time.sleep(1.0)
+    assert {"loss", "samples_per_s", "step", "world_size", "recoveries"} <= set(series), series
+    assert series["step"] == 30 and series["world_size"] == 2 and series["recoveries"] == 0
+
+
+def _training_series(metrics_url: str, job_id: str) -> dict[str, float]:
+    """ringmaster_train_<name> -> value for this job, from a Prometheus text page (Ray may prefix `ray_`)."""
+    import httpx
+
+    found = {}
+    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
+        match = re.match(r"^(?:ray_)?ringmaster_train_(\w+)\{([^}]*)\} (\S+)$", line)
+        if match and f'job_id="{job_id}"' in match.group(2):
+            found[match.group(1)] = float(match.group(3))
+    return found
     assert _cluster_is_idle(15), "the job's placement group was not freed"
 
 

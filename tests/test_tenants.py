@@ -3,7 +3,6 @@ with the dispatcher admitting against a fake cluster."""
 
 from __future__ import annotations
 
-import base64
 import os
 import stat
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from ringmaster.service.jobs import apply_driver_report, mark_admitted, submit_j
 from ringmaster.service.models import Attempt, Job, Tenant
 from ringmaster.service.reports import REPORT_TOKEN_ENV, DriverReport
 from ringmaster.service.settings import Settings
+from ringmaster.service.reports import JOB_SPEC_ENV
 from ringmaster.service.spec import JobSpec
 from test_dispatcher import FakeCluster
 
@@ -45,8 +45,8 @@ class RecordingCluster(FakeCluster):
         super().__init__(cpus)
         self.env: dict[str, dict[str, str]] = {}
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
-        super().submit(submission_id, entrypoint, runtime_env)
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
+        super().submit(submission_id, entrypoint, runtime_env, metadata)
         self.env[submission_id] = dict(runtime_env["env_vars"])
 
 
@@ -259,8 +259,7 @@ def test_elastic_job_is_granted_what_the_quota_leaves_and_its_driver_is_capped_t
     with service.db.sessions() as session:
         attempt = session.query(Attempt).filter_by(job_id=job_id).one()
         assert (attempt.world_size, attempt.max_workers) == (3, 3)
-    entrypoint = service.cluster.submitted[job["ray_job_id"]].split()
-    carried = JobSpec.model_validate_json(base64.b64decode(entrypoint[entrypoint.index("--spec-b64") + 1]))
+    carried = JobSpec.model_validate_json(service.cluster.runtime_envs[job["ray_job_id"]]["env_vars"][JOB_SPEC_ENV])
     assert (carried.workers.min, carried.workers.max) == (1, 3)
     assert service.call("admin", "GET", "/v1/tenants/team-a").json()["usage"] == {"gpus": 0, "cpus": 3.0, "jobs": 1}
 

@@ -110,7 +110,8 @@ class TrainWorker:
     def placement(self) -> dict[str, Any]:
         """Where this actor landed: its node id (the rank-ordering key), IP and process."""
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "actor_id": context.get_actor_id(), "name": context.get_actor_name()}
 
     def rendezvous_port(self) -> int:
         """A free port on this node, for the group this actor will lead as rank 0."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import logging
 import os
 import signal
@@ -13,7 +12,7 @@ import time
 import ray
 
 from ringmaster.service.naming import NAMESPACE, submission_id_for
-from ringmaster.service.reports import REPORT_TOKEN_ENV
+from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.controller import Controller
 from ringmaster.workers.reporter import Reporter
@@ -31,14 +30,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--placement-group", required=True)
     parser.add_argument("--api-url", required=True)
     parser.add_argument("--storage-uri", required=True)
-    parser.add_argument("--spec-b64", required=True, help="the JobSpec as base64-encoded JSON")
+    parser.add_argument("--tenant", default="default", help="the job's tenant (a tag of its Ray metrics)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per report: the log is the training's
     args = _parse(argv)
-    spec = JobSpec.model_validate_json(base64.b64decode(args.spec_b64))
+    # The dispatcher puts the spec in the Ray job's environment: on the command line it would be the dashboard's
+    # entrypoint column, a kilobyte of JSON.
+    spec = JobSpec.model_validate_json(os.environ[JOB_SPEC_ENV])
     # `ray job stop` sends SIGTERM: unwind through the finally blocks so actors and the group are freed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
         # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
         code = Controller(spec, args.job_id, args.attempt, args.placement_group, args.storage_uri, reporter,
-                          claimant=submission_id_for(args.job_id, args.attempt)).run()
+                          claimant=submission_id_for(args.job_id, args.attempt), tenant=args.tenant).run()
     finally:
         # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
         # rerun a finished job as a failed attempt.

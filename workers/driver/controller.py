@@ -29,6 +29,7 @@ from ringmaster.workers.driver.bundles import Bundles, Slot
 from ringmaster.workers.driver.poll import GroupPoll, PollResult
 from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
 from ringmaster.workers.driver.standby import StandbyPool
+from ringmaster.workers.driver.training_log import TrainingLog
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 from ringmaster.workers.metric_ledger import DrainedMetrics
 from ringmaster.workers.reporter import Reporter
@@ -124,17 +125,20 @@ class Controller:
     storage_uri: str
     reporter: Reporter
     claimant: str | None = None  # the attempt's Ray submission id, under which it takes warm pool workers
+    tenant: str = "default"
     state: State = field(default_factory=Starting)
 
     def __post_init__(self) -> None:
         self.storage_root = f"{self.storage_uri.rstrip('/')}/{self.job_id}"
         # JobSpec.resume_from: the other job's storage, resumed from while this job has no checkpoint of its own.
         self.resume_from_root = f"{self.storage_uri.rstrip('/')}/{self.spec.resume_from}" if self.spec.resume_from else None
-        self.group = WorkerGroup(self.spec, COLLECTIVE_TIMEOUT_S, self.claimant)
+        self.group = WorkerGroup(self.spec, COLLECTIVE_TIMEOUT_S, self.claimant,
+                                 label=f"{self.spec.name}-{self.job_id[:8]}-a{self.attempt}")
         self.failures = FailurePolicy()
         self.scaling = ScalingPolicy(self.spec.workers, CAPACITY_WAIT_S)
         self._rank0_metrics = DrainedMetrics()
         self._poll: GroupPoll | None = None  # the latest training call's
+        self.training_log = TrainingLog(self.spec, self.job_id, self.attempt, self.tenant)
 
     def run(self) -> int:
         """Drive the job to an end; 0 when it succeeded or the control plane ended the attempt, 1 when it failed
@@ -179,9 +183,10 @@ class Controller:
             return Failed(f"only {len(members)} of {self.spec.workers.min} workers started")
         self._form(members)
         log.info("process group formed after %.2fs", time.monotonic() - began)
-        self.reporter.report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
+        self._report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
                              f"{len(self.group.nodes)} node(s)", details={
-                                 "world_size": self.group.world_size, "warm_pool_workers": self.group.pooled_started})
+                                 "world_size": self.group.world_size, "warm_pool_workers": self.group.pooled_started,
+                                 "ranks": [worker.describe() for worker in self.group.workers]})
         return self._train()
 
     def _train(self) -> Running:
@@ -208,7 +213,7 @@ class Controller:
             if any(outcome["stopped"] for outcome in result.finished):
                 return Resizing()
             final = result.finished[0]
-            self.reporter.report(state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}")
+            self._report(state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}")
             return Finished(succeeded=True)
         self._keep_workers_warm()
         if not running.stopping and self.scaling.should_grow(self._counts()):
@@ -225,14 +230,14 @@ class Controller:
         if worker.rank != 0:
             first = {"metrics": [], "checkpoints": [], "events": []}
         if first["metrics"] or first["checkpoints"] or memory:
-            seq = self.reporter.report(
+            seq = self._report(
                 metrics=[MetricPoint(**point) for point in first["metrics"]],
                 checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
                 memory=memory,
             )
             self._rank0_metrics.forwarded(seq, len(first["metrics"]))
         for event in first.get("events", []):
-            self.reporter.report(message=event["message"], details=event["details"])
+            self._report(message=event["message"], details=event["details"])
 
     def _keep_workers_warm(self) -> None:
         """Warm the workers the group would grow by, and the standbys the spec asks for."""
@@ -240,10 +245,10 @@ class Controller:
         taken = {worker.slot for worker in self.group.workers}
         for ready in self.standby.top_up(self.scaling.warm_wanted(self._counts()), taken):
             if missing:
-                self.reporter.report(message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the "
+                self._report(message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the "
                                      "next step", details={"warm_node": ready.node_id, "warm_pid": ready.pid})
             else:
-                self.reporter.report(message=f"standby worker ready on node {ready.node_id[:12]}",
+                self._report(message=f"standby worker ready on node {ready.node_id[:12]}",
                                      details={"standby_node": ready.node_id, "standby_pid": ready.pid})
 
     def _counts(self) -> _Counts:
@@ -258,7 +263,7 @@ class Controller:
                           world_size_before=self.group.world_size)
         if recovering:
             self.bundles.lost_nodes |= {worker.node_id for worker in state.lost}
-            self.reporter.report(state="RECOVERING", message=f"{state.reason}; re-forming the group", details={
+            self._report(state="RECOVERING", message=f"{state.reason}; re-forming the group", details={
                 "lost_ranks": sorted(worker.rank for worker in state.lost),
                 "lost_nodes": sorted({worker.node_id for worker in state.lost}),
                 "lost_pids": sorted(worker.pid for worker in state.lost),
@@ -306,14 +311,26 @@ class Controller:
         resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
         before = placing.world_size_before
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
+                   "ranks": [worker.describe() for worker in self.group.workers],
                    "standby_workers_used": len(placing.standbys), "workers_missing": self.scaling.missing(self._counts()),
                    "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - placing.started, 3)}
         message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
         if placing.recovering:
-            self.reporter.report(state="RUNNING", message=message, details=details)
+            self._report(state="RUNNING", message=message, details=details)
         else:
-            self.reporter.report(message=f"capacity returned: {message}", details=details)
+            self._report(message=f"capacity returned: {message}", details=details)
         return self._train()
+
+    def _report(self, *, state: str | None = None, message: str | None = None, metrics: list[MetricPoint] | None = None,
+                checkpoints: list[CheckpointRecord] | None = None, **rest) -> int:
+        """Report to the control plane, and say it in the driver's log (what the Ray dashboard shows of the job)."""
+        if metrics:
+            self.training_log.metrics(metrics, self.group.world_size)
+        for record in checkpoints or []:
+            self.training_log.checkpoint(record)
+        if message:
+            self.training_log.event(message, state)
+        return self.reporter.report(state=state, message=message, metrics=metrics, checkpoints=checkpoints, **rest)
 
     def _taken(self, placing: Placing) -> set[Slot]:
         """Slots held by the survivors, the standbys taken to join them, and the standbys still warm."""
@@ -324,10 +341,14 @@ class Controller:
         for extra in members[world:]:
             ray.kill(extra.actor, no_restart=True)
         self.group.form(members[:world])
+        # Which process is which rank: a warm pool worker belongs to the control plane's Ray job, not this one, so the
+        # dashboard lists it under that job; its actor id finds it there.
+        for worker in self.group.workers:
+            log.info("rank %d: pid %d on node %s, Ray actor %s (%s)", worker.rank, worker.pid, worker.node_id[:12],
+                     worker.actor_id, worker.name or "unnamed")
 
     def _report_failure(self, reason: str) -> None:
         """What rank 0 recorded before the failure goes out first."""
-        log.error(reason)
         if self._poll is not None:
             self._forward(PollResult(drained=self._poll.drain(self._rank0_metrics.acknowledged(self.reporter.handled_seq))))
-        self.reporter.report(state="FAILED", message=reason[-_MAX_MESSAGE:])
+        self._report(state="FAILED", message=reason[-_MAX_MESSAGE:])

@@ -29,6 +29,11 @@ class RankedWorker:
     ip: str
     pid: int
     rank: int = -1
+    actor_id: str = ""
+    name: str | None = None  # its Ray actor name: the job's (`<job>-<id>-a<attempt>-w<n>`) or a warm pool worker's
+
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": self.pid, "node_id": self.node_id, "actor_id": self.actor_id, "name": self.name}
 
 
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
@@ -41,11 +46,14 @@ def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
 
 
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, collective_timeout_s: float, claimant: str | None = None) -> None:
-        """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never)."""
+    def __init__(self, spec: JobSpec, collective_timeout_s: float, claimant: str | None = None, label: str = "worker") -> None:
+        """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never);
+        `label`: what the actors it starts are named after (the job and attempt), `<label>-w<n>`."""
         self.spec = spec
         self.collective_timeout_s = collective_timeout_s
         self.claimant = claimant
+        self.label = label
+        self._started = 0
         self.pooled_started = 0  # workers this group took from the cluster's warm pool, over its whole run
         self.workers: list[RankedWorker] = []
         self.generation = 0
@@ -71,14 +79,17 @@ class WorkerGroup:
         if slots and self.claimant and not resources.gpus_per_worker:
             pooled = claim_workers(slot_nodes(slots), self.claimant, resources.cpus_per_worker, self.spec.warm_pool)
             self.pooled_started += len(pooled)
-        return [
-            (pooled.get(position) or TrainWorker.options(
-                num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
-                num_gpus=resources.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.index),
-            ).remote(resources.cpus_per_worker, resources.gpus_per_worker > 0), slot)
-            for position, slot in enumerate(slots)
-        ]
+        return [(pooled.get(position) or self._new_actor(slot), slot) for position, slot in enumerate(slots)]
+
+    def _new_actor(self, slot: Slot) -> Any:
+        resources = self.spec.workers
+        self._started += 1
+        return TrainWorker.options(
+            name=f"{self.label}-w{self._started}",  # the Ray dashboard lists the job's actors by these names
+            num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
+            num_gpus=resources.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.index),
+        ).remote(resources.cpus_per_worker, resources.gpus_per_worker > 0)
 
     def launch(self, slots: list[Slot], timeout_s: float) -> list[RankedWorker]:
         """Start an actor on each slot; those not running within timeout_s are killed and left out."""
@@ -91,7 +102,8 @@ class WorkerGroup:
                 placement = ray.get(ref)
             except RayActorError:
                 continue
-            started.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"]))
+            started.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"],
+                                        actor_id=placement["actor_id"], name=placement["name"]))
         for ref in not_ready:
             ray.kill(pending[ref][0], no_restart=True)
         return started

@@ -1,0 +1,105 @@
+"""The driver's log, as a person watching the Ray dashboard reads it: a progress line every few seconds (step of the
+total, loss, samples/s, learning rate, world size, ETA) and one line for each event (group formed, worker lost,
+re-formed, grew, checkpoint committed, validation loss). The same progress goes to Ray's metrics (ray.util.metrics),
+tagged with the job, for Ray's Prometheus and Grafana."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from ringmaster.service.reports import CheckpointRecord, MetricPoint
+from ringmaster.service.spec import JobSpec
+
+log = logging.getLogger("ringmaster.training")
+
+PROGRESS_EVERY_S = 5.0
+_PACE_POINTS = 20  # the ETA's pace: the wall time over this many newest steps
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class TrainingLog:
+    def __init__(self, spec: JobSpec, job_id: str, attempt: int, tenant: str, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.total_steps = spec.train.steps
+        self.every_s = every_s
+        self._recent: deque[MetricPoint] = deque(maxlen=_PACE_POINTS)
+        self._logged_at = 0.0
+        self._series = _RaySeries({"job_id": job_id, "job_name": spec.name, "tenant": tenant})
+        self.recoveries = 0
+
+    def metrics(self, points: list[MetricPoint], world_size: int) -> None:
+        for point in points:
+            if point.val_loss is not None:
+                log.info("validation loss %.4f at step %d", point.val_loss, point.step)
+            if point.loss is not None:
+                self._recent.append(point)
+        if self._recent:
+            self._series.set(self._recent[-1], world_size, self.recoveries)
+        now = time.monotonic()
+        if self._recent and now - self._logged_at >= self.every_s:
+            self._logged_at = now
+            log.info(self.progress_line(world_size))
+
+    def progress_line(self, world_size: int) -> str:
+        latest = self._recent[-1]
+        parts = [f"step {latest.step}/{self.total_steps}", f"loss {latest.loss:.4f}"]
+        if latest.samples_per_s is not None:
+            parts.append(f"{latest.samples_per_s:.1f} samples/s")
+        if latest.lr is not None:
+            parts.append(f"lr {latest.lr:.3g}")
+        parts.append(f"world size {world_size}")
+        oldest = self._recent[0]
+        if latest.wall_time and oldest.wall_time and latest.step > oldest.step:
+            pace = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
+            parts.append(f"ETA {_duration(max(0, self.total_steps - latest.step) * pace)}")
+        return "  ".join(parts)
+
+    def checkpoint(self, record: CheckpointRecord) -> None:
+        took = f" ({record.save_s:.2f}s, training blocked {record.blocked_s:.2f}s)" if record.save_s is not None \
+            and record.blocked_s is not None else ""
+        log.info("checkpoint committed at step %d%s: %s", record.step, took, record.uri)
+
+    def event(self, message: str, state: str | None = None) -> None:
+        if state == "RECOVERING":
+            self.recoveries += 1
+            self._series.recoveries(self.recoveries)
+        level = {"FAILED": logging.ERROR, "RECOVERING": logging.WARNING}.get(state or "", logging.INFO)
+        log.log(level, "%s%s", f"[{state}] " if state else "", message)
+
+
+class _RaySeries:
+    """Gauges in Ray's metrics API; without a Ray connection (a driver's unit test) there is nothing to export to."""
+
+    def __init__(self, tags: dict[str, str]) -> None:
+        self._tags = tags
+        self._gauges = None
+        try:
+            from ray.util.metrics import Gauge
+
+            keys = tuple(tags)
+            self._gauges = {name: Gauge(f"ringmaster_train_{name}", description=text, tag_keys=keys) for name, text in (
+                ("loss", "Training loss at the newest step."), ("samples_per_s", "Samples per second at the newest step."),
+                ("step", "The newest completed step."), ("world_size", "Workers in the training group."),
+                ("recoveries", "Times the group re-formed after losing a worker."), ("lr", "Learning rate."))}
+            for gauge in self._gauges.values():
+                gauge.set_default_tags(tags)
+        except Exception:  # noqa: BLE001 — metrics are an aid: training never waits on them
+            log.debug("Ray metrics unavailable", exc_info=True)
+
+    def set(self, point: MetricPoint, world_size: int, recoveries: int) -> None:
+        if self._gauges is None:
+            return
+        for name, value in (("loss", point.loss), ("samples_per_s", point.samples_per_s), ("step", point.step),
+                            ("world_size", world_size), ("recoveries", recoveries), ("lr", point.lr)):
+            if value is not None:
+                self._gauges[name].set(value)
+
+    def recoveries(self, count: int) -> None:
+        if self._gauges is not None:
+            self._gauges["recoveries"].set(count)
