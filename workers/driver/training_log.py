@@ -15,6 +15,10 @@ from ringmaster.service.spec import JobSpec
 log = logging.getLogger("ringmaster.training")
 
 PROGRESS_EVERY_S = 5.0
+# ringmaster_train_<name>: the gauges each driver sets (deploy/grafana charts them).
+TRAINING_SERIES = {"loss": "Training loss at the newest step.", "samples_per_s": "Samples per second at the newest step.",
+                   "step": "The newest completed step.", "world_size": "Workers in the training group.",
+                   "recoveries": "Times the group re-formed after losing a worker.", "lr": "Learning rate."}
 _PACE_POINTS = 20  # the ETA's pace: the wall time over this many newest steps
 
 
@@ -83,10 +87,8 @@ class _RaySeries:
             from ray.util.metrics import Gauge
 
             keys = tuple(tags)
-            self._gauges = {name: Gauge(f"ringmaster_train_{name}", description=text, tag_keys=keys) for name, text in (
-                ("loss", "Training loss at the newest step."), ("samples_per_s", "Samples per second at the newest step."),
-                ("step", "The newest completed step."), ("world_size", "Workers in the training group."),
-                ("recoveries", "Times the group re-formed after losing a worker."), ("lr", "Learning rate."))}
+            self._gauges = {name: Gauge(f"ringmaster_train_{name}", description=text, tag_keys=keys)
+                            for name, text in TRAINING_SERIES.items()}
             for gauge in self._gauges.values():
                 gauge.set_default_tags(tags)
         except Exception:  # noqa: BLE001 — metrics are an aid: training never waits on them
