@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
 from ringmaster.api.limits import BodySizeLimit
-from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants
+from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants, web
 from ringmaster.service import telemetry
 from ringmaster.service.auth import ensure_local_admin_token
 from ringmaster.service.db import Database, upgrade_schema
@@ -64,8 +64,9 @@ def create_app(
             detach_telemetry()
             app.state.db.dispose()
 
+    # docs_url and redoc_url off: FastAPI's pages load their scripts from a CDN; routes/web.py serves /docs itself.
     app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan,
-                  default_response_class=FiniteJSONResponse)
+                  default_response_class=FiniteJSONResponse, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.logs_provider = logs_provider
     app.state.cluster_shape_provider = cluster_shape_provider
@@ -84,6 +85,7 @@ def create_app(
     app.include_router(internal.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
+    web.install(app)
     _document_spec_schema(app)
     return app
 

@@ -110,7 +110,8 @@ class BackgroundServer:
     def __init__(self, settings: Settings) -> None:
         self.plane = ControlPlane(settings)
         self.ray_metrics_url: str | None = self.plane.head.metrics_url if self.plane.head else None
-        config = uvicorn.Config(self.plane.app(), host=self.plane.settings.api_host,
+        self.app = self.plane.app()
+        config = uvicorn.Config(self.app, host=self.plane.settings.api_host,
                                 port=self.plane.settings.api_port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)

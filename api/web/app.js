@@ -1,0 +1,399 @@
+// ringmaster's web view: jobs, a job's live curves (server-sent events), planning and submitting. Plain JS, no build
+// step; charts are uPlot (vendored beside this file). The API token stays in this browser tab's sessionStorage.
+"use strict";
+
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+const STATES = ["QUEUED", "ADMITTED", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "CANCELLED"];
+const view = document.getElementById("view");
+let leaving = [];  // what the current page must stop (its stream, its timers) when another is shown
+
+// -- the token and the API ----------------------------------------------------------------------------------------
+
+const token = () => sessionStorage.getItem("ringmaster-token") || "";
+
+class ApiError extends Error {
+  constructor(status, detail) {
+    super(typeof detail === "string" ? detail : JSON.stringify(detail));
+    this.status = status;
+    this.detail = detail;
+  }
+}
+
+async function api(method, path, body, contentType) {
+  const headers = {};
+  if (token()) headers.Authorization = `Bearer ${token()}`;
+  if (body !== undefined) headers["Content-Type"] = contentType || "application/json";
+  const response = await fetch(path, { method, headers, body: body === undefined ? undefined
+    : contentType ? body : JSON.stringify(body) });
+  const text = await response.text();
+  const data = response.headers.get("content-type")?.startsWith("application/json") && text ? JSON.parse(text) : text;
+  if (!response.ok) throw new ApiError(response.status, data && data.detail !== undefined ? data.detail : data);
+  return data;
+}
+
+function explain(error) {
+  if (error.status === 401) return "The API refused the token (or none is set): enter a token above.";
+  if (error.status === 422 && Array.isArray(error.detail)) {
+    return error.detail.map(item => `${(item.loc || []).slice(1).join(".") || "(spec)"}: ${item.msg}`).join("\n");
+  }
+  return error.message || String(error);
+}
+
+// Server-sent events over fetch (EventSource cannot send the Authorization header); resumes with Last-Event-ID.
+function stream(path, onMessage, onEnd) {
+  const controller = new AbortController();
+  let lastId = null;
+  let stopped = false;
+  (async () => {
+    for (let failures = 0; !stopped && failures < 6;) {
+      try {
+        const headers = { Accept: "text/event-stream" };
+        if (token()) headers.Authorization = `Bearer ${token()}`;
+        if (lastId) headers["Last-Event-ID"] = lastId;
+        const response = await fetch(path, { headers, signal: controller.signal });
+        if (!response.ok) throw new ApiError(response.status, await response.text());
+        const reader = response.body.getReader();
+        const decoder = new TextDecoder();
+        let buffer = "";
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buffer += decoder.decode(value, { stream: true });
+          let end;
+          while ((end = buffer.indexOf("\n\n")) >= 0) {
+            const block = buffer.slice(0, end);
+            buffer = buffer.slice(end + 2);
+            const fields = {};
+            for (const line of block.split("\n")) {
+              if (!line || line.startsWith(":")) continue;
+              const colon = line.indexOf(":");
+              fields[line.slice(0, colon)] = line.slice(colon + 1).replace(/^ /, "");
+            }
+            if (fields.data !== undefined) {
+              lastId = fields.id || lastId;
+              failures = 0;
+              onMessage(fields.event || "message", JSON.parse(fields.data));
+            }
+          }
+        }
+        break;  // the server ends the stream once the job is over
+      } catch (error) {
+        if (stopped || error.name === "AbortError" || error.status) { if (error.status) onEnd(error); return; }
+        failures += 1;
+        await new Promise(resolve => setTimeout(resolve, 500 * failures));
+      }
+    }
+    if (!stopped) onEnd(null);
+  })();
+  return () => { stopped = true; controller.abort(); };
+}
+
+// -- small DOM helpers ----------------------------------------------------------------------------------------------
+
+function el(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes)) {
+    if (key === "class") node.className = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children.flat()) node.append(child instanceof Node ? child : document.createTextNode(child ?? ""));
+  return node;
+}
+
+const stateCell = state => el("span", { class: `state state-${state}` }, state);
+const when = iso => (iso ? iso.slice(0, 19).replace("T", " ") : "");
+const link = (href, text) => el("a", { href }, text);
+
+function duration(seconds) {
+  const s = Math.round(seconds);
+  const h = Math.floor(s / 3600);
+  const m = Math.floor((s % 3600) / 60);
+  return h ? `${h}h${String(m).padStart(2, "0")}m` : `${m}m${String(s % 60).padStart(2, "0")}s`;
+}
+
+function show(...children) {
+  for (const stop of leaving) stop();
+  leaving = [];
+  view.replaceChildren(...children);
+}
+
+function failure(error) {
+  return el("p", { class: "error", id: "error" }, explain(error));
+}
+
+// -- pages ----------------------------------------------------------------------------------------------------------
+
+async function jobsPage() {
+  const params = new URLSearchParams(location.search);
+  const filter = el("select", { id: "state-filter", onchange: () => navigate(`/ui${filter.value ? `?state=${filter.value}` : ""}`) },
+    el("option", { value: "" }, "all states"), STATES.map(state => el("option", { value: state }, state)));
+  filter.value = params.get("state") || "";
+  const body = el("tbody");
+  const table = el("table", { id: "jobs" },
+    el("thead", {}, el("tr", {}, ["id", "name", "tenant", "state", "attempt", "created", "finished"].map(h => el("th", {}, h)))), body);
+  const status = el("p", { class: "muted" });
+  show(el("h1", {}, "Jobs"), el("div", { class: "toolbar" }, "Show ", filter), table, status);
+  const refresh = async () => {
+    try {
+      const page = await api("GET", `/v1/jobs?limit=200${filter.value ? `&state=${filter.value}` : ""}`);
+      body.replaceChildren(...page.items.map(job => el("tr", { "data-job-id": job.id },
+        el("td", { class: "mono" }, link(`/ui/jobs/${job.id}`, job.id.slice(0, 12))), el("td", {}, job.name),
+        el("td", {}, job.tenant), el("td", {}, stateCell(job.state)), el("td", {}, String(job.attempt)),
+        el("td", {}, when(job.created_at)), el("td", {}, when(job.finished_at)))));
+      status.textContent = `${page.total} job(s)`;
+    } catch (error) {
+      status.replaceChildren(failure(error));
+    }
+  };
+  await refresh();
+  const timer = setInterval(refresh, 5000);  // one small request every 5 s; a job's own page streams instead
+  leaving.push(() => clearInterval(timer));
+}
+
+function chart(title, series, id, options = {}) {
+  // series: [{label, stroke}]; the x axis is the step.
+  const box = el("div", { class: "chart", id, "data-points": "0" }, el("div", { class: "title" }, title));
+  const data = [[], ...series.map(() => [])];
+  const plot = new uPlot({
+    width: 540, height: 210, scales: { x: { time: false } },
+    series: [{ label: "step" }, ...series.map(s => ({ label: s.label, stroke: s.stroke, width: 1.5, spanGaps: true,
+      paths: options.stepped ? uPlot.paths.stepped({ align: 1 }) : undefined }))],
+    axes: [{ label: "step" }, {}],
+    hooks: options.marks ? { draw: [u => drawMarks(u, options.marks())] } : {},
+  }, data, box);
+  return {
+    box,
+    add(step, values) {
+      // Steps arrive in order per attempt; a resumed attempt replays steps it redoes: keep the newest value of each.
+      let index = data[0].length;
+      while (index > 0 && data[0][index - 1] >= step) index -= 1;
+      if (index < data[0].length && data[0][index] === step) values.forEach((v, i) => { data[i + 1][index] = v; });
+      else { data[0].splice(index, 0, step); values.forEach((v, i) => data[i + 1].splice(index, 0, v)); }
+    },
+    redraw() {
+      plot.setData(data);
+      box.dataset.points = String(data[0].length);
+    },
+  };
+}
+
+function drawMarks(u, steps) {
+  // Recoveries: a dashed red line at the step the group was re-formed after.
+  const { ctx } = u;
+  ctx.save();
+  ctx.strokeStyle = "#c0392b";
+  ctx.setLineDash([4, 3]);
+  for (const step of steps) {
+    const x = u.valToPos(step, "x", true);
+    ctx.beginPath();
+    ctx.moveTo(x, u.bbox.top);
+    ctx.lineTo(x, u.bbox.top + u.bbox.height);
+    ctx.stroke();
+  }
+  ctx.restore();
+}
+
+async function jobPage(jobId) {
+  let job;
+  try {
+    job = await api("GET", `/v1/jobs/${jobId}`);
+  } catch (error) {
+    show(el("h1", {}, "Job"), failure(error));
+    return;
+  }
+  const recoveries = [];
+  let lastStep = 0;
+  const charts = {
+    loss: chart("Loss", [{ label: "loss", stroke: "#3056d3" }, { label: "validation loss", stroke: "#e67e22" }], "chart-loss"),
+    speed: chart("Samples/s", [{ label: "samples/s", stroke: "#1e8e3e" }], "chart-speed"),
+    lr: chart("Learning rate", [{ label: "lr", stroke: "#8e44ad" }], "chart-lr"),
+    norm: chart("Gradient norm", [{ label: "grad norm", stroke: "#16a085" }], "chart-grad-norm"),
+    world: chart("World size (red: recoveries)", [{ label: "workers", stroke: "#34495e" }], "chart-world-size",
+      { stepped: true, marks: () => recoveries }),
+  };
+  const facts = el("div", { class: "facts", id: "facts" });
+  const events = el("tbody", { id: "events" });
+  const checkpoints = el("tbody", { id: "checkpoints" });
+  const log = el("pre", { class: "log", id: "log" }, "…");
+  const cancel = el("button", { id: "cancel", onclick: async () => {
+    try { await api("POST", `/v1/jobs/${jobId}/cancel`); } catch (error) { alert(explain(error)); }
+  } }, "Cancel job");
+  const links = el("p", { id: "links" });
+  show(
+    el("h1", {}, `${job.name} `, el("span", { class: "muted mono" }, job.id)),
+    facts, links, el("div", { class: "charts" }, Object.values(charts).map(c => c.box)),
+    el("h2", {}, "Events"), el("table", {}, el("thead", {}, el("tr", {}, ["at", "state", "message"].map(h => el("th", {}, h)))), events),
+    el("h2", {}, "Checkpoints"),
+    el("table", {}, el("thead", {}, el("tr", {}, ["step", "world size", "final", "uri"].map(h => el("th", {}, h)))), checkpoints),
+    el("h2", {}, "Driver log (tail)"), log, cancel,
+  );
+
+  const renderFacts = () => {
+    const p = job.progress;
+    facts.replaceChildren(
+      el("span", {}, el("b", {}, "state "), stateCell(job.state)),
+      el("span", {}, el("b", {}, "step "), `${p.step}/${p.total_steps}`),
+      el("span", {}, el("b", {}, "loss "), p.loss == null ? "-" : p.loss.toFixed(4)),
+      el("span", {}, el("b", {}, "world size "), p.world_size == null ? "-" : String(p.world_size)),
+      el("span", {}, el("b", {}, "recoveries "), String(p.recoveries)),
+      el("span", {}, el("b", {}, "ETA "), p.eta_s == null ? "-" : duration(p.eta_s)),
+      el("span", {}, el("b", {}, "attempt "), String(job.attempt)),
+      el("span", {}, el("b", {}, "tenant "), job.tenant),
+    );
+    if (job.error) facts.append(el("div", { class: "error" }, job.error));
+    cancel.hidden = TERMINAL.has(job.state);
+    links.replaceChildren(...(job.dashboard_url ? [link(job.dashboard_url, "This attempt in the Ray dashboard")] : []));
+  };
+  renderFacts();
+
+  const loadCheckpoints = async () => {
+    const page = await api("GET", `/v1/jobs/${jobId}/checkpoints`);
+    checkpoints.replaceChildren(...page.items.map(c => el("tr", {},
+      el("td", {}, String(c.step)), el("td", {}, String(c.world_size)), el("td", {}, c.final ? "yes" : ""),
+      el("td", { class: "mono" }, c.uri))));
+  };
+  const loadLog = async () => {
+    try {
+      const text = await api("GET", `/v1/jobs/${jobId}/logs`);
+      log.textContent = text.split("\n").slice(-60).join("\n");
+    } catch (error) {
+      log.textContent = explain(error);
+    }
+  };
+  const reloadJob = async () => { job = await api("GET", `/v1/jobs/${jobId}`); renderFacts(); };
+  loadCheckpoints().catch(() => {});
+  loadLog();
+
+  let pending = false;
+  const redraw = () => {  // at most one redraw per animation frame, however many points arrive
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; Object.values(charts).forEach(c => c.redraw()); });
+  };
+  const stop = stream(`/v1/jobs/${jobId}/stream`, (kind, data) => {
+    if (kind === "metric") {
+      if (data.loss != null || data.samples_per_s != null) {
+        lastStep = Math.max(lastStep, data.step);
+        charts.speed.add(data.step, [data.samples_per_s]);
+        charts.lr.add(data.step, [data.lr]);
+        charts.norm.add(data.step, [data.grad_norm]);
+        charts.world.add(data.step, [data.world_size]);
+      }
+      charts.loss.add(data.step, [data.loss, data.val_loss]);
+      redraw();
+    } else if (kind === "state" || kind === "event") {
+      if (data.to_state === "RECOVERING") recoveries.push(lastStep);
+      events.append(el("tr", {}, el("td", {}, when(data.at)), el("td", {}, data.to_state ? stateCell(data.to_state) : ""),
+        el("td", {}, data.message || "")));
+      if (data.kind === "checkpoint") loadCheckpoints().catch(() => {});
+      if (data.to_state) reloadJob().catch(() => {});
+    }
+  }, async () => { await reloadJob().catch(() => {}); loadCheckpoints().catch(() => {}); loadLog(); });
+  const facts_timer = setInterval(() => { if (!TERMINAL.has(job.state)) reloadJob().catch(() => {}); }, 5000);
+  const log_timer = setInterval(() => { if (!TERMINAL.has(job.state)) loadLog(); }, 10000);
+  leaving.push(stop, () => clearInterval(facts_timer), () => clearInterval(log_timer));
+}
+
+function planPage() {
+  const field = (name, label, value, type = "text") => [el("label", { for: name }, label), el("input", { id: name, name, value, type })];
+  const precision = el("select", { id: "precision", name: "precision" }, ["mixed", "bf16", "fp32"].map(p => el("option", { value: p }, p)));
+  const result = el("div", { id: "plan-result" });
+  const form = el("form", { class: "grid", id: "plan-form", onsubmit: async event => {
+    event.preventDefault();
+    const values = Object.fromEntries(new FormData(form));
+    const request = { gpu_memory_gb: Number(values.gpu_memory_gb), gpus_per_node: Number(values.gpus_per_node),
+      nodes: Number(values.nodes), precision: values.precision };
+    if (values.model) { request.model = values.model; } else { request.parameters = Number(values.parameters); }
+    try {
+      const plan = await api("POST", "/v1/plan", request);
+      const chosen = plan.recommendation?.label;
+      result.replaceChildren(
+        el("p", {}, `${plan.model}: ${plan.parameters.toLocaleString()} parameters on ${plan.world_size} GPUs`),
+        el("table", {}, el("thead", {}, el("tr", {}, ["option", "total/GPU (GB)", "fits", "traffic/step (GB)", "bubble"].map(h => el("th", {}, h)))),
+          el("tbody", {}, plan.options.map(o => el("tr", {},
+            el("td", {}, o.label === chosen ? `${o.label} ★` : o.label),
+            el("td", {}, o.memory_per_gpu.total_gb == null ? "?" : o.memory_per_gpu.total_gb.toFixed(2)),
+            el("td", {}, o.fits == null ? "?" : o.fits ? "yes" : "no"),
+            el("td", {}, o.communication_per_step.total_gb == null ? "?" : o.communication_per_step.total_gb.toFixed(3)),
+            el("td", {}, o.bubble == null ? "-" : `${(o.bubble * 100).toFixed(1)}%`))))),
+        el("p", {}, chosen ? `recommended: ${chosen}` : "nothing fits"),
+        el("ul", {}, [...plan.reasons, ...(plan.recommendation?.reasons || [])].map(r => el("li", {}, r))));
+    } catch (error) {
+      result.replaceChildren(failure(error));
+    }
+  } },
+  field("parameters", "Parameters", "7000000000", "number"), field("model", "or a built-in model", ""),
+  field("gpu_memory_gb", "GPU memory (GB)", "80", "number"), field("gpus_per_node", "GPUs per node", "8", "number"),
+  field("nodes", "Nodes", "1", "number"), el("label", { for: "precision" }, "Precision"), precision,
+  el("span"), el("button", { type: "submit" }, "Plan"));
+  show(el("h1", {}, "Plan"), form, result);
+}
+
+function submitPage() {
+  const text = el("textarea", { id: "spec", spellcheck: "false" },
+    "name: my-job\nmodel: tiny-gpt\nworkers: {min: 1, max: 2}\ntrain: {steps: 100, global_batch_size: 16, micro_batch_size: 4}\n");
+  const result = el("div", { id: "submit-result" });
+  const button = el("button", { id: "submit", onclick: async () => {
+    try {
+      const job = await api("POST", "/v1/jobs", text.value, "application/yaml");
+      navigate(`/ui/jobs/${job.id}`);
+    } catch (error) {
+      result.replaceChildren(failure(error));
+    }
+  } }, "Submit");
+  show(el("h1", {}, "Submit a job spec (YAML)"), text, el("p", {}, button), result);
+}
+
+// -- routing and the token ------------------------------------------------------------------------------------------
+
+function route() {
+  const path = location.pathname.replace(/\/+$/, "");
+  const job = path.match(/^\/ui\/jobs\/([0-9a-f]{32})$/);
+  if (job) return jobPage(job[1]);
+  if (path === "/ui/plan") return planPage();
+  if (path === "/ui/submit") return submitPage();
+  return jobsPage();
+}
+
+function navigate(url) {
+  history.pushState(null, "", url);
+  route();
+}
+
+document.addEventListener("click", event => {
+  const anchor = event.target.closest("a");
+  if (anchor && anchor.getAttribute("href")?.startsWith("/ui") && !event.metaKey && !event.ctrlKey) {
+    event.preventDefault();
+    navigate(anchor.getAttribute("href"));
+  }
+});
+window.addEventListener("popstate", route);
+
+async function whoami() {
+  const label = document.getElementById("whoami");
+  if (!token()) { label.textContent = "no token"; return; }
+  try {
+    const me = await api("GET", "/v1/me");
+    label.textContent = `tenant ${me.tenant.name}${me.admin ? " (admin)" : ""}`;
+  } catch (error) {
+    label.textContent = error.status === 401 ? "token refused" : "";
+  }
+}
+
+document.getElementById("token-form").addEventListener("submit", event => {
+  event.preventDefault();
+  const input = document.getElementById("token");
+  sessionStorage.setItem("ringmaster-token", input.value.trim());
+  input.value = "";
+  whoami();
+  route();
+});
+document.getElementById("forget").addEventListener("click", () => {
+  sessionStorage.removeItem("ringmaster-token");
+  whoami();
+  route();
+});
+
+whoami();
+route();

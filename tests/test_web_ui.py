@@ -1,0 +1,121 @@
+"""The web view in a real browser (Debian's chromium, headless, driven over WebDriver) against a real control plane
+and Ray: the jobs page lists a job, a running job's curves gain points as steps arrive, a second tenant's token lists
+none of the first tenant's jobs, and /docs works offline. Screenshots go to .test-output/screenshots/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.ray_cluster import REPO_ROOT, wait_for_state
+from ringmaster.service import auth
+from ringmaster.service.db import session_scope
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+SCREENSHOTS = Path(os.environ.get("RINGMASTER_SCREENSHOTS", REPO_ROOT / ".test-output" / "screenshots"))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        message = "the web view is tested in Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1100"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _wait(what: str, condition, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f}s"
+        time.sleep(0.2)
+    return result
+
+
+def _use_token(browser, url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{url}/ui")
+    field = browser.find_element(By.ID, "token")
+    field.clear()
+    field.send_keys(token)
+    browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+    _wait("the token taken", lambda: "tenant" in browser.find_element(By.ID, "whoami").text)
+
+
+def _shot(browser, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+
+
+def _points(browser, chart: str) -> int:
+    from selenium.webdriver.common.by import By
+
+    return int(browser.find_element(By.ID, chart).get_attribute("data-points"))
+
+
+def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    client = ray_server.client()
+    job = client.submit({"name": "web-view", "model": "mlp", "strategy": "ddp",
+                         "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
+                         "train": {"steps": 100000, "global_batch_size": 16, "micro_batch_size": 8, "lr": 0.01},
+                         "checkpoint": {"every_steps": 0}})
+    try:
+        wait_for_state(client, job["id"], {"RUNNING"}, timeout_s=120)
+        _use_token(browser, ray_server.url, ray_server.token)
+        row = _wait("the job listed", lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job["id"]}"]'))
+        assert "web-view" in row[0].text and "RUNNING" in row[0].text
+        _shot(browser, "jobs")
+
+        row[0].find_element(By.TAG_NAME, "a").click()
+        _wait("the job page", lambda: browser.current_url.endswith(f"/ui/jobs/{job['id']}"))
+        first = _wait("loss points", lambda: _points(browser, "chart-loss"))
+        _wait("more loss points as steps arrive", lambda: _points(browser, "chart-loss") >= first + 10, timeout_s=90)
+        for chart in ("chart-speed", "chart-lr", "chart-grad-norm", "chart-world-size"):
+            assert _points(browser, chart) > 0, chart
+        facts = browser.find_element(By.ID, "facts").text
+        assert "RUNNING" in facts and "world size 2" in facts
+        assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss canvas"), "uPlot drew no canvas"
+        assert any("training on 2 workers" in cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "#events td"))
+        _wait("the driver's log tail", lambda: "step " in browser.find_element(By.ID, "log").text, timeout_s=30)
+        _shot(browser, "job-running")
+
+        with session_scope(ray_server.app.state.db.sessions) as session:
+            other = auth.create_token(session, "web-other-team").secret
+        _use_token(browser, ray_server.url, other)
+        browser.get(f"{ray_server.url}/ui")
+        _wait("the other tenant's empty list", lambda: "0 job(s)" in browser.find_element(By.TAG_NAME, "main").text)
+        assert not browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job["id"]}"]')
+        _shot(browser, "jobs-other-tenant")
+    finally:
+        client.cancel(job["id"])
+
+
+def test_docs_work_offline(ray_server, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{ray_server.url}/docs")
+    _wait("Swagger UI drawn from ringmaster's own assets",
+          lambda: browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock"), timeout_s=30)
+    assert "/v1/jobs" in browser.find_element(By.TAG_NAME, "body").text
+    sources = [script.get_attribute("src") for script in browser.find_elements(By.TAG_NAME, "script") if script.get_attribute("src")]
+    assert sources and all(source.startswith(ray_server.url) for source in sources), sources
+    _shot(browser, "docs")
