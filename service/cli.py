@@ -24,6 +24,7 @@ from ringmaster.service.code_packing import CodeDirectoryError
 from ringmaster.service.embedded_ray import HeadStartFailed
 from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.planner import GB, format_bytes
+from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.settings import get_settings
 
 if TYPE_CHECKING:
@@ -274,6 +275,30 @@ def cancel(job_id: str, api: ApiOption = None) -> None:
     client = _client(api)
     job = client.cancel(_job_id(client, job_id))
     console.print(f"job {job['id']}: {job['state']}")
+
+
+@app.command()
+@_handled
+def tensorboard(job_ids: Annotated[Optional[list[str]], typer.Argument(help="Jobs (ids or unambiguous prefixes); "
+                                                                        "default: the newest 20.")] = None,
+                port: Annotated[int, typer.Option(help="TensorBoard's port.")] = 6006,
+                api: ApiOption = None) -> None:
+    """Start TensorBoard on jobs' event files (each job writes them under its storage: <storage>/<id>/tensorboard)."""
+    import subprocess
+
+    client = _client(api)
+    jobs = [client.job(_job_id(client, text)) for text in job_ids] if job_ids else client.jobs(limit=20)["items"]
+    if not jobs:
+        _fail("no jobs to show")
+    storage = get_settings().resolved_storage_uri().rstrip("/")
+    # One run per job, named after it; each attempt is a run below it.
+    spec = ",".join(f"{job['name']}-{job['id'][:8]}:{storage}/{job['id']}/{TENSORBOARD_DIR}" for job in jobs)
+    console.print(f"TensorBoard on {len(jobs)} job(s) at http://127.0.0.1:{port}/ (Ctrl-C ends it)")
+    try:
+        code = subprocess.call([sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec, "--port", str(port)])
+    except KeyboardInterrupt:
+        code = 0
+    raise typer.Exit(code=code)
 
 
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}

@@ -4,6 +4,7 @@ and Ray submission id, and the shape of a worker's bundle. A shared contract, so
 from __future__ import annotations
 
 NAMESPACE = "ringmaster"
+TENSORBOARD_DIR = "tensorboard"  # below a job's storage root: attempt-<n>/ holds each attempt's event files
 
 
 def placement_group_name(job_id: str, attempt: int) -> str:

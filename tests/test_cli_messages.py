@@ -207,3 +207,39 @@ def test_logs_follow_prints_the_log_as_it_grows_until_the_job_ends(server: Serve
         follower.kill()
     assert follower.returncode == 0, errors
     assert rest == "job ended\n", rest
+
+
+def test_tensorboard_serves_the_jobs_event_files(server: Server) -> None:
+    import httpx
+
+    from ringmaster.service.reports import MetricPoint
+    from ringmaster.workers.driver.training_log import TensorBoardEvents
+
+    [job_id] = submitted(server)
+    events = TensorBoardEvents(str(server.data_dir / "checkpoints" / job_id / "tensorboard" / "attempt-1"))
+    for step in range(1, 4):
+        events.point(MetricPoint(step=step, loss=1.0 / step, lr=0.01, world_size=2, wall_time=time.time()), recoveries=0)
+    events.close()
+    port = free_port()
+    board = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "tensorboard", job_id[:10], "--port", str(port)],
+                             cwd=REPO_ROOT, env={**os.environ, **at(server)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert board.poll() is None, board.communicate()[1][-2000:]
+            try:
+                tags = httpx.get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=2).json()
+                if tags:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "TensorBoard did not serve the job's runs"
+            time.sleep(0.5)
+        run = f"cli-job-0-{job_id[:8]}/attempt-1"
+        assert run in tags and {"train/loss", "train/lr", "train/world_size", "train/recoveries"} <= set(tags[run]), tags
+        scalars = httpx.get(f"http://127.0.0.1:{port}/data/plugin/scalars/scalars", params={"run": run, "tag": "train/loss"},
+                            timeout=5).json()
+        assert [(step, round(value, 6)) for _, step, value in scalars] == [(1, 1.0), (2, 0.5), (3, round(1 / 3, 6))]
+    finally:
+        board.terminate()
+        board.wait(timeout=30)

@@ -76,11 +76,33 @@ def test_ddp_job_over_rest_succeeds_with_falling_loss_and_a_checkpoint(client: R
     assert json.loads((final / "manifest.json").read_text())["step"] == 30
     assert any(final.glob("*.distcp")), "the final checkpoint holds no tensor data"
     kept = sorted(path.name for path in final.parent.iterdir())
-    assert kept == ["step-00000020", "step-00000030"], "retention keeps the newest checkpoint.keep"
+    assert kept == ["step-00000020", "step-00000030", "tensorboard"], "retention keeps the newest checkpoint.keep"
+    _check_tensorboard_events(final.parent / "tensorboard" / "attempt-1", rows)
 
     driver_log = client.logs(job["id"])
     assert f"job {job['id']} attempt 1 ended with code 0" in driver_log
     _check_the_dashboards_view(ray_server, job["id"], done["ray_job_id"], driver_log)
+
+
+def _check_tensorboard_events(directory: Path, rows: list[dict]) -> None:
+    """The job's event files hold every step's scalars, equal (as float32) to what the API reports."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    events = EventAccumulator(str(directory), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
+    assert {"train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/world_size",
+            "train/recoveries"} <= tags, tags
+
+    def series(tag: str) -> dict[int, float]:
+        return {event.step: float(make_ndarray(event.tensor_proto)) for event in events.Tensors(tag)}
+
+    for field, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("world_size", "train/world_size")):
+        expected = {row["step"]: np.float32(row[field]) for row in rows if row[field] is not None}
+        assert series(tag) == {step: float(value) for step, value in expected.items()}, tag
+    assert set(series("train/val_loss")) == {30} and set(series("train/recoveries").values()) == {0.0}
 
 
 def _check_the_dashboards_view(ray_server, job_id: str, submission_id: str, driver_log: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Bundles, Slot
@@ -138,7 +139,8 @@ class Controller:
         self.scaling = ScalingPolicy(self.spec.workers, CAPACITY_WAIT_S)
         self._rank0_metrics = DrainedMetrics()
         self._poll: GroupPoll | None = None  # the latest training call's
-        self.training_log = TrainingLog(self.spec, self.job_id, self.attempt, self.tenant)
+        self.training_log = TrainingLog(self.spec, self.job_id, self.attempt, self.tenant,
+                                        tensorboard_dir=f"{self.storage_root}/{TENSORBOARD_DIR}/attempt-{self.attempt}")
 
     def run(self) -> int:
         """Drive the job to an end; 0 when it succeeded or the control plane ended the attempt, 1 when it failed
@@ -153,6 +155,7 @@ class Controller:
         finally:
             if isinstance(self.state, Failed):
                 self._report_failure(self.state.reason)
+            self.training_log.close()
             self.group.shutdown()
             self.standby.shutdown()
             self.bundles.release()

@@ -1,13 +1,16 @@
-"""The driver's log, as a person watching the Ray dashboard reads it: a progress line every few seconds (step of the
-total, loss, samples/s, learning rate, world size, ETA) and one line for each event (group formed, worker lost,
-re-formed, grew, checkpoint committed, validation loss). The same progress goes to Ray's metrics (ray.util.metrics),
-tagged with the job, for Ray's Prometheus and Grafana."""
+"""What the driver tells a person about the training: its log, as the Ray dashboard shows it (a progress line every
+few seconds: step of the total, loss, samples/s, learning rate, world size, ETA; and one line for each event: group
+formed, worker lost, re-formed, grew, checkpoint committed, validation loss), Ray's metrics (ray.util.metrics, tagged
+with the job, for Ray's Prometheus and Grafana), and TensorBoard event files under the job's storage."""
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from collections import deque
+from pathlib import Path
 
 from ringmaster.service.reports import CheckpointRecord, MetricPoint
 from ringmaster.service.spec import JobSpec
@@ -29,12 +32,15 @@ def _duration(seconds: float) -> str:
 
 
 class TrainingLog:
-    def __init__(self, spec: JobSpec, job_id: str, attempt: int, tenant: str, every_s: float = PROGRESS_EVERY_S) -> None:
+    def __init__(self, spec: JobSpec, job_id: str, attempt: int, tenant: str, every_s: float = PROGRESS_EVERY_S,
+                 tensorboard_dir: str | None = None) -> None:
+        """`tensorboard_dir`: where this attempt's TensorBoard event files go (a path or fsspec URI); None: nowhere."""
         self.total_steps = spec.train.steps
         self.every_s = every_s
         self._recent: deque[MetricPoint] = deque(maxlen=_PACE_POINTS)
         self._logged_at = 0.0
         self._series = _RaySeries({"job_id": job_id, "job_name": spec.name, "tenant": tenant})
+        self._tensorboard = TensorBoardEvents(tensorboard_dir) if tensorboard_dir else None
         self.recoveries = 0
 
     def metrics(self, points: list[MetricPoint], world_size: int) -> None:
@@ -43,6 +49,8 @@ class TrainingLog:
                 log.info("validation loss %.4f at step %d", point.val_loss, point.step)
             if point.loss is not None:
                 self._recent.append(point)
+            if self._tensorboard is not None:
+                self._tensorboard.point(point, self.recoveries)
         if self._recent:
             self._series.set(self._recent[-1], world_size, self.recoveries)
         now = time.monotonic()
@@ -68,6 +76,10 @@ class TrainingLog:
         took = f" ({record.save_s:.2f}s, training blocked {record.blocked_s:.2f}s)" if record.save_s is not None \
             and record.blocked_s is not None else ""
         log.info("checkpoint committed at step %d%s: %s", record.step, took, record.uri)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def event(self, message: str, state: str | None = None) -> None:
         if state == "RECOVERING":
@@ -105,3 +117,49 @@ class _RaySeries:
     def recoveries(self, count: int) -> None:
         if self._gauges is not None:
             self._gauges["recoveries"].set(count)
+
+
+# MetricPoint field -> TensorBoard tag
+_TENSORBOARD_TAGS = {"loss": "train/loss", "val_loss": "train/val_loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                     "samples_per_s": "train/samples_per_s", "world_size": "train/world_size"}
+_UPLOAD_EVERY_S = 10.0
+
+
+class TensorBoardEvents:
+    """An attempt's scalars as TensorBoard event files (tensorboard's own framework-free writer: the driver never
+    imports torch). A local directory is written in place; for a remote URI the file is written in a local directory
+    and copied there every few seconds and at the end, through fsspec like the checkpoints."""
+
+    def __init__(self, directory: str) -> None:
+        from tensorboard.summary import Writer
+
+        self._remote = directory if "://" in directory and not directory.startswith("file://") else None
+        self._local = Path(tempfile.mkdtemp(prefix="ringmaster-tb-")) if self._remote else Path(directory.removeprefix("file://"))
+        self._local.mkdir(parents=True, exist_ok=True)
+        self._writer = Writer(str(self._local))
+        self._uploaded_at = time.monotonic()
+
+    def point(self, point: MetricPoint, recoveries: int) -> None:
+        for field, tag in _TENSORBOARD_TAGS.items():
+            value = getattr(point, field)
+            if value is not None:
+                self._writer.add_scalar(tag, float(value), point.step, wall_time=point.wall_time)
+        if point.loss is not None:
+            self._writer.add_scalar("train/recoveries", float(recoveries), point.step, wall_time=point.wall_time)
+        if self._remote and time.monotonic() - self._uploaded_at >= _UPLOAD_EVERY_S:
+            self._upload()
+
+    def _upload(self) -> None:
+        import fsspec
+
+        self._writer.flush()
+        filesystem, root = fsspec.core.url_to_fs(self._remote)
+        for path in self._local.iterdir():
+            filesystem.put_file(str(path), f"{root.rstrip('/')}/{path.name}")
+        self._uploaded_at = time.monotonic()
+
+    def close(self) -> None:
+        self._writer.close()
+        if self._remote:
+            self._upload()
+            shutil.rmtree(self._local, ignore_errors=True)
