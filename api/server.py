@@ -69,11 +69,22 @@ class ControlPlane:
         self._thread = threading.Thread(target=dispatcher.run, args=(self._stop,), name="dispatcher", daemon=True)
         self._thread.start()
 
+        exporter = None
+        if self.settings.mlflow_tracking_uri:
+            from ringmaster.service.mlflow_export import MlflowExporter  # imports mlflow: only when asked for
+
+            exporter = threading.Thread(target=MlflowExporter(app.state.db.sessions, self.settings.mlflow_tracking_uri,
+                                                              self.settings.mlflow_experiment).run,
+                                        args=(self._stop,), name="mlflow-export", daemon=True)
+            exporter.start()
+
         def stop() -> None:
             self._stop.set()
             dispatcher.wake()
             if self._thread is not None:
                 self._thread.join(timeout=10)
+            if exporter is not None:
+                exporter.join(timeout=10)
 
         return stop
 

@@ -108,6 +108,18 @@ class CodeArchive(Base):
     content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # read only when a dispatcher hands it to Ray
 
 
+class MlflowRun(Base):
+    """A job's MLflow run (RINGMASTER_MLFLOW_TRACKING_URI) and how far its metrics and checkpoints were exported."""
+
+    __tablename__ = "mlflow_runs"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    run_id: Mapped[str | None] = mapped_column(String(64))
+    metric_cursor: Mapped[int] = mapped_column(Integer, default=0)  # the last metrics.id logged
+    checkpoint_cursor: Mapped[int] = mapped_column(Integer, default=0)  # the last checkpoints.id tagged
+    finished: Mapped[bool] = mapped_column(default=False)  # the run was ended with the job's final state
+
+
 class Job(Base):
     __tablename__ = "jobs"
 

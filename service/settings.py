@@ -38,6 +38,9 @@ class Settings(BaseSettings):
                                    "requirements or variables) that keep a warm pool of their own, the most recently "
                                    "submitted first: the next job in one of these envs starts warm. 0: such jobs always "
                                    "start cold workers.")
+    mlflow_tracking_uri: str | None = Field(default=None, description="With it, each job is an MLflow run there: the "
+                                            "JobSpec as parameters, per-step metrics, checkpoint URIs as tags, final state.")
+    mlflow_experiment: str = Field(default="ringmaster", description="The MLflow experiment jobs' runs go in.")
     ray_start_timeout_s: float = Field(default=60.0, gt=0, description="How long the embedded Ray head may take to "
                                        "answer before its start counts as failed (it is tried twice).")
     ray_client_server: bool = Field(default=False, description="Start the Ray client server (ray://) on the embedded "
