@@ -109,6 +109,26 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
         client.cancel(job["id"])
 
 
+def test_the_plan_and_submit_pages_answer_from_the_api(ray_server, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    _use_token(browser, ray_server.url, ray_server.token)
+    browser.get(f"{ray_server.url}/ui/plan")
+    browser.find_element(By.CSS_SELECTOR, "#plan-form button[type=submit]").click()  # 7B parameters on 8 × 80 GB
+    table = _wait("the plan's options", lambda: browser.find_elements(By.CSS_SELECTOR, "#plan-result table tr"))
+    assert len(table) > 3 and "recommended:" in browser.find_element(By.ID, "plan-result").text
+    _shot(browser, "plan")
+
+    browser.get(f"{ray_server.url}/ui/submit")
+    spec = browser.find_element(By.ID, "spec")
+    spec.clear()
+    spec.send_keys("name: web-bad\nmodel: mlp\ntrain: {steps: 0}\n")
+    browser.find_element(By.ID, "submit").click()
+    error = _wait("the 422 shown", lambda: browser.find_elements(By.CSS_SELECTOR, "#submit-result .error"))
+    assert "train.steps" in error[0].text, error[0].text
+    assert not [job for job in ray_server.client().jobs()["items"] if job["name"] == "web-bad"]
+
+
 def test_docs_work_offline(ray_server, browser) -> None:
     from selenium.webdriver.common.by import By
 
