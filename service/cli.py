@@ -23,7 +23,7 @@ from ringmaster.service.client import ApiError, RingmasterClient, TokenRefused
 from ringmaster.service.code_packing import CodeDirectoryError
 from ringmaster.service.embedded_ray import HeadStartFailed
 from ringmaster.service.errors import CodeTooLarge
-from ringmaster.service.planner import GB, format_bytes
+from ringmaster.service.planner import GB, format_bytes, format_duration
 from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.settings import get_settings
 
@@ -172,7 +172,7 @@ def _print_job(job: dict[str, Any]) -> None:
         parts.append(f"world size {progress['world_size']}")
     parts.append(f"recoveries {progress['recoveries']}")
     if progress["eta_s"] is not None:
-        parts.append(f"ETA {_duration(progress['eta_s'])}")
+        parts.append(f"ETA {format_duration(progress['eta_s'])}")
     console.print("  ".join(parts))
     times = [f"{label} {job[field][:19].replace('T', ' ')}" for label, field in
              (("created", "created_at"), ("started", "started_at"), ("finished", "finished_at")) if job.get(field)]
@@ -183,12 +183,6 @@ def _print_job(job: dict[str, Any]) -> None:
         console.print(f"error: {escape(job['error'])}", soft_wrap=True)
     if job.get("dashboard_url"):
         console.print(f"Ray dashboard: {job['dashboard_url']}", soft_wrap=True)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 @app.command()

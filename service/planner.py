@@ -492,3 +492,10 @@ def format_bytes(value: float) -> str:
         if abs(value) >= size:
             return f"{value / size:.2f} {unit}"
     return f"{value:.0f} B"
+
+
+def format_duration(seconds: float) -> str:
+    """A time left, as progress lines show it: '0m41s', '12m05s', '3h07m'."""
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from ringmaster.service.planner import format_duration
 from ringmaster.service.reports import CheckpointRecord, MetricPoint
 from ringmaster.service.spec import JobSpec
 
@@ -23,12 +24,6 @@ TRAINING_SERIES = {"loss": "Training loss at the newest step.", "samples_per_s":
                    "step": "The newest completed step.", "world_size": "Workers in the training group.",
                    "recoveries": "Times the group re-formed after losing a worker.", "lr": "Learning rate."}
 _PACE_POINTS = 20  # the ETA's pace: the wall time over this many newest steps
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 class TrainingLog:
@@ -69,7 +64,7 @@ class TrainingLog:
         oldest = self._recent[0]
         if latest.wall_time and oldest.wall_time and latest.step > oldest.step:
             pace = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
-            parts.append(f"ETA {_duration(max(0, self.total_steps - latest.step) * pace)}")
+            parts.append(f"ETA {format_duration(max(0, self.total_steps - latest.step) * pace)}")
         return "  ".join(parts)
 
     def checkpoint(self, record: CheckpointRecord) -> None:
