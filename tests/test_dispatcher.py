@@ -14,9 +14,8 @@ from ringmaster.service import jobs
 from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job
-from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
-from ringmaster.service.reports import REPORT_TOKEN_ENV
+from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV, DriverReport
 from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
 from ringmaster.service.states import JobState
 
