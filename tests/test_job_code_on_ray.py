@@ -164,6 +164,17 @@ def test_a_driver_that_cannot_start_fails_the_job_once_with_its_traceback(ray_se
         ["QUEUED", "ADMITTED", "FAILED"]
 
 
+def test_a_failed_pip_install_fails_the_job_once_with_pips_message(ray_server, tmp_path: Path) -> None:
+    client = ray_server.client()
+    runtime_env = {"pip": ["ringmaster-no-such-distribution==9.9.9"]}
+    job = client.submit(_spec("shipped-bad-pip", tmp_path / "markers", max_failures=2, runtime_env=runtime_env),
+                        code=_project(tmp_path / "bad-pip", 1))
+    done = wait_for_state(client, job["id"], TERMINAL, timeout_s=420)
+    assert (done["state"], done["attempt"]) == ("FAILED", 1), done["error"]
+    assert done["error"].startswith("attempt 1: the job's driver never started: its runtime env could not be set up")
+    assert "No matching distribution found for ringmaster-no-such-distribution==9.9.9" in done["error"]
+
+
 def _wheel(tmp_path: Path) -> Path:
     """A wheel of a one-module distribution, built here without an index."""
     source = tmp_path / "tinydep-src"
@@ -202,14 +213,3 @@ def test_a_requirement_from_a_local_wheel_is_importable_in_every_worker(ray_serv
         assert (marker["dep"], marker["setting"], marker["version"]) == ("from the wheel", "on", 3)
         assert "site-packages" in marker["dep_file"] and not marker["dep_file"].startswith(sys.prefix), \
             "installed into the job's own environment, not the cluster's"
-
-
-def test_a_failed_pip_install_fails_the_job_once_with_pips_message(ray_server, tmp_path: Path) -> None:
-    client = ray_server.client()
-    runtime_env = {"pip": ["ringmaster-no-such-distribution==9.9.9"]}
-    job = client.submit(_spec("shipped-bad-pip", tmp_path / "markers", max_failures=2, runtime_env=runtime_env),
-                        code=_project(tmp_path / "bad-pip", 1))
-    done = wait_for_state(client, job["id"], TERMINAL, timeout_s=420)
-    assert (done["state"], done["attempt"]) == ("FAILED", 1), done["error"]
-    assert done["error"].startswith("attempt 1: the job's driver never started: its runtime env could not be set up")
-    assert "No matching distribution found for ringmaster-no-such-distribution==9.9.9" in done["error"]

@@ -65,9 +65,11 @@ def _shot(browser, name: str) -> None:
 
 
 def _points(browser, chart: str) -> int:
+    """Points the chart shows; 0 while the page has not drawn it yet (the URL changes before the page renders)."""
     from selenium.webdriver.common.by import By
 
-    return int(browser.find_element(By.ID, chart).get_attribute("data-points"))
+    found = browser.find_elements(By.ID, chart)
+    return int(found[0].get_attribute("data-points")) if found else 0
 
 
 def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> None:
@@ -91,8 +93,10 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
         _wait("more loss points as steps arrive", lambda: _points(browser, "chart-loss") >= first + 10, timeout_s=90)
         for chart in ("chart-speed", "chart-lr", "chart-grad-norm", "chart-world-size"):
             assert _points(browser, chart) > 0, chart
-        facts = browser.find_element(By.ID, "facts").text
-        assert "RUNNING" in facts and "world size 2" in facts
+        # The facts line refreshes every 5 s: it may have been drawn before the first step was reported.
+        facts = _wait("the facts line with the world size", lambda: "world size 2" in (text := browser.find_element(
+            By.ID, "facts").text) and text, timeout_s=30)
+        assert "state RUNNING" in facts
         assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss canvas"), "uPlot drew no canvas"
         assert any("training on 2 workers" in cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "#events td"))
         _wait("the driver's log tail", lambda: "step " in browser.find_element(By.ID, "log").text, timeout_s=30)
