@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -278,8 +279,6 @@ def tensorboard(job_ids: Annotated[Optional[list[str]], typer.Argument(help="Job
                 port: Annotated[int, typer.Option(help="TensorBoard's port.")] = 6006,
                 api: ApiOption = None) -> None:
     """Start TensorBoard on jobs' event files (each job writes them under its storage: <storage>/<id>/tensorboard)."""
-    import subprocess
-
     client = _client(api)
     jobs = [client.job(_job_id(client, text)) for text in job_ids] if job_ids else client.jobs(limit=20)["items"]
     if not jobs:
@@ -288,11 +287,9 @@ def tensorboard(job_ids: Annotated[Optional[list[str]], typer.Argument(help="Job
     # One run per job, named after it; each attempt is a run below it.
     spec = ",".join(f"{job['name']}-{job['id'][:8]}:{storage}/{job['id']}/{TENSORBOARD_DIR}" for job in jobs)
     console.print(f"TensorBoard on {len(jobs)} job(s) at http://127.0.0.1:{port}/ (Ctrl-C ends it)")
-    try:
-        code = subprocess.call([sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec, "--port", str(port)])
-    except KeyboardInterrupt:
-        code = 0
-    raise typer.Exit(code=code)
+    sys.stdout.flush()
+    # This process becomes TensorBoard: a signal to it (Ctrl-C, a kill) reaches TensorBoard itself, leaving no child.
+    os.execv(sys.executable, [sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec, "--port", str(port)])
 
 
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}

@@ -243,3 +243,12 @@ def test_tensorboard_serves_the_jobs_event_files(server: Server) -> None:
     finally:
         board.terminate()
         board.wait(timeout=30)
+    assert not any(f"--port {port}" in _command_line(pid) for pid in os.listdir("/proc") if pid.isdigit()), \
+        "TensorBoard outlived the command that started it"
+
+
+def _command_line(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
