@@ -27,6 +27,7 @@ from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.planner import GB, format_bytes, format_duration
 from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.settings import get_settings
+from ringmaster.service.states import TERMINAL, JobState
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -43,7 +44,6 @@ console = Console()
 ApiOption = Annotated[Optional[str], typer.Option("--api", help="API URL; default from RINGMASTER_API_URL / host and port.")]
 _JOB_ID_LENGTH = 32
 _PREFIX_MATCHES_SHOWN = 5
-_TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 _STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "ADMITTED": "blue", "QUEUED": "white"}
 
 
@@ -246,7 +246,7 @@ def logs(job_id: str, api: ApiOption = None,
         return
     printed = ""
     while True:
-        finished = client.job(job_id)["state"] in _TERMINAL
+        finished = JobState(client.job(job_id)["state"]) in TERMINAL
         try:
             text = client.logs(job_id)
         except ApiError as error:

@@ -77,8 +77,7 @@ class StandbyPool:
                 placement = ray.get(placement_ref)
             except RayActorError:
                 continue  # died while starting (its node went): top_up starts another when capacity allows
-            self.ready.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"],
-                                           actor_id=placement["actor_id"], name=placement["name"]))
+            self.ready.append(RankedWorker.placed(actor, slot, placement))
         return self.ready[before:]
 
     def wait_for_starting(self, timeout_s: float) -> None:

@@ -32,6 +32,12 @@ class RankedWorker:
     actor_id: str = ""
     name: str | None = None  # its Ray actor name: the job's (`<job>-<id>-a<attempt>-w<n>`) or a warm pool worker's
 
+    @classmethod
+    def placed(cls, actor: Any, slot: Slot, placement: dict[str, Any]) -> "RankedWorker":
+        """A started actor, from what its `placement()` answered."""
+        return cls(actor, slot, placement["node_id"], placement["ip"], placement["pid"],
+                   actor_id=placement["actor_id"], name=placement["name"])
+
     def describe(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": self.pid, "node_id": self.node_id, "actor_id": self.actor_id, "name": self.name}
 
@@ -102,8 +108,7 @@ class WorkerGroup:
                 placement = ray.get(ref)
             except RayActorError:
                 continue
-            started.append(RankedWorker(actor, slot, placement["node_id"], placement["ip"], placement["pid"],
-                                        actor_id=placement["actor_id"], name=placement["name"]))
+            started.append(RankedWorker.placed(actor, slot, placement))
         for ref in not_ready:
             ray.kill(pending[ref][0], no_restart=True)
         return started
