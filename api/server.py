@@ -106,8 +106,7 @@ def run_server(settings: Settings) -> None:
     log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
     address = settings.api_address_path()
     try:
-        address.parent.mkdir(parents=True, exist_ok=True)
-        address.write_text(plane.settings.resolved_api_url() + "\n")
+        settings.write_api_address(plane.settings.resolved_api_url())
         # log_config=None: uvicorn keeps the handlers configure_logging installed.
         uvicorn.run(plane.app(), host=plane.settings.api_host, port=plane.settings.api_port, log_config=None)
     finally:
@@ -152,7 +151,7 @@ class BackgroundServer:
                 self.plane.close()
                 raise RuntimeError(f"the API server did not start on {self.url}")
             time.sleep(0.05)
-        self.plane.settings.api_address_path().write_text(self.url + "\n")  # where the CLI finds it (as `serve`'s)
+        self.plane.settings.write_api_address(self.url)  # where the CLI finds it (as `serve`'s)
         return self
 
     def __exit__(self, *_: object) -> None:

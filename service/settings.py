@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -97,6 +98,15 @@ class Settings(BaseSettings):
     def api_address_path(self) -> Path:
         """Where a running `ringmaster serve` writes the URL it listens on, for the CLI to find it there."""
         return self.data_dir / "api-url"
+
+    def write_api_address(self, url: str) -> None:
+        """Say where this server listens (api_address_path); written whole then renamed, so a CLI reading it at the
+        same moment sees the old file or the new one, never an empty one."""
+        path = self.api_address_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(url + "\n")
+        os.replace(partial, path)
 
     def client_api_url(self) -> str:
         """The URL the CLI calls: RINGMASTER_API_URL, else RINGMASTER_API_HOST/PORT when set, else where the local
