@@ -16,11 +16,12 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 
 from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
-from ringmaster.api.limits import BodySizeLimit
+from ringmaster.api.limits import JSON_VALUE, BodySizeLimit, state_document_rules, json_value_schema
 from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants, web
 from ringmaster.service import telemetry
 from ringmaster.service.auth import ensure_local_admin_token
 from ringmaster.service.db import Database, upgrade_schema
+from ringmaster.service.errors import RULES_BEYOND_SCHEMA
 from ringmaster.service.job_plan import ClusterShapeProvider
 from ringmaster.service.settings import Settings, get_settings
 from ringmaster.service.spec import JobSpec
@@ -97,10 +98,34 @@ def _document_spec_schema(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+            json_value_ref = f"#/components/schemas/{JSON_VALUE}"
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(spec_schema.pop("$defs", {}))
             components["JobSpec"] = spec_schema
+            # api.limits.check_document's rules (and service.json_types'), which every request body is held to.
+            for name in (*REQUEST_BODIES, *JobSpec.model_json_schema()["$defs"], "JobSpec"):
+                state_document_rules(components[name], json_value_ref)
+            components[JSON_VALUE] = json_value_schema(json_value_ref)
+            _document_validation_errors(components)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+# The request bodies FastAPI documents itself (JobSpec's are added above), with the models within them.
+REQUEST_BODIES = ("PlanRequest", "QuotaIn", "TokenIn", "DriverReport", "MetricPoint", "CheckpointRecord", "RankMemory")
+
+
+def _document_validation_errors(components: dict[str, Any]) -> None:
+    """FastAPI's 422 entry, with what api.errors adds: the field every entry names, and the types of the rules the
+    schema itself cannot state (a request valid by this schema may break only those)."""
+    entry = components["ValidationError"]
+    entry["properties"]["field"] = {
+        "type": "string", "title": "Field",
+        "description": "The dotted path of the value at fault in the body, query or path (e.g. train.global_batch_size), "
+                       "or the part's own name (body) when the part as a whole is at fault: not JSON, not a zip."}
+    entry["required"] = [*entry["required"], "field"]
+    entry["properties"]["type"]["description"] = (
+        "The rule broken. Those this schema cannot state: " + ", ".join(RULES_BEYOND_SCHEMA) + " (a rule between "
+        "fields; the cluster's nodes or GPUs; the tenant's quota; a job, code archive or model class that does not exist).")

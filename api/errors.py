@@ -1,8 +1,8 @@
 """The one mapping from domain exceptions to HTTP responses.
 
-422 bodies keep FastAPI's shape (``{"detail": [{"type", "loc", "msg", "input"}]}``) and add
-``field`` (the dotted path inside the body or query); pydantic's "Value error, " prefix is dropped
-so JobSpec's own messages read as written.
+422 bodies keep FastAPI's shape (``{"detail": [{"type", "loc", "msg", "input"}]}``) and add ``field``: the dotted
+path of the value at fault inside the body, query or path, or the part's own name ("body") when the part as a whole
+is (not JSON, not a zip). Pydantic's "Value error, " prefix is dropped so JobSpec's own messages read as written.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
-from ringmaster.service.auth import Forbidden, TokenNotFound, Unauthorized
+from ringmaster.service.auth import Forbidden, OwnTokenRevocation, TokenNotFound, Unauthorized
 from ringmaster.service.errors import (CodeNotFound, CodeTooLarge, InvalidCode, InvalidSpec, JobConflict, JobNotFound,
                                        LogsUnavailable, PlanError)
 from ringmaster.service.states import IllegalTransition
@@ -29,6 +32,7 @@ from ringmaster.service.tenants import InvalidTenant, TenantNotFound
 log = logging.getLogger(__name__)
 
 _SOURCES = ("body", "query", "path", "header", "cookie")
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 _PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
@@ -67,11 +71,16 @@ def readable_errors(errors: Iterable[Any], prefix: Sequence[str | int] = ()) -> 
     readable = []
     for error in errors:
         loc = [*prefix, *error.get("loc", ())]
+        # A rule between fields (service.spec.conflict) names the field it faults, below the model it validated.
+        named = (error.get("ctx") or {}).get("field")
+        if isinstance(named, str) and named:
+            loc.extend(named.split("."))
         path = loc[1:] if loc and loc[0] in _SOURCES else loc
         message = str(error["msg"])
         for noise in _PREFIXES:
             message = message.removeprefix(noise)
-        entry = {"type": error["type"], "loc": loc, "field": ".".join(map(str, path)) or None, "msg": message}
+        field = ".".join(map(str, path)) or (str(loc[0]) if loc else "body")
+        entry = {"type": error["type"], "loc": loc, "field": field, "msg": message}
         if "input" in error:
             entry["input"] = error["input"]
         readable.append(entry)
@@ -101,14 +110,16 @@ async def _forbidden(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 
 async def _invalid_tenant(_request: Request, exc: Exception) -> FiniteJSONResponse:
-    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "tenant_invalid", "loc": [], "field": None, "msg": str(exc)}]})
+    assert isinstance(exc, InvalidTenant)
+    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "tenant_invalid", "loc": [exc.field],
+                                                                    "field": exc.field, "msg": str(exc)}]})
 
 
 async def _data_error(_request: Request, exc: Exception) -> FiniteJSONResponse:
     """A value the database refused (out of its column's range, a NUL in text): the input's fault, not the server's."""
     assert isinstance(exc, DataError)
     reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value rejected"
-    error = {"type": "database_value", "loc": [], "field": None, "msg": f"a value does not fit the database: {reason}"}
+    error = {"type": "database_value", "loc": ["body"], "field": "body", "msg": f"a value does not fit the database: {reason}"}
     return FiniteJSONResponse(status_code=422, content={"detail": [error]})
 
 
@@ -117,7 +128,7 @@ async def _too_large(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 
 async def _invalid_code(_request: Request, exc: Exception) -> FiniteJSONResponse:
-    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "code_invalid", "loc": ["body"], "field": None,
+    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "code_invalid", "loc": ["body"], "field": "body",
                                                                     "msg": str(exc)}]})
 
 
@@ -140,8 +151,22 @@ async def _invalid_spec(_request: Request, exc: Exception) -> FiniteJSONResponse
 
 async def _plan_error(_request: Request, exc: Exception) -> FiniteJSONResponse:
     assert isinstance(exc, PlanError)
-    error = {"type": "plan_invalid", "loc": tuple(exc.field.split(".")) if exc.field else (), "msg": str(exc)}
+    error = {"type": exc.kind, "loc": tuple(exc.field.split(".")), "msg": str(exc)}
     return FiniteJSONResponse(status_code=422, content={"detail": readable_errors([error], prefix=("body",))})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's answer, except that a 405's Allow lists the methods of every route on the path: Starlette's names
+    only those of the first route it matched, and a path such as /v1/jobs has a route per method."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code != status.HTTP_405_METHOD_NOT_ALLOWED:
+        return await http_exception_handler(request, exc)
+    routes = [route for route in request.app.router.routes if not isinstance(route, Mount)]  # a Mount takes any method
+    # Each method is tried on the router as the request's path: those some route takes in full are the allowed ones.
+    allowed = [method for method in _METHODS
+               if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)]
+    return FiniteJSONResponse(status_code=exc.status_code, content={"detail": exc.detail},
+                              headers={"Allow": ", ".join(allowed or ("GET", "HEAD"))})  # no route: a static file's
 
 
 async def _invalid_request(_request: Request, exc: Exception) -> FiniteJSONResponse:
@@ -163,8 +188,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(InterfaceError, _database_unavailable)
     app.add_exception_handler(JobConflict, _conflict)
+    app.add_exception_handler(OwnTokenRevocation, _conflict)
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(LogsUnavailable, _unavailable)
     app.add_exception_handler(InvalidSpec, _invalid_spec)
     app.add_exception_handler(PlanError, _plan_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,12 +19,15 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ringmaster.service.catalogue import MAX_INT64
 from ringmaster.service.errors import InvalidSpec
 
 MAX_DEPTH = 32
 MAX_VALUES = 10_000
 MAX_TEXT = 256 * 1024  # characters of all strings and keys together, aliases counted each time they are used
-MAX_INT = 2**63 - 1  # what a BIGINT (and SQLite's INTEGER) holds
+MAX_INT = MAX_INT64  # what a BIGINT (and SQLite's INTEGER) holds
+NO_NUL = "^[^\\x00]*$"  # check_document refuses a string or key holding NUL (PostgreSQL's text and jsonb hold none)
+JSON_VALUE = "JSONValue"  # the OpenAPI component of a free-form value in a checked document (state_document_rules)
 
 
 class RequestTooLarge(HTTPException):
@@ -73,7 +77,11 @@ def _invalid(message: str, loc: Sequence[str | int] = (), kind: str = "spec_inva
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with a nesting limit (its composer recurses) and without merge keys (which copy)."""
+    """PyYAML's safe loader with a nesting limit (its composer recurses) and without merge keys (which copy).
+
+    It also reads 1e-3 as a float, as YAML 1.2 does (PyYAML's YAML 1.1 wants a dot: 1.0e-3): a job spec's number is
+    never a string (service.json_types).
+    """
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -94,6 +102,11 @@ class _BoundedLoader(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"))
+
+
 def load_yaml(body: bytes) -> Any:
     """A YAML document as plain data; InvalidSpec for anything that is not readable, bounded YAML."""
     try:
@@ -108,14 +121,15 @@ def load_yaml(body: bytes) -> Any:
         raise _invalid(f"not a YAML job spec: {exc}", kind="yaml_invalid") from exc
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+class NotAJSONNumber(str):
+    """NaN, Infinity or -Infinity where a JSON document has a value: JSON has no such numbers. Kept in the parsed
+    document, so that check_document refuses it at its path."""
 
 
 def load_json(body: bytes) -> Any:
-    """A JSON document as plain data; NaN and Infinity are refused, as JSON itself does."""
+    """A JSON document as plain data; check_document refuses the NaN and Infinity it may hold, as JSON itself does."""
     try:
-        return json.loads(body, parse_constant=_refuse_constant)
+        return json.loads(body, parse_constant=NotAJSONNumber)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise _invalid(f"Invalid JSON: {exc}", kind="json_invalid") from exc
 
@@ -136,11 +150,17 @@ def check_document(document: Any, *, finite: bool = True, loc: Sequence[str | in
             raise _invalid(f"the document nests deeper than {MAX_DEPTH} levels", path)
         if isinstance(value, dict):
             for key, item in value.items():
+                if "\x00" in str(key):
+                    raise _invalid("a key holding a NUL character (\\u0000) is not accepted", path, kind="string_invalid")
                 text += len(str(key))
                 stack.append((item, (*path, str(key))))
         elif isinstance(value, (list, tuple)):
             stack.extend((item, (*path, index)) for index, item in enumerate(value))
+        elif isinstance(value, NotAJSONNumber):
+            raise _invalid(f"{value} is not a JSON number", path, kind="json_invalid")
         elif isinstance(value, str):
+            if "\x00" in value:  # PostgreSQL's text and jsonb hold no NUL
+                raise _invalid("a string holding a NUL character (\\u0000) is not accepted", path, kind="string_invalid")
             text += len(value)
         elif isinstance(value, bool) or value is None:
             pass
@@ -154,3 +174,46 @@ def check_document(document: Any, *, finite: bool = True, loc: Sequence[str | in
             raise _invalid(f"a value of type {type(value).__name__} is not accepted here", path, kind="type_invalid")
         if text > MAX_TEXT:
             raise _invalid(f"the document's text exceeds {MAX_TEXT} characters", loc)
+
+
+def state_document_rules(schema: dict[str, Any], json_value_ref: str) -> None:
+    """State check_document's rules in a JSON Schema (in place): every integer within ±MAX_INT, no string or key
+    holding NUL (unless a pattern of its own says what it holds), and every free-form value (an object's
+    additionalProperties: true, a property with no schema) a JSON_VALUE, whose integers are bounded too.
+    json_value_ref is where the JSON_VALUE component lies."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("type") == "integer":
+            node.setdefault("maximum", MAX_INT)
+            node.setdefault("minimum", -MAX_INT)
+        if node.get("type") == "string" and not {"pattern", "enum", "const"} & node.keys():
+            node["pattern"] = NO_NUL
+        if node.get("type") == "object" and node.get("additionalProperties", True) is True and "properties" not in node:
+            node["additionalProperties"] = {"$ref": json_value_ref}
+        if node.get("type") == "object" and node.get("additionalProperties") not in (None, False):
+            node.setdefault("propertyNames", {"pattern": NO_NUL})
+        for key, value in node.items():
+            if key == "properties" and isinstance(value, dict):
+                for name, property_schema in value.items():
+                    if property_schema == {}:  # anything: a builder's own option
+                        value[name] = {"$ref": json_value_ref}
+            if key not in ("enum", "const", "default", "examples"):
+                stack.append(value)
+
+
+def json_value_schema(json_value_ref: str) -> dict[str, Any]:
+    """The JSON_VALUE component: any JSON value check_document accepts, but for its document-wide limits (size, depth)."""
+    return {"description": f"Any JSON value; integers within ±{MAX_INT}, no string or key holding NUL.", "anyOf": [
+        {"type": "integer", "minimum": -MAX_INT, "maximum": MAX_INT},
+        {"type": "number", "not": {"type": "integer"}},
+        {"type": "string", "pattern": NO_NUL},
+        {"type": "boolean"}, {"type": "null"},
+        {"type": "array", "items": {"$ref": json_value_ref}},
+        {"type": "object", "additionalProperties": {"$ref": json_value_ref}, "propertyNames": {"pattern": NO_NUL}},
+    ]}

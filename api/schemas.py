@@ -10,10 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ringmaster.api.limits import check_document
 from ringmaster.service import jobs, planner, tenants
+from ringmaster.service.catalogue import BUILTIN_MODELS, builtin_options_rules
 from ringmaster.service.errors import InvalidSpec
+from ringmaster.service.json_types import JsonTyped
 from ringmaster.service import code_store
 from ringmaster.service.models import ApiToken, Checkpoint, CodeArchive, Job, JobEvent, Metric, Tenant
 from ringmaster.service.settings import Settings
+from ringmaster.service.spec import conflict
 from ringmaster.service.states import JobState
 
 Row = TypeVar("Row")
@@ -259,19 +262,34 @@ class Health(BaseModel):
     database: str
 
 
-class PlanRequest(BaseModel):
+_SHAPE = ("layers", "hidden", "heads", "seq_len")
+_NULL = {"type": "null"}
+
+
+class PlanRequest(JsonTyped):
     """A model (a parameter count, or a built-in and its options) and a cluster to plan it on."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Either a parameter count (with the transformer's whole shape, or none of it) or a built-in: the schema states it.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "oneOf": [
+            {"required": ["parameters"], "properties": {"parameters": {"type": "integer"}, "model": _NULL},
+             "anyOf": [{"required": list(_SHAPE), "properties": {name: {"type": "integer"} for name in _SHAPE}},
+                       {"properties": {name: _NULL for name in _SHAPE}}]},
+            {"required": ["model"], "properties": {"model": {"type": "string"}, "parameters": _NULL,
+                                                   **{name: _NULL for name in _SHAPE}}},
+        ],
+        "allOf": builtin_options_rules(),
+    })
 
     parameters: int | None = Field(default=None, ge=1, le=10**15, description="Parameter count of the model; or name a built-in in model.")
-    model: str | None = Field(default=None, max_length=64, description="Built-in model (tiny-gpt, mlp), sized from model_options.")
+    model: str | None = Field(default=None, max_length=64, description="Built-in model (tiny-gpt, mlp), sized from model_options.",
+                              json_schema_extra={"anyOf": [{"enum": list(BUILTIN_MODELS)}, {"type": "null"}]})
     model_options: dict[str, Any] = Field(default_factory=dict, description="The built-in's options, as in a JobSpec.")
     layers: int | None = Field(default=None, ge=1, le=100_000, description="Transformer blocks, for activations and TP/PP traffic.")
     hidden: int | None = Field(default=None, ge=1, le=10**7, description="Hidden size h.")
     heads: int | None = Field(default=None, ge=1, le=100_000, description="Attention heads a.")
     seq_len: int | None = Field(default=None, ge=1, le=10**8, description="Sequence length s.")
-    gpu_memory_gb: float = Field(gt=0, le=4096, description="Memory of each GPU, GB (10⁹ bytes).")
+    gpu_memory_gb: float = Field(ge=0.001, le=4096, description="Memory of each GPU, GB (10⁹ bytes).")
     gpus_per_node: int = Field(default=8, ge=1, le=64)
     nodes: int = Field(default=1, ge=1, le=4096)
     precision: Literal["fp32", "bf16", "mixed"] = Field(
@@ -295,14 +313,17 @@ class PlanRequest(BaseModel):
     @model_validator(mode="after")
     def _one_model(self) -> "PlanRequest":
         if (self.parameters is None) == (self.model is None):
-            raise ValueError("give either parameters (a count) or model (a built-in name), not both or neither")
-        shape = (self.layers, self.hidden, self.heads, self.seq_len)
-        if self.model is not None and any(value is not None for value in shape):
-            raise ValueError("a built-in's layers, hidden, heads and seq_len come from its model_options; do not give them")
-        if any(value is None for value in shape) and any(value is not None for value in shape):
-            raise ValueError("give layers, hidden, heads and seq_len together, or none of them")
+            raise conflict("parameters" if self.parameters is not None else "model",
+                           "give either parameters (a count) or model (a built-in name), not both or neither")
+        shape = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads, "seq_len": self.seq_len}
+        given = [name for name, value in shape.items() if value is not None]
+        if self.model is not None and given:
+            raise conflict(given[0], "a built-in's layers, hidden, heads and seq_len come from its model_options; do not give them")
+        if given and len(given) < len(shape):
+            missing = next(name for name in shape if name not in given)
+            raise conflict(missing, "give layers, hidden, heads and seq_len together, or none of them")
         if self.hidden is not None and self.heads is not None and self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+            raise conflict("hidden", f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         return self
 
     def model_size(self) -> planner.ModelSize:
@@ -415,7 +436,7 @@ class PlanOut(BaseModel):
         )
 
 
-class QuotaIn(BaseModel):
+class QuotaIn(JsonTyped):
     """A tenant's quotas; a null (or absent) one is unlimited."""
 
     model_config = ConfigDict(extra="forbid")
@@ -458,7 +479,7 @@ class PrincipalOut(BaseModel):
     token_id: int | None
 
 
-class TokenIn(BaseModel):
+class TokenIn(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
     tenant: str = Field(pattern=tenants.NAME_PATTERN, max_length=64, description="Created without quotas when missing.")

@@ -43,6 +43,10 @@ class Forbidden(RingmasterError):
     """Valid credentials that may not do this (HTTP 403): a tenant's token on an admin route."""
 
 
+class OwnTokenRevocation(RingmasterError):
+    """A request asked to revoke the very token it carries."""
+
+
 class TokenNotFound(RingmasterError):
     def __init__(self, token_id: int) -> None:
         super().__init__(f"no API token with id {token_id}")
@@ -96,11 +100,15 @@ def list_tokens(session: Session, tenant: str | None = None) -> list[ApiToken]:
     return list(session.scalars(query))
 
 
-def revoke_token(session: Session, token_id: int) -> ApiToken:
-    """Revoke at once (the next request with it is refused); revoking again keeps the first time."""
+def revoke_token(session: Session, token_id: int, by: Principal | None = None) -> ApiToken:
+    """Revoke at once (the next request with it is refused); revoking again keeps the first time. A request may not
+    revoke the token it was made with (by): its holder, perhaps the last admin, would be locked out."""
     row = session.get(ApiToken, token_id, with_for_update=True) if 0 < token_id < 2**31 else None
     if row is None:
         raise TokenNotFound(token_id)
+    if by is not None and by.token_id == token_id:
+        raise OwnTokenRevocation(f"token {token_id} is the one this request was made with: revoke it with another admin's "
+                                 "token (or `ringmaster token revoke` on the database)")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.flush()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DataParallel = Literal["ddp", "fsdp", "replicate"]
+MAX_INT64 = 2**63 - 1  # the largest integer a request may carry (what a BIGINT and SQLite's INTEGER hold)
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,77 @@ class BuiltinModel:
     # train on a token data source (JobSpec data kind tokens or hf_dataset) whose windows and ids fit them.
     seq_len_option: str | None = None
     vocab_option: str | None = None
+    # Size options whose smallest value is not 1.
+    size_minimums: dict[str, int] = field(default_factory=dict)
 
     def option(self, name: str, model_options: dict[str, object]) -> object:
         """A size option as the builder will see it: the job's value, else the builder's default."""
         return model_options.get(name, self.size_defaults[name])
 
+    def lowest(self, option: str) -> int:
+        """The smallest value a size option may take (planner.builtin_model_size enforces it)."""
+        return self.size_minimums.get(option, 1)
+
+    def options_schema(self) -> dict[str, object]:
+        """The JSON Schema of this model's model_options: its size options as bounded integers, its data options as
+        anything; no other name."""
+        sizes = {name: {"type": "integer", "minimum": self.lowest(name), "maximum": MAX_INT64} for name in self.size_defaults}
+        return {"type": "object", "properties": {**sizes, **{name: {} for name in self.data_options}},
+                "additionalProperties": False}
+
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in (
     BuiltinModel("mlp", "ringmaster.workers.models.mlp:build", "synthetic",
-                 {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2}, ("n_train", "n_val", "noise", "data_seed")),
+                 {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2}, ("n_train", "n_val", "noise", "data_seed"),
+                 size_minimums={"depth": 0}),
     BuiltinModel("tiny-gpt", "ringmaster.workers.models.tiny_gpt:build", "pysource",
                  {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}, ("max_corpus_bytes",),
-                 seq_len_option="seq_len", vocab_option="vocab"),
+                 seq_len_option="seq_len", vocab_option="vocab", size_minimums={"vocab": 256}),  # vocab: every byte
 )}
 HF_PREFIX = "hf:"  # model: hf:<transformers model class>, built from the config fields in model_options
 USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
+
+
+def builtin_options_rules(model_field: str = "model") -> list[dict[str, object]]:
+    """JSON Schema rules (for an object's allOf) tying model_options to the built-in named in model_field."""
+    return [{"if": {"properties": {model_field: {"const": name}}, "required": [model_field]},
+             "then": {"properties": {"model_options": model.options_schema()}}} for name, model in BUILTIN_MODELS.items()]
+
+
+def builtin_job_rules() -> list[dict[str, object]]:
+    """JSON Schema rules of a JobSpec on a built-in: its options, no model_parameters (it is sized from its options),
+    and only its own corpus or, for a model of token sequences, a data source (an object)."""
+    rules = builtin_options_rules()
+    for rule, model in zip(rules, BUILTIN_MODELS.values()):
+        data: list[dict[str, object]] = [{"type": "null"}, {"const": model.corpus}]
+        if model.seq_len_option is not None:
+            data.append({"type": "object"})
+        then = rule["then"]
+        assert isinstance(then, dict)
+        then["properties"] |= {"model_parameters": {"type": "null"}, "data": {"anyOf": data}}
+    return rules
+
+
+def strategy_rules() -> list[dict[str, object]]:
+    """JSON Schema rules of a JobSpec's parallel fields under each strategy: the degrees it must split (≥ 2), those it
+    may not (= 1), and whether parallel.shard may be 'hybrid'. ddp's rule also holds when strategy is absent (its default)."""
+    rules: list[dict[str, object]] = []
+    for name in STRATEGY_NAMES:
+        entry = STRATEGIES.get(name)  # None: auto, which splits nothing until the planner resolves it
+        splits, requires = (entry.splits, entry.requires) if entry else (frozenset(), frozenset())
+        degrees: dict[str, object] = {degree: {"minimum": 2} if degree in requires else {"const": 1}
+                                      for degree in ("tp", "pp") if degree in requires or degree not in splits}
+        parallel: dict[str, object] = {"properties": dict(degrees)}
+        if not (entry and entry.shards):
+            parallel["properties"] |= {"shard": {"not": {"const": "hybrid"}}}
+        if requires:
+            parallel["required"] = sorted(requires)
+        condition: dict[str, object] = {"properties": {"strategy": {"const": name}}}
+        if name != "ddp":
+            condition["required"] = ["strategy"]
+        then: dict[str, object] = {"properties": {"parallel": parallel}}
+        if requires:
+            then["required"] = ["parallel"]
+        rules.append({"if": condition, "then": then})
+    return rules
 CORPORA = tuple(sorted({model.corpus for model in BUILTIN_MODELS.values()}))

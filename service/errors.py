@@ -5,6 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 
+# The 422 error types of rules that no JSON Schema can state, so a request the OpenAPI schema allows may still break
+# them; each names its field. Every other rule of a request is in the schema.
+VALUE_CONFLICT = "value_conflict"  # a rule between fields: one divides another, needs another, excludes another
+DOES_NOT_FIT = "does_not_fit"  # the cluster's nodes or GPUs cannot hold the job
+QUOTA_EXCEEDED = "quota_exceeded"  # the tenant's quota cannot hold the job, even alone
+UNKNOWN_REFERENCE = "unknown_reference"  # a job, code archive or model class that does not exist here
+RULES_BEYOND_SCHEMA = (VALUE_CONFLICT, DOES_NOT_FIT, QUOTA_EXCEEDED, UNKNOWN_REFERENCE)
+
+
 class RingmasterError(Exception):
     """Base of the errors a caller is expected to handle."""
 
@@ -32,11 +41,12 @@ class LogsUnavailable(RingmasterError):
 
 
 class PlanError(RingmasterError):
-    """Planner input that cannot be planned (unknown model, bad size options); ``field`` names the input at fault."""
+    """Planner input that cannot be planned (unknown model, bad size options); ``field`` names the input at fault and
+    ``kind`` is the 422's error type (VALUE_CONFLICT for a rule between fields)."""
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str, kind: str = "value_error") -> None:
         super().__init__(message)
-        self.field = field
+        self.field, self.kind = field, kind
 
 
 class CodeTooLarge(RingmasterError):

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from ringmaster.service import planner
 from ringmaster.service.catalogue import BUILTIN_MODELS, STRATEGIES
-from ringmaster.service.errors import InvalidSpec, PlanError
+from ringmaster.service.errors import DOES_NOT_FIT, VALUE_CONFLICT, InvalidSpec, PlanError
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec, WorkersSpec
 
@@ -80,7 +80,7 @@ def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None
     workers = spec.workers
     if per_node == 0:
         field = "gpus_per_worker" if workers.gpus_per_worker else "cpus_per_worker"
-        raise InvalidSpec([_error("does_not_fit", ("workers", field),
+        raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", field),
                                   f"workers.{field} is more than one node has ({shape.describe(workers)}): no node can hold a worker")])
     tp = spec.parallel.tp
     if tp > 1 and per_node % tp:
@@ -88,7 +88,7 @@ def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None
         fitting = [t for t in range(2, per_node + 1) if per_node % t == 0 and all(w % (t * spec.parallel.pp) == 0 for w in worlds)]
         would_fit = f"tp that would fit: {', '.join(map(str, fitting))}" if fitting else (
             "no tp above 1 fits these workers; use strategy pipeline or fsdp, or workers that fill whole nodes")
-        raise InvalidSpec([_error("does_not_fit", ("parallel", "tp"),
+        raise InvalidSpec([_error(DOES_NOT_FIT, ("parallel", "tp"),
                                   f"parallel.tp ({tp}) must divide the workers per node ({per_node} = {shape.describe(workers)}) "
                                   f"so that each tensor-parallel group stays inside one node; {would_fit}")])
 
@@ -97,12 +97,12 @@ def job_model_size(spec: JobSpec) -> planner.ModelSize | None:
     """A built-in is sized from its model_options; a user model by model_parameters (None when not given)."""
     if spec.model in BUILTIN_MODELS:
         if spec.model_parameters is not None:
-            raise InvalidSpec([_error("value_error", ("model_parameters",),
+            raise InvalidSpec([_error(VALUE_CONFLICT, ("model_parameters",),
                                       f"built-in model {spec.model!r} is sized from model_options; leave model_parameters unset")])
         try:
             return planner.builtin_model_size(spec.model, spec.model_options)
         except PlanError as error:
-            raise InvalidSpec([_error("value_error", tuple((error.field or "model").split(".")), str(error))]) from error
+            raise InvalidSpec([_error(error.kind, tuple(error.field.split(".")), str(error))]) from error
     if spec.model_parameters is None:
         return None
     return planner.ModelSize(spec.model_parameters, None, f"{spec.model} ({spec.model_parameters:,} parameters)")
@@ -161,7 +161,7 @@ def _resolve_auto(spec: JobSpec, model: planner.ModelSize | None, cluster: plann
             reasons += [*skipped, f"so: {option.label}, {planner.format_bytes(option.memory)} per GPU"]
         return _resolved(resolved, option, tuple(reasons))
     detail = "; ".join([*plan.reasons, *skipped])
-    raise InvalidSpec([_error("does_not_fit", ("workers", "gpu_memory_gb"), f"strategy auto: {detail}")])
+    raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", "gpu_memory_gb"), f"strategy auto: {detail}")])
 
 
 def _resolved(spec: JobSpec, option: planner.Option | None, reasons: tuple[str, ...]) -> PlannedSpec:
@@ -199,7 +199,7 @@ def _does_not_fit(spec: JobSpec, model: planner.ModelSize, cluster: planner.Clus
         would_fit = f"would fit at {cluster.world_size} workers: {'; '.join(alternatives)}"
     else:
         would_fit = f"nothing fits at {cluster.world_size} workers; " + "; ".join(planner.more_hardware_hints(model, cluster, workload))
-    return InvalidSpec([_error("does_not_fit", ("workers", "gpu_memory_gb"), f"{needs}; {would_fit}")])
+    return InvalidSpec([_error(DOES_NOT_FIT, ("workers", "gpu_memory_gb"), f"{needs}; {would_fit}")])
 
 
 def _needs(option: planner.Option, cluster: planner.Cluster) -> str:

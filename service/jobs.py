@@ -18,7 +18,7 @@ from sqlalchemy import ColumnElement, Select, func, insert, or_, select
 from sqlalchemy.orm import Session, make_transient_to_detached
 
 from ringmaster.service.auth import SYSTEM, Principal
-from ringmaster.service.errors import CodeNotFound, InvalidSpec, JobConflict, JobNotFound
+from ringmaster.service.errors import UNKNOWN_REFERENCE, CodeNotFound, InvalidSpec, JobConflict, JobNotFound
 from ringmaster.service import code_store, telemetry, tenants
 from ringmaster.service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from ringmaster.service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
@@ -108,10 +108,10 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
         try:
             get_job(session, spec.resume_from, principal.scope)
         except JobNotFound:
-            raise InvalidSpec([{"type": "value_error", "loc": ["resume_from"],
+            raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["resume_from"],
                                 "msg": f"resume_from: no job with id {spec.resume_from[:64]!r}", "input": spec.resume_from}]) from None
     if spec.code is not None and not code_store.has_archive(session, principal.tenant, spec.code):
-        raise InvalidSpec([{"type": "value_error", "loc": ["code"], "msg": str(CodeNotFound(spec.code, principal.tenant)),
+        raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["code"], "msg": str(CodeNotFound(spec.code, principal.tenant)),
                             "input": spec.code}])
     rejections = tenants.submit_rejections(spec, tenants.get_tenant(session, principal.tenant))
     if rejections:

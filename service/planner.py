@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import Any
 
 from ringmaster.service.catalogue import BUILTIN_MODELS, STRATEGIES
-from ringmaster.service.errors import PlanError
+from ringmaster.service.errors import VALUE_CONFLICT, PlanError
 
 GB = 10**9
 
@@ -110,7 +110,8 @@ def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
     """A built-in's size from its model_options, so a job on a built-in never has to state it."""
     if name not in BUILTIN_MODELS:
         raise PlanError(f"model must be a built-in ({', '.join(BUILTIN_MODELS)}), got {name!r}", field="model")
-    defaults, data_options = BUILTIN_MODELS[name].size_defaults, BUILTIN_MODELS[name].data_options
+    builtin = BUILTIN_MODELS[name]
+    defaults, data_options = builtin.size_defaults, builtin.data_options
     unknown = sorted(set(options) - set(defaults) - set(data_options))
     if unknown:
         accepted = ", ".join([*defaults, *data_options])
@@ -118,16 +119,15 @@ def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
     size: dict[str, int] = {}
     for key, default in defaults.items():
         value = options.get(key, default)
-        lowest = 0 if key == "depth" else 1
+        lowest = builtin.lowest(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
             raise PlanError(f"{name} option {key} must be an integer ≥ {lowest}, got {value!r}", field=f"model_options.{key}")
         size[key] = value
     if name == "mlp":
         return ModelSize(mlp_parameters(**size), None, f"mlp({_options_text(size)})")
     if size["dim"] % size["n_heads"]:
-        raise PlanError(f"tiny-gpt: dim ({size['dim']}) must be divisible by n_heads ({size['n_heads']})", field="model_options.dim")
-    if size["vocab"] < 256:
-        raise PlanError(f"tiny-gpt: vocab must be at least 256 to hold every byte, got {size['vocab']}", field="model_options.vocab")
+        raise PlanError(f"tiny-gpt: dim ({size['dim']}) must be divisible by n_heads ({size['n_heads']})", field="model_options.dim",
+                        kind=VALUE_CONFLICT)
     shape = TransformerShape(layers=size["n_layers"], hidden=size["dim"], heads=size["n_heads"], seq_len=size["seq_len"])
     return ModelSize(tiny_gpt_parameters(**size), shape, f"tiny-gpt({_options_text(size)})")
 
@@ -475,7 +475,7 @@ def more_hardware_hints(model: ModelSize, cluster: Cluster, workload: Workload) 
     activations = (activation_memory(model.shape, workload, Layout()) if model.shape else None) or 0.0
     state = model.parameters * workload.precision.bytes_per_parameter
     room = (cluster.gpu_memory or 0.0) - activations
-    if room > 0:
+    if room > 0 and math.isfinite(state / room):
         gpus = max(1, math.ceil(state / room))
         hints.append(f"fsdp zero3 over {gpus} GPUs fits ({format_bytes(state / gpus + activations)} per GPU)")
     else:

@@ -6,12 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ringmaster.service.json_types import JsonTyped
+
 REPORT_TOKEN_ENV = "RINGMASTER_REPORT_TOKEN"
 JOB_SPEC_ENV = "RINGMASTER_JOB_SPEC"  # the attempt's JobSpec (JSON), in the driver's environment, off its command line
 """Carries an attempt's report secret to its job driver, which sends it as a bearer token with every report."""
 
 
-class MetricPoint(BaseModel):
+class MetricPoint(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
     step: int = Field(ge=0)
@@ -29,7 +31,7 @@ class MetricPoint(BaseModel):
                     "its checkpoint kept, which the attempt that wrote it may not have reported before it failed.")
 
 
-class CheckpointRecord(BaseModel):
+class CheckpointRecord(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
     step: int = Field(ge=0)
@@ -44,7 +46,7 @@ class CheckpointRecord(BaseModel):
     save_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds from the save's start to its commit.")
 
 
-class RankMemory(BaseModel):
+class RankMemory(JsonTyped):
     """Bytes of training state one rank holds, measured from its tensors after the first optimizer step."""
 
     model_config = ConfigDict(extra="forbid")
@@ -59,7 +61,7 @@ class RankMemory(BaseModel):
     pp: int = Field(default=1, ge=1)
 
 
-class DriverReport(BaseModel):
+class DriverReport(JsonTyped):
     """One batch from the driver. ``state`` moves the job; metrics and checkpoints are upserted."""
 
     model_config = ConfigDict(extra="forbid")

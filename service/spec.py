@@ -13,25 +13,42 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from ringmaster.service.catalogue import BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA, BuiltinModel
+from ringmaster.service.catalogue import (BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA, BuiltinModel,
+                                         builtin_job_rules, strategy_rules)
+from ringmaster.service.errors import UNKNOWN_REFERENCE, VALUE_CONFLICT
 from ringmaster.service.hf_models import UnknownHFModel, hf_model_facts
+from ringmaster.service.json_types import JsonTyped
 
-_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
-_HF_MODEL = re.compile(rf"^{HF_PREFIX}[A-Za-z_]\w*$")
+# Each pattern is matched whole (fullmatch) and written in the subset of regex that Python and JSON Schema (ECMA-262)
+# read alike, ASCII classes only: the OpenAPI schema states these very patterns.
+_IDENTIFIER = "[A-Za-z_][A-Za-z0-9_]*"
+_ENTRYPOINT = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}$")
+_HF_MODEL = re.compile(rf"^{HF_PREFIX}{_IDENTIFIER}$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
+_CLASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 CODE_REF = re.compile(r"^sha256:[0-9a-f]{64}$")
 SHARED_POOL = "shared"  # the warm pool of jobs that bring no runtime env of their own
-_ENV_VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_VAR_NAME = re.compile(rf"^{_IDENTIFIER}$")
 RESERVED_ENV_PREFIX = "RINGMASTER_"  # the control plane's own variables (the driver's report secret among them)
 MAX_REQUIREMENTS = 100
 MAX_REQUIREMENT_CHARS = 1000
 MAX_ENV_VARS = 100
 MAX_ENV_NAME_CHARS = 128
 MAX_ENV_VALUE_CHARS = 32 * 1024
+# Names starting RESERVED_ENV_PREFIX in any case, as a pattern both regex dialects read alike (no inline flags).
+_RESERVED_ENV_PATTERN = "^" + "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in RESERVED_ENV_PREFIX)
+PEP508_FORMAT = "pep508"  # the OpenAPI format of a pip requirement: what packaging.requirements.Requirement parses
 
 
-class _Strict(BaseModel):
+def conflict(field: str, message: str) -> PydanticCustomError:
+    """A rule between fields, which no JSON Schema states: ``field`` (dotted, from the model being validated) is the one
+    the 422 names, the one to change."""
+    return PydanticCustomError(VALUE_CONFLICT, "{message}", {"message": message, "field": field})
+
+
+class _Strict(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -40,14 +57,14 @@ class WorkersSpec(_Strict):
     max: int = Field(default=1, ge=1, le=1024, description="Most workers the job may run with.")
     gpus_per_worker: int = Field(default=0, ge=0, le=16, description="GPUs per worker actor; 0 trains on CPU with gloo.")
     cpus_per_worker: float = Field(default=1, gt=0, le=256, description="CPUs per worker actor; also its torch thread count.")
-    gpu_memory_gb: float | None = Field(default=None, gt=0, le=4096, description="Memory of each GPU, for the planner's fit check at submit.")
+    gpu_memory_gb: float | None = Field(default=None, ge=0.001, le=4096, description="Memory of each GPU, for the planner's fit check at submit.")
     standby: int = Field(default=0, ge=0, le=64, description="Warm standby workers kept on capacity left idle, outside the "
                          "group: a lost worker is replaced by one at once instead of by a newly started process.")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "WorkersSpec":
         if self.min > self.max:
-            raise ValueError(f"workers.min ({self.min}) must not exceed workers.max ({self.max})")
+            raise conflict("min", f"workers.min ({self.min}) must not exceed workers.max ({self.max})")
         return self
 
 
@@ -61,7 +78,8 @@ class LRScheduleSpec(_Strict):
 
 class OptimizerSpec(_Strict):
     name: Literal["adamw", "sgd"] = "adamw"
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="adamw: the moments' decay rates, each in [0, 1).")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="adamw: the moments' decay rates, each in [0, 1).",
+                                       json_schema_extra={"prefixItems": [{"type": "number", "minimum": 0, "exclusiveMaximum": 1}] * 2})
     eps: float = Field(default=1e-8, gt=0, le=1, description="adamw: added to the denominator.")
     weight_decay: float | None = Field(default=None, ge=0, le=10, description="Decoupled (adamw) or L2 (sgd) weight decay; "
                                        "unset: train.weight_decay.")
@@ -114,13 +132,14 @@ class ParallelSpec(_Strict):
     blocks: list[str] | None = Field(default=None, min_length=1, max_length=16, description="Class names of the model's "
                                      "repeated blocks (the units of FSDP, activation checkpointing, compile and pipeline "
                                      "splits); unset: a Hugging Face model's _no_split_modules, else the largest list of "
-                                     "same-class modules at any depth.")
+                                     "same-class modules at any depth.",
+                                     json_schema_extra={"items": {"type": "string", "pattern": _CLASS_NAME.pattern}})
 
     @field_validator("blocks")
     @classmethod
     def _class_names(cls, value: list[str] | None) -> list[str] | None:
         for name in value or ():
-            if not re.fullmatch(r"[A-Za-z_]\w{0,127}", name):
+            if not _CLASS_NAME.fullmatch(name):
                 raise ValueError(f"each entry must be a Python class name, got {name!r}")
         return value
 
@@ -141,7 +160,7 @@ class CheckpointSpec(_Strict):
     @model_validator(mode="after")
     def _best_needs_periodic_checkpoints(self) -> "CheckpointSpec":
         if self.keep_best is not None and self.every_steps == 0:
-            raise ValueError("checkpoint.keep_best needs periodic checkpoints to choose from: set checkpoint.every_steps > 0")
+            raise conflict("keep_best", "checkpoint.keep_best needs periodic checkpoints to choose from: set checkpoint.every_steps > 0")
         return self
 
 
@@ -166,7 +185,7 @@ class _DataSourceSpec(_Strict):
     @model_validator(mode="after")
     def _one_validation_split(self) -> "_DataSourceSpec":
         if getattr(self, self._separate_validation) is not None and self.val_fraction:
-            raise ValueError(f"give data.{self._separate_validation} or data.val_fraction for the validation set, not both")
+            raise conflict("val_fraction", f"give data.{self._separate_validation} or data.val_fraction for the validation set, not both")
         return self
 
 
@@ -214,7 +233,7 @@ def _data_form(value: Any) -> str | None:
 
 
 _DataField = Annotated[
-    Annotated[str, Tag("corpus")] | Annotated[TokensData, Tag("tokens")] | Annotated[HFDatasetData, Tag("hf_dataset")],
+    Annotated[Literal[(USER_DATA, *CORPORA)], Tag("corpus")] | Annotated[TokensData, Tag("tokens")] | Annotated[HFDatasetData, Tag("hf_dataset")],
     Discriminator(_data_form, custom_error_type="data_form", custom_error_message=(
         f"data must be a built-in corpus ({', '.join(map(repr, CORPORA))}), 'user', or a mapping whose kind is "
         "'tokens' or 'hf_dataset'")),
@@ -225,9 +244,14 @@ class RuntimeEnvSpec(_Strict):
     """What the job's Ray runtime env adds: pip requirements installed for the job alone, and environment variables."""
 
     pip: list[str] = Field(default_factory=list, max_length=MAX_REQUIREMENTS, description="Requirement strings "
-                           "(PEP 508: 'name==1.2', 'name @ file:///path/to.whl'), installed by Ray for this job's processes.")
+                           "(PEP 508: 'name==1.2', 'name @ file:///path/to.whl'), installed by Ray for this job's processes.",
+                           json_schema_extra={"items": {"type": "string", "format": PEP508_FORMAT, "maxLength": MAX_REQUIREMENT_CHARS}})
     env_vars: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_VARS, description="Environment variables "
-                                     f"of the job's driver and workers; names starting {RESERVED_ENV_PREFIX} are ringmaster's own.")
+                                     f"of the job's driver and workers; names starting {RESERVED_ENV_PREFIX} are ringmaster's own.",
+                                     json_schema_extra={
+                                         "propertyNames": {"pattern": _ENV_VAR_NAME.pattern, "maxLength": MAX_ENV_NAME_CHARS,
+                                                           "not": {"pattern": _RESERVED_ENV_PATTERN}},
+                                         "additionalProperties": {"type": "string", "maxLength": MAX_ENV_VALUE_CHARS}})
 
     @field_validator("pip")
     @classmethod
@@ -246,7 +270,7 @@ class RuntimeEnvSpec(_Strict):
     @classmethod
     def _env_vars_bounded(cls, value: dict[str, str]) -> dict[str, str]:
         for name, text in value.items():
-            if len(name) > MAX_ENV_NAME_CHARS or not _ENV_VAR_NAME.match(name):
+            if len(name) > MAX_ENV_NAME_CHARS or not _ENV_VAR_NAME.fullmatch(name):
                 raise ValueError(f"env_vars: {name[:MAX_ENV_NAME_CHARS]!r} is not a variable name (letters, digits and '_', "
                                  f"not starting with a digit, at most {MAX_ENV_NAME_CHARS} characters)")
             if name.upper().startswith(RESERVED_ENV_PREFIX):
@@ -257,9 +281,15 @@ class RuntimeEnvSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.")
+    # The rules between fields that JSON Schema can state; the others are 422s of type VALUE_CONFLICT.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [*builtin_job_rules(), *strategy_rules()]})
+
+    name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.", json_schema_extra={"pattern": _NAME.pattern})
     model: str = Field(description="Built-in model name, 'package.module:function' for user code, or "
-                       "'hf:<transformers model class>' built from its config's fields in model_options.")
+                       "'hf:<transformers model class>' built from its config's fields in model_options (a class the "
+                       f"server's transformers lacks is a 422 of type {UNKNOWN_REFERENCE}).",
+                       json_schema_extra={"anyOf": [{"enum": list(BUILTIN_MODELS)}, {"pattern": _ENTRYPOINT.pattern},
+                                                    {"pattern": _HF_MODEL.pattern}]})
     data: _DataField | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic'), "
                                               "'user', or a data source ({kind: tokens | hf_dataset, …}); default follows the model.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
@@ -275,14 +305,15 @@ class JobSpec(_Strict):
     resume_from: str | None = Field(default=None, description="Id of another job: this job starts from that job's newest usable "
                                     "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.")
     code: str | None = Field(default=None, description="The job's own code: 'sha256:<hex>' of an archive uploaded with "
-                             "POST /v1/code (`ringmaster submit --code DIR`); the job's processes run in it and import from it.")
+                             "POST /v1/code (`ringmaster submit --code DIR`); the job's processes run in it and import from it.",
+                             json_schema_extra={"anyOf": [{"type": "string", "pattern": CODE_REF.pattern}, {"type": "null"}]})
     runtime_env: RuntimeEnvSpec | None = Field(default=None, description="pip requirements and environment variables of the "
                                                "job's own Ray runtime env.")
 
     @field_validator("code")
     @classmethod
     def _code_ref_shape(cls, value: str | None) -> str | None:
-        if value is not None and not CODE_REF.match(value):
+        if value is not None and not CODE_REF.fullmatch(value):
             raise ValueError(f"must be 'sha256:' and 64 lower-case hex digits (what POST /v1/code answers), got {value[:80]!r}")
         return value
 
@@ -304,21 +335,21 @@ class JobSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name_shape(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not _NAME.fullmatch(value):
             raise ValueError("must be 1-64 characters of a-z, 0-9, '.', '_' or '-', starting and ending with a letter or digit")
         return value
 
     @field_validator("model")
     @classmethod
     def _model_known(cls, value: str) -> str:
-        if value not in BUILTIN_MODELS and not _ENTRYPOINT.match(value) and not _HF_MODEL.match(value):
+        if value not in BUILTIN_MODELS and not _ENTRYPOINT.fullmatch(value) and not _HF_MODEL.fullmatch(value):
             raise ValueError(f"must be one of {', '.join(BUILTIN_MODELS)}, 'package.module:function' or "
                              f"'{HF_PREFIX}<ModelClass>', got {value!r}")
-        if _HF_MODEL.match(value):
+        if _HF_MODEL.fullmatch(value):
             try:
                 hf_model_facts(value.removeprefix(HF_PREFIX))
             except UnknownHFModel as error:
-                raise ValueError(str(error)) from None
+                raise PydanticCustomError(UNKNOWN_REFERENCE, "{message}", {"message": str(error)}) from None
         return value
 
     @model_validator(mode="after")
@@ -328,10 +359,7 @@ class JobSpec(_Strict):
             self.data = builtin.corpus if builtin else USER_DATA
         if isinstance(self.data, str):
             if builtin and self.data != builtin.corpus:
-                raise ValueError(f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, got {self.data!r}")
-            if not builtin and self.data not in (USER_DATA, *CORPORA):
-                raise ValueError(f"data: must be 'user' (from the entrypoint), one of {list(CORPORA)} or a data source "
-                                 f"(kind tokens or hf_dataset), got {self.data!r}")
+                raise conflict("data", f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, got {self.data!r}")
         else:
             self._check_data_source(builtin)
         self._check_parallel_fields()
@@ -339,26 +367,26 @@ class JobSpec(_Strict):
             model_class = self.model.removeprefix(HF_PREFIX)
             facts = hf_model_facts(model_class)
             if not facts.has_tp_plan:
-                raise ValueError(f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
+                raise conflict("parallel.tp", f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
                                  f"({facts.config_class or 'its config'} has no base_model_tp_plan); give the job a model "
                                  "function of your own that returns a ModelBundle with a tensor_parallel hook")
         train = self.train
         for world in range(self.workers.min, self.workers.max + 1):
             model_parallel = self.parallel.tp * self.parallel.pp
             if world % model_parallel:
-                raise ValueError(
-                    f"workers: every world size in [{self.workers.min}, {self.workers.max}] must be a multiple of "
+                raise conflict(
+                    "workers.max", f"workers: every world size in [{self.workers.min}, {self.workers.max}] must be a multiple of "
                     f"parallel.tp × parallel.pp ({self.parallel.tp} × {self.parallel.pp} = {model_parallel}); {world} is not"
                 )
             per_step = self.samples_per_micro_step(world)
             if train.global_batch_size % per_step:
-                raise ValueError(
-                    f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+                raise conflict(
+                    "train.global_batch_size", f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
                     f"{self._micro_step_formula(world)} = {per_step}) "
                     f"for every world size in workers [{self.workers.min}, {self.workers.max}]"
                 )
         if train.warmup_steps > train.steps:
-            raise ValueError(f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})")
+            raise conflict("train.warmup_steps", f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})")
         return self
 
     def _check_data_source(self, builtin: BuiltinModel | None) -> None:
@@ -367,24 +395,24 @@ class JobSpec(_Strict):
         assert not isinstance(data, str) and data is not None
         if builtin is not None:
             if builtin.seq_len_option is None:
-                raise ValueError(f"data: model {self.model!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
+                raise conflict("data", f"data: model {self.model!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
                                  f"needs a model of token sequences")
             model_seq_len = builtin.option(builtin.seq_len_option, self.model_options)
             if data.seq_len is None:
                 data.seq_len = model_seq_len
             elif isinstance(model_seq_len, int) and data.seq_len > model_seq_len:
-                raise ValueError(f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
+                raise conflict("data.seq_len", f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
                                  f"model_options.{builtin.seq_len_option} ({model_seq_len})")
         elif data.seq_len is None:
-            raise ValueError(f"data.seq_len must be set: model {self.model!r} is a user model, whose context length "
+            raise conflict("data.seq_len", f"data.seq_len must be set: model {self.model!r} is a user model, whose context length "
                              f"ringmaster cannot know")
         if not data.has_validation:
             separate = "data.val_path" if data.kind == "tokens" else "data.val_split"
             keep_best = self.checkpoint.keep_best
             if self.train.eval_every_steps:
-                raise ValueError(f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}")
+                raise conflict("train.eval_every_steps", f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}")
             if keep_best is not None and keep_best.metric == "val_loss":
-                raise ValueError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}")
+                raise conflict("checkpoint.keep_best.metric", f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}")
 
     def _check_parallel_fields(self) -> None:
         parallel, strategy = self.parallel, self.strategy
@@ -393,18 +421,18 @@ class JobSpec(_Strict):
         degrees = {"tp": parallel.tp, "pp": parallel.pp}
         if not splits and (parallel.tp, parallel.pp) != (1, 1):
             splitting = [name for name, other in STRATEGIES.items() if other.splits]
-            raise ValueError(f"parallel.tp and parallel.pp apply to strategies {', '.join(splitting[:-1])} and "
+            raise conflict("parallel.tp" if parallel.tp != 1 else "parallel.pp", f"parallel.tp and parallel.pp apply to strategies {', '.join(splitting[:-1])} and "
                              f"{splitting[-1]}, not {strategy!r}")
         if entry and entry.requires:
             needs = [f"parallel.{name} >= 2" for name in sorted(entry.requires)]
             needs += [f"parallel.{name} = 1" for name in degrees if name not in splits]
             if any(degrees[name] < 2 for name in entry.requires) or any(degrees[name] != 1 for name in degrees if name not in splits):
-                raise ValueError(f"strategy {strategy!r} needs {' and '.join(needs)}")
+                raise conflict("strategy", f"strategy {strategy!r} needs {' and '.join(needs)}")
         if parallel.shard == "hybrid" and not (entry and entry.shards):
             sharding = [name for name, other in STRATEGIES.items() if other.shards]
-            raise ValueError(f"parallel.shard 'hybrid' applies to strategies {' and '.join(sharding)}, not {strategy!r}")
+            raise conflict("parallel.shard", f"parallel.shard 'hybrid' applies to strategies {' and '.join(sharding)}, not {strategy!r}")
         if parallel.schedule == "interleaved1f1b" and parallel.pp > 1 and parallel.microbatches % parallel.pp:
-            raise ValueError(f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b")
+            raise conflict("parallel.microbatches", f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b")
 
     def data_parallel_size(self, world_size: int) -> int:
         """Replicas of the model: what is left of the world after tensor and pipeline splits."""

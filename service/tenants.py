@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
-from ringmaster.service.errors import RingmasterError
+from ringmaster.service.errors import QUOTA_EXCEEDED, RingmasterError
 from ringmaster.service.models import Attempt, Job, Tenant
 from ringmaster.service.spec import JobSpec
 from ringmaster.service.states import ACTIVE
@@ -31,7 +31,11 @@ class TenantNotFound(RingmasterError):
 
 
 class InvalidTenant(RingmasterError):
-    """A tenant name or quota that cannot be stored."""
+    """A tenant name or quota that cannot be stored; ``field`` names it (name, gpus, cpus, jobs)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -75,16 +79,17 @@ def footprint(gpus_per_worker: int, cpus_per_worker: float, workers: int) -> Usa
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidTenant(f"tenant name {name!r}: must be 1-64 characters of a-z, 0-9, '.', '_' or '-', "
-                            "starting and ending with a letter or digit")
+                            "starting and ending with a letter or digit", field="name")
     return name
 
 
 def check_quota(quota: Quota) -> Quota:
     for resource, value in (("gpus", quota.gpus), ("cpus", quota.cpus), ("jobs", quota.jobs)):
         if value is not None and not 0 <= value <= 1_000_000:
-            raise InvalidTenant(f"quota {resource} must be between 0 and 1000000 (or unset for unlimited), got {value}")
+            raise InvalidTenant(f"quota {resource} must be between 0 and 1000000 (or unset for unlimited), got {value}",
+                                field=resource)
     return quota
 
 
@@ -156,14 +161,14 @@ def submit_rejections(spec: JobSpec, tenant: Tenant) -> list[dict[str, Any]]:
     counted = f"workers.min ({workers.min})" + (f" + workers.standby ({workers.standby})" if workers.standby else "")
     errors: list[dict[str, Any]] = []
     if quota.jobs == 0:
-        errors.append({"type": "quota_exceeded", "loc": ["workers"],
+        errors.append({"type": QUOTA_EXCEEDED, "loc": ["workers"],
                        "msg": f"tenant {tenant.name!r} has a quota of 0 concurrent jobs: it cannot run any job"})
     if quota.gpus is not None and smallest.gpus > quota.gpus:
-        errors.append({"type": "quota_exceeded", "loc": ["workers", "min"], "input": workers.min,
+        errors.append({"type": QUOTA_EXCEEDED, "loc": ["workers", "min"], "input": workers.min,
                        "msg": f"{counted} × workers.gpus_per_worker ({workers.gpus_per_worker}) = "
                               f"{smallest.gpus} GPUs exceeds tenant {tenant.name!r}'s GPU quota of {quota.gpus}"})
     if quota.cpus is not None and smallest.cpus > quota.cpus + _CPU_EPSILON:
-        errors.append({"type": "quota_exceeded", "loc": ["workers", "min"], "input": workers.min,
+        errors.append({"type": QUOTA_EXCEEDED, "loc": ["workers", "min"], "input": workers.min,
                        "msg": f"{counted} × workers.cpus_per_worker ({workers.cpus_per_worker:g}) = "
                               f"{smallest.cpus:g} CPUs exceeds tenant {tenant.name!r}'s CPU quota of {quota.cpus:g}"})
     return errors

@@ -71,16 +71,17 @@ def test_plan_a_builtin_from_its_options_with_activations(client: TestClient) ->
 @pytest.mark.parametrize(
     ("body", "field", "needle"),
     [
-        ({"parameters": 10**9, "model": "tiny-gpt"}, None, "either parameters"),
-        ({}, None, "either parameters"),
+        ({"parameters": 10**9, "model": "tiny-gpt"}, "parameters", "either parameters"),
+        ({}, "model", "either parameters"),
         ({"model": "resnet"}, "model", "must be a built-in"),
         ({"model": "tiny-gpt", "model_options": {"n_layer": 3}}, "model_options.n_layer", "has no option 'n_layer'"),
-        ({"parameters": 10**9, "layers": 4}, None, "together"),
+        ({"parameters": 10**9, "layers": 4}, "hidden", "together"),
         ({"parameters": 10**9, "precision": "fp8"}, "precision", "Input should be"),
         ({"parameters": 0}, "parameters", "greater than or equal to 1"),
+        ({"model": "mlp", "gpu_memory_gb": 5e-324}, "gpu_memory_gb", "greater than or equal to 0.001"),  # once a 500
     ],
 )
-def test_bad_plan_request_is_422_naming_the_field(client: TestClient, body: dict[str, Any], field: str | None, needle: str) -> None:
+def test_bad_plan_request_is_422_naming_the_field(client: TestClient, body: dict[str, Any], field: str, needle: str) -> None:
     response = client.post("/v1/plan", json={"gpu_memory_gb": 80, **body})
     assert response.status_code == 422, response.text
     [error] = response.json()["detail"]

@@ -1,91 +1,118 @@
-"""Property-based: every operation of the OpenAPI schema, fed generated input with an admin's token, never answers
-5xx and always answers as the schema says (status code, content type, headers, body), on both databases."""
+"""Property-based, with schemathesis's own runner (its CLI, as a user would run it): every operation of the OpenAPI
+schema, fed generated input in every phase (examples, coverage, fuzzing, stateful), held to every check, with an
+admin's token and with a tenant's, on both databases.
+
+One check is read more strictly than schemathesis's own positive_data_acceptance (tests/schemathesis_hooks.py): a
+request the schema allows is accepted, or refused only for a rule no JSON Schema can state, and the refusal names
+its field. A refused negative request may also be a 413 (a body over the size limit is refused before it is read).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.python import asgi
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    ignored_auth,
-    response_headers_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
+import uvicorn
+from fastapi import FastAPI
 
-from ringmaster.api.app import create_app
 from api_tokens import mint
-from ringmaster.service.auth import new_report_token
+from harness.ports import free_port
+from ringmaster.api.app import create_app
+from ringmaster.service.auth import Principal, new_report_token
 from ringmaster.service.db import session_scope
 from ringmaster.service.jobs import cancel_job, get_job, mark_admitted, submit_job
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
 
-EXAMPLES_PER_OPERATION = 30
-# POST /v1/code takes a zip's bytes: sent as they are, as schemathesis sends application/octet-stream.
-schemathesis.serializer.alias("application/zip", "application/octet-stream")
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance, ignored_auth]
+TESTS = Path(__file__).parent
+EXAMPLES_PER_OPERATION = 15
+MIN_REQUESTS = 1000  # a run that generated fewer did not test the API
+CONFIG = """
+[checks.negative_data_rejection]
+expected-statuses = [400, 401, 403, 404, 405, 406, 409, 413, 415, 422, 428, 429]
+
+[parameters]
+"path.job_id" = "{job_id}"
+"""
 
 
-class Seeded:
-    """An admin token, and jobs the generated cases are pointed at now and then: queued, admitted, cancelled."""
-
-    token = ""
-    job_ids: list[str] = []
-    finished = ""  # a stream ends only with its job: streams are pointed at this one
+@dataclass
+class LiveApi:
+    url: str
+    app: FastAPI
 
 
 @pytest.fixture
-def api_schema(db_url: str, tmp_path: Path) -> Iterator[schemathesis.BaseSchema]:
+def live_api(db_url: str, tmp_path: Path) -> Iterator[LiveApi]:
     app = create_app(Settings(database_url=db_url, data_dir=tmp_path))
     app.state.stream_poll_s = 0.01
     app.state.logs_provider = lambda submission_id: f"log of {submission_id}\n"
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)  # starts the app's lifespan: the schema is current
-    Seeded.token = mint(app, "fuzz", admin=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
+        time.sleep(0.05)
+    try:
+        yield LiveApi(f"http://127.0.0.1:{port}", app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _seed_jobs(app: FastAPI, principal: Principal) -> str:
+    """A queued, an admitted and a cancelled job of the principal's tenant; the cancelled one's id, which the run's
+    job routes are pointed at (a stream ends only with its job)."""
     spec = JobSpec.model_validate({"name": "seeded", "model": "mlp"})
     with session_scope(app.state.db.sessions) as session:
-        queued, admitted, cancelled = submit_job(session, spec), submit_job(session, spec), submit_job(session, spec)
+        submit_job(session, spec, principal=principal)
+        admitted, cancelled = submit_job(session, spec, principal=principal), submit_job(session, spec, principal=principal)
         mark_admitted(session, get_job(session, admitted.id), 1, f"ringmaster-{admitted.id}-1", None, 1,
                       report_token_hash=new_report_token()[1])
         cancel_job(session, cancelled.id)
-        Seeded.job_ids, Seeded.finished = [queued.id, admitted.id, cancelled.id], cancelled.id
-    yield schema
-    asgi.shutdown_lifespans()
+        return cancelled.id
 
 
-def test_no_input_makes_a_5xx_or_breaks_the_schema(api_schema: schemathesis.BaseSchema) -> None:
-    """Every operation in turn on one database (one schema upgrade); all failing operations are reported together."""
-    failures: dict[str, BaseException] = {}
-    operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) >= 15
-    for operation in operations:
-        try:
-            _fuzz(operation)
-        except Exception as error:  # noqa: BLE001 — collected: one broken operation must not hide another
-            failures[operation.label] = error
-    assert not failures, "\n\n".join(f"{label}:\n{error}" for label, error in failures.items())
+def _start_run(api: LiveApi, tenant: str, admin: bool, folder: Path) -> subprocess.Popen[str]:
+    """Schemathesis's CLI against the API with a new token of the tenant, in the background."""
+    folder.mkdir()
+    token = mint(api.app, tenant, admin=admin)
+    config = folder / "schemathesis.toml"
+    config.write_text(CONFIG.format(job_id=_seed_jobs(api.app, Principal(tenant, admin=admin))))
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "--no-color", "run",
+         f"{api.url}/openapi.json", "--header", f"Authorization: Bearer {token}",
+         "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+         "--max-examples", str(EXAMPLES_PER_OPERATION), "--seed", "1", "--request-timeout", "20", "--workers", "1"],
+        cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _fuzz(operation: schemathesis.APIOperation) -> None:
-    generated = st.one_of(operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE))
-    streaming = operation.path.endswith("/stream")
-
-    @given(case=generated)
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    def call(case: schemathesis.Case) -> None:
-        job_id = case.path_parameters.get("job_id") if case.path_parameters else None
-        if isinstance(job_id, str) and len(job_id) % 2:  # half the time, a job that exists
-            case.path_parameters["job_id"] = Seeded.finished if streaming else Seeded.job_ids[len(job_id) % len(Seeded.job_ids)]
-        case.call_and_validate(headers={"Authorization": f"Bearer {Seeded.token}"}, checks=CHECKS)
-
-    call()
+def test_every_check_holds_on_every_operation_for_an_admin_and_a_tenant(live_api: LiveApi, tmp_path: Path) -> None:
+    """The two runs go side by side against one server (as two clients would); each reports on its own."""
+    runs = {"admin": _start_run(live_api, "fuzz-admin", True, tmp_path / "admin"),
+            "tenant": _start_run(live_api, "team-a", False, tmp_path / "tenant")}
+    outputs = {}
+    try:
+        for role, run in runs.items():
+            outputs[role] = run.communicate(timeout=400)[0]
+    finally:
+        for run in runs.values():
+            run.kill()
+    for role, run in runs.items():
+        output = outputs[role]
+        assert run.returncode == 0, f"as {role}:\n{output[-12000:]}"
+        generated = re.search(r"(\d+) generated", output)
+        assert generated and int(generated.group(1)) >= MIN_REQUESTS, f"as {role}:\n{output[-3000:]}"
+        assert all(phase in output for phase in ("Coverage", "Fuzzing", "Stateful")), f"as {role}:\n{output[-3000:]}"

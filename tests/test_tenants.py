@@ -179,6 +179,13 @@ def test_revoked_token_is_401_from_the_next_request(service: Service) -> None:
     assert response.status_code == 401 and "was revoked" in response.json()["detail"]
 
 
+def test_a_request_cannot_revoke_its_own_token(service: Service) -> None:
+    own = service.call("admin", "GET", "/v1/me").json()["token_id"]
+    refused = service.call("admin", "POST", f"/v1/tokens/{own}/revoke")
+    assert refused.status_code == 409 and "the one this request was made with" in refused.json()["detail"]
+    assert service.call("admin", "GET", "/v1/me").status_code == 200, "the token still works"
+
+
 def test_tokens_are_stored_hashed_and_never_listed(service: Service) -> None:
     listed = service.call("admin", "GET", "/v1/tokens", params={"tenant": "team-a"}).json()
     assert [token["tenant"] for token in listed] == ["team-a"] and "token" not in listed[0]

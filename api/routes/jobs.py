@@ -32,7 +32,8 @@ Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:
-    return [dict(error) for error in exc.errors(include_url=False, include_context=False)]
+    # The context stays: a rule between fields carries the field it names there (api.errors.readable_errors).
+    return [dict(error) for error in exc.errors(include_url=False)]
 
 
 async def spec_from_body(request: Request) -> JobSpec:
@@ -60,7 +61,8 @@ _SPEC_BODY = {
         "required": True,
         "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
-            "application/yaml": {"schema": {"type": "string", "description": "The same JobSpec written as YAML."}},
+            # OpenAPI reads a YAML body's schema as that of the data it holds: the same JobSpec.
+            "application/yaml": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
         },
     },
     # FastAPI documents its 422 only for the bodies it parses itself.

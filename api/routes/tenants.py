@@ -61,7 +61,7 @@ def list_tokens(_admin: AdminPrincipal, session: SessionDep,
     return [TokenOut.from_row(token) for token in auth.list_tokens(session, tenant)]
 
 
-@router.post("/tokens/{token_id}/revoke", responses=error_responses(404))
-def revoke_token(token_id: TokenId, _admin: AdminPrincipal, session: SessionDep) -> TokenOut:
-    """Refuse the token from the next request on."""
-    return TokenOut.from_row(auth.revoke_token(session, token_id))
+@router.post("/tokens/{token_id}/revoke", responses=error_responses(404, 409))
+def revoke_token(token_id: TokenId, admin: AdminPrincipal, session: SessionDep) -> TokenOut:
+    """Refuse the token from the next request on; 409 for the token of this very request."""
+    return TokenOut.from_row(auth.revoke_token(session, token_id, by=admin))
