@@ -11,7 +11,7 @@ from typing import Any
 from harness.ports import free_port
 from ringmaster.api.server import BackgroundServer
 from ringmaster.service.client import RingmasterClient
-from ringmaster.service.embedded_ray import start_head, stop_head
+from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.settings import Settings
 
 CLUSTER_CPUS = 4
@@ -25,12 +25,57 @@ def leave_ray() -> None:
         ray.shutdown()
 
 
-def running_control_plane(data_dir: Path, **settings_overrides: Any) -> Iterator[BackgroundServer]:
-    """A Ray head with CLUSTER_CPUS CPUs and the API + dispatcher on SQLite, torn down afterwards (this process
-    disconnected from Ray before the head stops); ``settings_overrides`` are further Settings fields, or other values
-    for the defaults here (e.g. storage_uri, or code_path: the jobs' code, this repository unless given)."""
-    # Metrics reach the node's Prometheus endpoint every second (Ray's default: 10 s), so a test sees them.
-    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS, system_config={"metrics_report_interval_ms": 1000})
+def start_test_head(data_dir: Path) -> RayHead:
+    """A Ray head with CLUSTER_CPUS CPUs whose metrics reach the node's Prometheus endpoint every second (Ray's
+    default: 10 s), so a test sees them."""
+    return start_head(data_dir, num_cpus=CLUSTER_CPUS, system_config={"metrics_report_interval_ms": 1000})
+
+
+def stop_test_head(head: RayHead) -> None:
+    # A test's head holds nothing worth a graceful stop: its processes get 2 s after SIGTERM (not 10), then SIGKILL.
+    stop_head(head, grace_s=2.0)
+
+
+def clear_head(head: RayHead, timeout_s: float = 60) -> None:
+    """Leave a head as a new one is: stop the Ray jobs a control plane left on it, kill the named actors (its warm
+    pool's detached workers among them), remove every placement group, and wait for all its CPUs to be free."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    jobs = JobSubmissionClient(head.dashboard_url)
+    for job in jobs.list_jobs():
+        if job.submission_id is not None and not job.status.is_terminal():
+            jobs.stop_job(job.submission_id)
+    leave_ray()
+    ray.init(address=head.gcs_address, log_to_driver=False)
+    try:
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            except ValueError:  # gone meanwhile
+                pass
+        for group_id, group in placement_group_table().items():
+            if group["state"] != "REMOVED":
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+        deadline = time.monotonic() + timeout_s
+        while ray.available_resources().get("CPU", 0) < CLUSTER_CPUS or any(
+                job.submission_id is not None and not job.status.is_terminal() for job in jobs.list_jobs()):
+            assert time.monotonic() < deadline, f"the shared head is still busy: {ray.available_resources()}"
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()
+
+
+def running_control_plane(data_dir: Path, head: RayHead | None = None, **settings_overrides: Any) -> Iterator[BackgroundServer]:
+    """The API + dispatcher on SQLite on a Ray head (a new one unless given: a shared head is cleared afterwards,
+    clear_head), torn down afterwards, this process disconnected from Ray; ``settings_overrides`` are further
+    Settings fields, or other values for the defaults here (e.g. storage_uri, or code_path: the jobs' code, this
+    repository unless given)."""
+    own_head = head is None
+    if head is None:
+        head = start_test_head(data_dir / "ray")
     settings = Settings(**{
         "data_dir": data_dir, "ray_address": head.gcs_address, "ray_dashboard_url": head.dashboard_url,
         "api_port": free_port(), "driver_python": sys.executable, "code_path": str(REPO_ROOT), **settings_overrides,
@@ -41,8 +86,10 @@ def running_control_plane(data_dir: Path, **settings_overrides: Any) -> Iterator
             yield running
     finally:
         leave_ray()
-        # A test's head holds nothing worth a graceful stop: its processes get 2 s after SIGTERM (not 10), then SIGKILL.
-        stop_head(head, grace_s=2.0)
+        if own_head:
+            stop_test_head(head)
+        else:
+            clear_head(head)
 
 
 def wait_for_state(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240,

@@ -71,13 +71,24 @@ def db(db_url: str) -> Iterator[Database]:
     database.dispose()
 
 
+@pytest.fixture(scope="session")
+def shared_ray_head(tmp_path_factory: pytest.TempPathFactory):
+    """One Ray head for the session's control planes (starting one takes ~13 s); each control plane leaves it as it
+    found it (harness.ray_cluster.clear_head). Modules that kill nodes or heads build clusters of their own."""
+    from harness.ray_cluster import start_test_head, stop_test_head
+
+    head = start_test_head(tmp_path_factory.mktemp("shared-ray"))
+    yield head
+    stop_test_head(head)
+
+
 @pytest.fixture(scope="module")
-def ray_server(tmp_path_factory: pytest.TempPathFactory):
-    """A Ray head and control plane for a module's tests that run jobs on Ray (starting one takes ~10 s). One per
-    module, torn down at its end, so no module finds this process connected to another module's cluster."""
+def ray_server(tmp_path_factory: pytest.TempPathFactory, shared_ray_head):
+    """A control plane on the shared Ray head for a module's tests that run jobs on Ray. One per module, torn down
+    at its end, so no module finds this process connected to another module's control plane."""
     from harness.ray_cluster import running_control_plane
 
-    yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"))
+    yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"), head=shared_ray_head)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -113,13 +113,13 @@ def user_tree(tmp_path: Path) -> Path:
 # A job's workers come from the warm pool (started by the control plane's own Ray connection) or, with the pool off,
 # are started by the job's driver (a Ray job): both must see the user's modules.
 @pytest.fixture(params=[2, 0], ids=["warm-pool", "no-warm-pool"])
-def server(request: pytest.FixtureRequest, tmp_path: Path, user_tree: Path,
+def server(request: pytest.FixtureRequest, tmp_path: Path, user_tree: Path, shared_ray_head,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundServer]:
-    # The Ray head and the control plane start in ringmaster's checkout, whose api/, service/ and workers/ folders
-    # are ringmaster's own sources (as when pytest runs from the repository root, or in deploy/Dockerfile's WORKDIR):
-    # whatever directory they start in must not shadow the user's tree either.
+    # The control plane starts in ringmaster's checkout, whose api/, service/ and workers/ folders are ringmaster's
+    # own sources (as when pytest runs from the repository root, or in deploy/Dockerfile's WORKDIR): whatever
+    # directory it starts in must not shadow the user's tree either.
     monkeypatch.chdir(REPO_ROOT)
-    yield from running_control_plane(tmp_path / "ringmaster", code_path=str(user_tree),
+    yield from running_control_plane(tmp_path / "ringmaster", head=shared_ray_head, code_path=str(user_tree),
                                      warm_workers_per_node=request.param)
 
 
