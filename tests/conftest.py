@@ -16,21 +16,6 @@ from harness.ports import free_port
 from ringmaster.service.db import Database, upgrade_schema
 
 POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
-# Modules that start no Ray, no multi-rank torch and no process that counts others' (harness/test_lanes.py runs
-# their SQLite half beside the rest of the suite).
-ALONGSIDE_MODULES = frozenset("""
-    test_api test_code_upload test_db test_dispatcher test_driver_policies test_grafana_dashboard test_jobs
-    test_migrations test_observability test_plan_api test_planner test_planner_models test_queue test_reconciler
-    test_request_limits test_schemathesis test_spec_validation test_sqlite_write_lock test_states test_submit_planning
-    test_submit_rows test_tenants test_token_cache test_deploy test_layering
-""".split())
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in ALONGSIDE_MODULES:
-            item.add_marker(pytest.mark.alongside)
 
 
 @pytest.fixture
