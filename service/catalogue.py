@@ -79,6 +79,12 @@ class BuiltinModel:
         """A size option as the builder will see it: the job's value, else the builder's default."""
         return model_options.get(name, self.size_defaults[name])
 
+    def whole_sizes(self, model_options: dict[str, object]) -> dict[str, object]:
+        """model_options with each size option given as an integral float (28.0, a JSON integer) made an int, as the
+        builder needs it."""
+        return {name: int(value) if name in self.size_defaults and isinstance(value, float) and value.is_integer() else value
+                for name, value in model_options.items()}
+
     def lowest(self, option: str) -> int:
         """The smallest value a size option may take (planner.builtin_model_size enforces it)."""
         return self.size_minimums.get(option, 1)

@@ -119,6 +119,8 @@ def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
     size: dict[str, int] = {}
     for key, default in defaults.items():
         value = options.get(key, default)
+        if isinstance(value, float) and value.is_integer():  # 28.0 is a JSON integer
+            value = int(value)
         lowest = builtin.lowest(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
             raise PlanError(f"{name} option {key} must be an integer ≥ {lowest}, got {value!r}", field=f"model_options.{key}")

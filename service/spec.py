@@ -355,6 +355,8 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
         builtin = BUILTIN_MODELS.get(self.model)
+        if builtin is not None:
+            self.model_options = builtin.whole_sizes(self.model_options)
         if self.data is None:
             self.data = builtin.corpus if builtin else USER_DATA
         if isinstance(self.data, str):

@@ -116,3 +116,9 @@ def test_cli_plan_json_and_bad_input(cli_on: CliRunner) -> None:
 @pytest.mark.parametrize(("text", "count"), [("7B", 7 * 10**9), ("350m", 350 * 10**6), ("1.5T", 15 * 10**11), ("13e9", 13 * 10**9), ("7_000", 7000)])
 def test_cli_reads_parameter_counts_the_way_people_write_them(text: str, count: int) -> None:
     assert cli._count(text) == count
+
+
+def test_a_builtins_size_options_may_be_integral_floats_as_json_integers_are(client: TestClient) -> None:
+    as_floats = _plan(client, model="tiny-gpt", model_options={"n_layers": 4.0, "dim": 128.0}, gpu_memory_gb=16)
+    as_ints = _plan(client, model="tiny-gpt", model_options={"n_layers": 4, "dim": 128}, gpu_memory_gb=16)
+    assert as_floats["parameters"] == as_ints["parameters"]

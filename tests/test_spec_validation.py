@@ -101,3 +101,8 @@ def test_linear_lr_scaling_follows_data_parallel_replicas() -> None:
                                    "workers": {"min": 4, "max": 4},
                                    "train": {"lr": 0.001, "lr_scaling": "linear", "global_batch_size": 8, "micro_batch_size": 4}})
     assert spec.scaled_lr(4) == pytest.approx(0.002)
+
+
+def test_a_builtins_integral_float_size_options_are_stored_as_the_integers_its_builder_needs() -> None:
+    spec = JobSpec.model_validate({"name": "floats", "model": "tiny-gpt", "model_options": {"n_layers": 3.0, "dim": 64}})
+    assert spec.model_options == {"n_layers": 3, "dim": 64} and isinstance(spec.model_options["n_layers"], int)
