@@ -100,10 +100,11 @@ def _document_spec_schema(app: FastAPI) -> None:
             spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
             json_value_ref = f"#/components/schemas/{JSON_VALUE}"
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(spec_schema.pop("$defs", {}))
+            spec_parts = spec_schema.pop("$defs", {})
+            components.update(spec_parts)
             components["JobSpec"] = spec_schema
             # api.limits.check_document's rules (and service.json_types'), which every request body is held to.
-            for name in (*REQUEST_BODIES, *JobSpec.model_json_schema()["$defs"], "JobSpec"):
+            for name in (*REQUEST_BODIES, *spec_parts, "JobSpec"):
                 state_document_rules(components[name], json_value_ref)
             components[JSON_VALUE] = json_value_schema(json_value_ref)
             _document_validation_errors(components)

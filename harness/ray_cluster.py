@@ -45,9 +45,12 @@ def clear_head(head: RayHead, timeout_s: float = 60) -> None:
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
     jobs = JobSubmissionClient(head.dashboard_url)
-    for job in jobs.list_jobs():
-        if job.submission_id is not None and not job.status.is_terminal():
-            jobs.stop_job(job.submission_id)
+
+    def unfinished() -> list[str]:
+        return [job.submission_id for job in jobs.list_jobs() if job.submission_id is not None and not job.status.is_terminal()]
+
+    for submission_id in unfinished():
+        jobs.stop_job(submission_id)
     leave_ray()
     ray.init(address=head.gcs_address, log_to_driver=False)
     try:
@@ -60,8 +63,7 @@ def clear_head(head: RayHead, timeout_s: float = 60) -> None:
             if group["state"] != "REMOVED":
                 remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
         deadline = time.monotonic() + timeout_s
-        while ray.available_resources().get("CPU", 0) < CLUSTER_CPUS or any(
-                job.submission_id is not None and not job.status.is_terminal() for job in jobs.list_jobs()):
+        while ray.available_resources().get("CPU", 0) < CLUSTER_CPUS or unfinished():
             assert time.monotonic() < deadline, f"the shared head is still busy: {ray.available_resources()}"
             time.sleep(0.2)
     finally:

@@ -5,12 +5,19 @@ which PostgreSQL cannot store (api.limits.NO_NUL states it in the schema)."""
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
+
+
+@functools.cache
+def _field_kinds(model: type[BaseModel], name: str) -> frozenset[type]:
+    """_kinds of a model's field, read once per field (validation runs for every report the driver sends)."""
+    return frozenset(_kinds(model.model_fields[name].annotation))
 
 
 def _kinds(annotation: Any) -> set[type]:
@@ -21,7 +28,7 @@ def _kinds(annotation: Any) -> set[type]:
     return {annotation} if isinstance(annotation, type) else set()
 
 
-def _check(value: Any, kinds: set[type]) -> None:
+def _check(value: Any, kinds: frozenset[type]) -> None:
     if isinstance(value, (list, tuple)):
         for item in value:
             _check(item, kinds)
@@ -46,5 +53,5 @@ class JsonTyped(BaseModel):
     @classmethod
     def _json_scalars(cls, value: Any, info: ValidationInfo) -> Any:
         if info.field_name is not None:
-            _check(value, _kinds(cls.model_fields[info.field_name].annotation))
+            _check(value, _field_kinds(cls, info.field_name))
         return value

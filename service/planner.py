@@ -117,10 +117,9 @@ def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
         accepted = ", ".join([*defaults, *data_options])
         raise PlanError(f"{name} has no option {unknown[0]!r}; its options are {accepted}", field=f"model_options.{unknown[0]}")
     size: dict[str, int] = {}
+    options = builtin.whole_sizes(dict(options))  # 28.0 is a JSON integer
     for key, default in defaults.items():
         value = options.get(key, default)
-        if isinstance(value, float) and value.is_integer():  # 28.0 is a JSON integer
-            value = int(value)
         lowest = builtin.lowest(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
             raise PlanError(f"{name} option {key} must be an integer ≥ {lowest}, got {value!r}", field=f"model_options.{key}")
