@@ -152,10 +152,27 @@ class KeepBestSpec(_Strict):
     mode: Literal["min", "max"] = Field(default="min", description="Whether the lowest or the highest value is best.")
 
 
+class InMemorySpec(_Strict):
+    """Every step's state kept in host memory, so a re-formed group continues from the step a failure interrupted
+    (at most one step redone) without reading storage."""
+
+    enabled: bool = Field(default=True, description="false: recover from the newest durable checkpoint only.")
+    replicas: int = Field(default=1, ge=0, le=3, description="Copies of each rank's state held by ranks on other "
+                          "nodes (0: only the rank's own, which covers the loss of other ranks only).")
+
+
 class CheckpointSpec(_Strict):
     every_steps: int = Field(default=0, ge=0, description="0 writes only the final checkpoint.")
     keep: int = Field(default=2, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
     keep_best: KeepBestSpec | None = Field(default=None, description="Also keep the best checkpoint by a metric.")
+    in_memory: InMemorySpec | None = Field(default=None, description="In-memory snapshots of every step; unset: on, "
+                                           "with 1 replica, when the group spans more than one node.")
+
+    def in_memory_replicas(self, nodes: int) -> int | None:
+        """Buddy copies of each rank's snapshot for a group on `nodes` nodes; None: no in-memory snapshots."""
+        if self.in_memory is None:
+            return 1 if nodes > 1 else None
+        return self.in_memory.replicas if self.in_memory.enabled else None
 
     @model_validator(mode="after")
     def _best_needs_periodic_checkpoints(self) -> "CheckpointSpec":
@@ -469,6 +486,7 @@ class JobSpec(_Strict):
                 del fields[name]
         if fields["checkpoint"]["keep_best"] is None:
             del fields["checkpoint"]["keep_best"]
+        del fields["checkpoint"]["in_memory"]  # where state is kept between steps changes nothing trained
         for name, default in TrainSpec().model_dump(mode="json", include=set(_LATER_TRAIN_FIELDS)).items():
             if fields["train"][name] == default:
                 del fields["train"][name]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -16,14 +18,14 @@ from ringmaster.workers.data.audit import read_effective_samples
 
 pytestmark = pytest.mark.integration
 
-STEPS = 300
+STEPS = 150
 KILL_AFTER_STEP = 25
 GLOBAL_BATCH = 8
 
 
 def _spec(name: str, minimum: int, maximum: int) -> dict:
     return {
-        "name": name, "model": "tiny-gpt", "model_options": {"n_layers": 1, "dim": 32, "n_heads": 2, "seq_len": 32},
+        "name": name, "model": "tests.paced_model:build", "model_options": {"pause_s": 0.03},
         "workers": {"min": minimum, "max": maximum, "cpus_per_worker": 1},
         "train": {"steps": STEPS, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, "lr": 0.003, "seed": 3,
                   "record_sample_ids": True},
@@ -46,7 +48,9 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster) -> list[float]:
-    """The reference trajectory: the same job, never disturbed, on two workers."""
+    """The reference trajectory: the same job, never disturbed, on two workers. Its steps are of a known length
+    whatever the machine's speed (tests/paced_model.py): a standby has time to warm up mid-job, and a worker that
+    starts warming up when the group shrinks is ready long before a one-worker group would finish the job."""
     _ensure_nodes(cluster, 2)
     job = cluster.client.submit(_spec("reference", 2, 2))
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
@@ -96,6 +100,25 @@ def _assert_each_sample_once_per_epoch(storage: Path, job_id: str) -> None:
         assert len(sample_ids) == len(set(sample_ids)), f"epoch {epoch} used a sample twice"
 
 
+def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> None:
+    """Every re-formation resumed from the survivors' memory (checkpoint.in_memory is on for a multi-node group):
+    no rank read storage to restore, and no optimizer step was computed by more than one formation of the group but
+    the one a failure interrupted, counted from each rank's own step record."""
+    events = _events(cluster.client, job_id)
+    regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
+    assert regroups and {data["resumed_from"] for data in regroups} == {"memory"}, regroups
+    restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
+    assert len(restores) == len(regroups) and {data["storage_reads"] for data in restores} == {0}, restores
+    steps_by_generation: dict[int, set[int]] = {}
+    for record_file in (cluster.storage / job_id / "sample-ids").glob("*.jsonl"):
+        for line in record_file.read_text().splitlines():
+            record = json.loads(line)
+            steps_by_generation.setdefault(record["generation"], set()).add(record["step"])
+    computed = Counter(step for steps in steps_by_generation.values() for step in steps)
+    assert len(steps_by_generation) == len(regroups) + 1
+    assert sum(1 for times in computed.values() if times > 1) <= len(regroups), computed
+
+
 def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
     _ensure_nodes(cluster, 2)
     job = cluster.client.submit(_spec("replace", 2, 2))
@@ -107,40 +130,17 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
     transitions = [e["to_state"] for e in _events(cluster.client, job["id"]) if e["to_state"]]
     assert transitions == ["QUEUED", "ADMITTED", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"]
     resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and e["data"].get("resumed_from_step"))
-    assert resumed["data"]["world_size"] == 2 and resumed["data"]["resumed_from_step"] >= 20
+    assert resumed["data"]["world_size"] == 2 and resumed["data"]["resumed_from_step"] >= KILL_AFTER_STEP - 1
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])
 
 
-@pytest.fixture(scope="module")
-def paced_reference(cluster) -> tuple[dict, list[float]]:
-    """Steps of a known length whatever the machine's speed (tests/paced_model.py): a worker that starts warming up
-    when the group shrinks is ready long before a one-worker group would finish the job."""
+def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterrupted):
     _ensure_nodes(cluster, 2)
-    spec = _spec("paced-reference", 2, 2)
-    spec.update(model="tests.paced_model:build", model_options={"pause_s": 0.03})
-    reference = cluster.client.submit(spec)
-    done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
-    assert done["state"] == "SUCCEEDED", done["error"]
-    return spec, _losses(cluster.client, reference["id"])
-
-
-@pytest.fixture(scope="module")
-def larger_reference(cluster) -> tuple[dict, list[float]]:
-    """A larger model than the other tests': its slower steps leave a standby time to warm up mid-job."""
-    _ensure_nodes(cluster, 2)
-    spec = _spec("larger-reference", 2, 2)
-    spec["model_options"] = {"n_layers": 2, "dim": 64, "n_heads": 2, "seq_len": 32}
-    reference = cluster.client.submit(spec)
-    done = wait_for_state(cluster.client, reference["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
-    assert done["state"] == "SUCCEEDED", done["error"]
-    return spec, _losses(cluster.client, reference["id"])
-
-
-def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, paced_reference):
-    _ensure_nodes(cluster, 2)
-    spec, reference_losses = paced_reference
-    job = cluster.client.submit({**spec, "name": "shrink", "workers": {**spec["workers"], "min": 1}})
+    # Snapshots on also at one worker (on one node they are off by default): the growth back resumes from memory too.
+    spec = _spec("shrink", 1, 2)
+    job = cluster.client.submit({**spec, "checkpoint": {**spec["checkpoint"], "in_memory": {"replicas": 1}}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.kill_node(_worker_node(cluster))
     deadline = time.monotonic() + 60
@@ -155,8 +155,9 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, paced_re
     rows = cluster.client.metrics(job["id"])["items"]
     assert {row["world_size"] for row in rows if row["loss"] is not None} >= {1, 2}
     # The global batch is kept (accumulation doubles at one worker), so the trajectory is the same run's.
-    assert _losses(cluster.client, job["id"]) == pytest.approx(reference_losses, abs=1e-4)
+    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])
 
 
 def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterrupted):
@@ -174,12 +175,13 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
     detected_after = datetime.fromisoformat(recovering["at"]).timestamp() - frozen_at
     assert detected_after < 5.0, f"a frozen node was noticed only after {detected_after:.1f}s"
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
+    _assert_recovered_from_memory(cluster, job["id"])
 
 
-def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, larger_reference):
+def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninterrupted):
     _ensure_nodes(cluster, 3)  # two nodes for the group, one idle for the standby
-    spec, reference_losses = larger_reference
-    job = cluster.client.submit({**spec, "name": "standby", "workers": {**spec["workers"], "standby": 1}})
+    spec = _spec("standby", 2, 2)
+    job = cluster.client.submit({**spec, "workers": {**spec["workers"], "standby": 1}})
     deadline = time.monotonic() + 120
     while not (ready := [e for e in _events(cluster.client, job["id"]) if e["data"] and "standby_node" in e["data"]]):
         assert time.monotonic() < deadline, "no standby worker became ready"
@@ -191,5 +193,6 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, larger
     assert done["state"] == "SUCCEEDED", done["error"]
     resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {}))
     assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
-    assert _losses(cluster.client, job["id"]) == pytest.approx(reference_losses, abs=1e-6)
+    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])

@@ -63,7 +63,7 @@ def test_resume_from_must_name_an_existing_job(db: Database) -> None:
 
 def test_spec_hash_unchanged_without_resume_from() -> None:
     # The spec as it was before the optional fields existed.
-    fields = SPEC.model_dump(mode="json", exclude={"resume_from": True, "code": True, "runtime_env": True, "checkpoint": {"keep_best"},
+    fields = SPEC.model_dump(mode="json", exclude={"resume_from": True, "code": True, "runtime_env": True, "checkpoint": {"keep_best", "in_memory"},
                                                    "parallel": {"blocks"},
                                                    "train": {"lr_schedule", "optimizer", "eval_every_steps", "grad_clip",
                                                              "activation_checkpointing", "compile"}})

@@ -224,13 +224,7 @@ def begin_save(
         storage.remove_tree(path)
         storage.make_dirs(path)
     dist.barrier()
-    model_state, optimizer_state = _merged_state(model_parts, optimizers)
-    state = {
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
-        "rng": {f"rank{rank}": _rng_state()},
-    }
+    state = training_state(step, position, model_parts, optimizers)
     manifest: dict[str, Any] = {"step": step, "world_size": world_size, "strategy": spec.strategy, "spec_hash": spec.spec_hash()}
     keep_best = spec.checkpoint.keep_best
     if keep_best is not None:
@@ -267,11 +261,49 @@ def commit_save(pending: PendingSave) -> CommittedSave:
     return CommittedSave(pending.path, apply_retention(pending.storage_root, pending.keep, pending.keep_best))
 
 
+def training_state(step: int, position: DataPosition, model_parts: list[nn.Module], optimizers: list[Optimizer],
+                   metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What a checkpoint (durable or in memory) holds of this rank: its model and optimizer shards, the step, the data
+    position and its RNG states; `metrics` (rank 0): the metric points it keeps for a resumed run to replay."""
+    model_state, optimizer_state = _merged_state(model_parts, optimizers)
+    state = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
+        "rng": {f"rank{dist.get_rank()}": _rng_state()},
+    }
+    if metrics is not None:
+        state["metrics"] = json.dumps(metrics)
+    return state
+
+
 def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> TrainingProgress:
     """Collective: restore this rank's model parts, their optimizers and its RNG states from ``path``."""
-    rank = dist.get_rank()
     storage, location = storage_for(path)
-    saved_keys = storage.reader(location).read_metadata().state_dict_metadata
+    progress, _ = load_training_state(storage.reader(location), model_parts=model_parts, optimizers=optimizers)
+    return progress
+
+
+def load_training_state(reader: StorageReader, *, model_parts: list[nn.Module], optimizers: list[Optimizer],
+                        process_group: dist.ProcessGroup | None = None) -> tuple[TrainingProgress, list[dict[str, Any]]]:
+    """Collective: restore ``training_state`` from a DCP reader (resharded to this group by DCP's planner); returns the
+    progress and the metric points it kept ([] when it kept none)."""
+    saved_keys = reader.read_metadata().state_dict_metadata
+    state = load_state_template(saved_keys, model_parts, optimizers)
+    dcp.load(state, storage_reader=reader, process_group=process_group)
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)
+    _restore_rng_state(state["rng"][f"rank{dist.get_rank()}"])
+    progress = state["progress"]
+    return (TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"])),
+            json.loads(state["metrics"]) if "metrics" in state else [])
+
+
+def load_state_template(saved_keys: Any, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:
+    """The state dict DCP loads into: this rank's live tensors, and placeholders for what a checkpoint with
+    `saved_keys` (its metadata's state_dict_metadata) holds besides."""
+    rank = dist.get_rank()
     model_state, optimizer_state = _merged_state(model_parts, optimizers)
     # A rank that did not exist when the checkpoint was written keeps its freshly seeded RNG.
     rng_state = {name: value for name, value in _rng_state().items() if f"rng.rank{rank}.{name}" in saved_keys}
@@ -281,13 +313,9 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
         "progress": {"step": 0, "epoch": 0, "samples_in_epoch": 0},
         "rng": {f"rank{rank}": rng_state},
     }
-    dcp.load(state, storage_reader=storage.reader(location))
-    for part, optimizer in zip(model_parts, optimizers, strict=True):
-        set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)
-    _restore_rng_state(state["rng"][f"rank{rank}"])
-    progress = state["progress"]
-    return TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"]))
+    if "metrics" in saved_keys:
+        state["metrics"] = ""
+    return state
 
 
 def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> tuple[dict[str, Any], dict[str, Any]]:

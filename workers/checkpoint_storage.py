@@ -13,6 +13,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import urlparse
 
 import fsspec
@@ -22,7 +23,12 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 
 class CheckpointStorage(ABC):
-    """The few file operations checkpoints need; every location is a string under one storage's scheme."""
+    """The few file operations checkpoints need; every location is a string under one storage's scheme.
+
+    `reads` counts, per process, the calls that read storage (listings, file reads, DCP readers made): recovery from
+    peers' memory is checked to make none."""
+
+    reads: ClassVar[int] = 0
 
     @abstractmethod
     def join(self, location: str, name: str) -> str: ...
@@ -64,15 +70,18 @@ class LocalStorage(CheckpointStorage):
         return os.path.join(location, name)
 
     def entries(self, location: str) -> list[str]:
+        CheckpointStorage.reads += 1
         try:
             return [entry.name for entry in Path(location).iterdir()]
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def files(self, location: str) -> dict[str, int]:
+        CheckpointStorage.reads += 1
         return {entry.name: entry.stat().st_size for entry in Path(location).iterdir() if entry.is_file()}
 
     def read_bytes(self, location: str) -> bytes | None:
+        CheckpointStorage.reads += 1
         try:
             return Path(location).read_bytes()
         except OSError:
@@ -96,6 +105,7 @@ class LocalStorage(CheckpointStorage):
         return FileSystemWriter(location)
 
     def reader(self, location: str) -> StorageReader:
+        CheckpointStorage.reads += 1
         return FileSystemReader(location)
 
 
@@ -117,12 +127,15 @@ class FsspecStorage(CheckpointStorage):
             return []
 
     def entries(self, location: str) -> list[str]:
+        CheckpointStorage.reads += 1
         return [_basename(entry["name"]) for entry in self._listing(location)]
 
     def files(self, location: str) -> dict[str, int]:
+        CheckpointStorage.reads += 1
         return {_basename(entry["name"]): int(entry["size"]) for entry in self._listing(location) if entry["type"] == "file"}
 
     def read_bytes(self, location: str) -> bytes | None:
+        CheckpointStorage.reads += 1
         try:
             return self.fs.cat_file(location)
         except (OSError, ValueError):
@@ -147,6 +160,7 @@ class FsspecStorage(CheckpointStorage):
         return FsspecWriter(location)
 
     def reader(self, location: str) -> StorageReader:
+        CheckpointStorage.reads += 1
         return FsspecReader(location)
 
 

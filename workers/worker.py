@@ -63,6 +63,7 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._group_lock = threading.Lock()
         self._outbox = RankOutbox()
+        self._snapshots: Any = None  # this process's in-memory snapshots, made with the training stack
         self.generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
         warm_up = _import_training_stack_in_background if pooled else _import_training_stack
@@ -126,6 +127,10 @@ class TrainWorker:
             latest = find_resume_point(resume_from_root)[0]
         return latest.step if latest is not None else 0
 
+    def snapshot_inventory(self, job_id: str) -> list[dict[str, Any]]:
+        """What this worker holds of the job's in-memory snapshots ([] for a new worker)."""
+        return [] if self._snapshots is None else self._snapshots.inventory(job_id)
+
     def warm_up(self) -> None:
         """Returns once the training stack is imported: a standby is ready to join a group at once."""
         self._warm.join()
@@ -155,21 +160,27 @@ class TrainWorker:
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
     def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],
-              resume_from_root: str | None = None, attempt: int = 1) -> dict[str, Any]:
+              resume_from_root: str | None = None, attempt: int = 1,
+              memory_resume: dict[str, int] | None = None) -> dict[str, Any]:
+        """`memory_resume`: {"generation", "step"} of the in-memory snapshot the driver chose (None: from storage)."""
         import torch
         import torch.distributed as dist
 
         # The group formed while the warm-up thread imported the rest; training needs all of it.
         self._warm.join()
         from ringmaster.service.spec import JobSpec
+        from ringmaster.workers.memory_snapshots import SnapshotRef, SnapshotStore
         from ringmaster.workers.trainer import TrainContext, run_training
 
+        if self._snapshots is None:
+            self._snapshots = SnapshotStore()
         spec = JobSpec.model_validate_json(spec_json)
         device = torch.device("cuda", 0) if self._uses_gpu else torch.device("cpu")
         context = TrainContext(
             rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
             storage_root=storage_root, sink=self._outbox, ranks_per_node=tuple(ranks_per_node), generation=generation,
-            resume_from_root=resume_from_root, attempt=attempt,
+            resume_from_root=resume_from_root, attempt=attempt, snapshot_store=self._snapshots,
+            memory_resume=SnapshotRef(**memory_resume) if memory_resume else None,
         )
         try:
             result = run_training(spec, context)

@@ -28,6 +28,7 @@ from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Bundles, Slot
 from ringmaster.workers.driver.poll import GroupPoll, PollResult
+from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
 from ringmaster.workers.driver.standby import StandbyPool
 from ringmaster.workers.driver.training_log import TrainingLog
@@ -192,10 +193,11 @@ class Controller:
                                  "ranks": [worker.describe() for worker in self.group.workers]})
         return self._train()
 
-    def _train(self) -> Running:
-        """Start the group's training call (it resumes from the latest committed checkpoint)."""
+    def _train(self, memory_resume: dict[str, int] | None = None) -> Running:
+        """Start the group's training call: it resumes from the in-memory snapshot `memory_resume` names, else from
+        the latest committed checkpoint."""
         self._rank0_metrics.restart()
-        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt)
+        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt, memory_resume)
         self._poll = GroupPoll(self.group, futures, interval_s=POLL_INTERVAL_S, drain_every_s=DRAIN_INTERVAL_S,
                                heartbeat_interval_s=HEARTBEAT_INTERVAL_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                                probe_timeout_s=PROBE_TIMEOUT_S, probe_grace_s=PROBE_GRACE_S)
@@ -309,20 +311,30 @@ class Controller:
         self._form(members)
         log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
                  time.monotonic() - placing.started)
-        # Rank 0 names the checkpoint it will resume from: reading checkpoints takes torch, which the driver never
-        # imports (2-3 s of CPU, taken from training on a small machine).
-        resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
+        # The newest step the members hold in memory between them; else rank 0 names the checkpoint it will resume
+        # from (reading checkpoints takes torch, which the driver never imports: 2-3 s of CPU, taken from training).
+        snapshot = choose_snapshot(self.group.snapshot_inventories(self.job_id))
+        if snapshot.chosen is not None:
+            resumed, source = snapshot.chosen["step"], "memory"
+        else:
+            resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
+            source = "storage"
+            if snapshot.why_not:
+                self._report(message=f"{snapshot.why_not}: resuming from the durable checkpoint of step {resumed}",
+                             details={"memory_fallback": snapshot.why_not, "resumed_from_step": resumed})
         before = placing.world_size_before
         details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
+                   "resumed_from": source,
                    "ranks": [worker.describe() for worker in self.group.workers],
                    "standby_workers_used": len(placing.standbys), "workers_missing": self.scaling.missing(self._counts()),
                    "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - placing.started, 3)}
-        message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed}"
+        where = "peers' memory" if source == "memory" else "durable checkpoint"
+        message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed} ({where})"
         if placing.recovering:
             self._report(state="RUNNING", message=message, details=details)
         else:
             self._report(message=f"capacity returned: {message}", details=details)
-        return self._train()
+        return self._train(snapshot.chosen)
 
     def _report(self, *, state: str | None = None, message: str | None = None, metrics: list[MetricPoint] | None = None,
                 checkpoints: list[CheckpointRecord] | None = None, **rest) -> int:

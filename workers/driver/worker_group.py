@@ -127,12 +127,18 @@ class WorkerGroup:
             for worker in self.workers
         ])
 
-    def train(self, job_id: str, storage_root: str, resume_from_root: str | None = None, attempt: int = 1) -> dict[Any, RankedWorker]:
+    def train(self, job_id: str, storage_root: str, resume_from_root: str | None = None, attempt: int = 1,
+              memory_resume: dict[str, int] | None = None) -> dict[Any, RankedWorker]:
         spec_json, layout = self.spec.model_dump_json(), self.ranks_per_node
         return {
-            worker.actor.train.remote(self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt): worker
+            worker.actor.train.remote(self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt,
+                                      memory_resume): worker
             for worker in self.workers
         }
+
+    def snapshot_inventories(self, job_id: str) -> list[list[dict[str, Any]]]:
+        """What each member holds of the job's in-memory snapshots."""
+        return ray.get([worker.actor.snapshot_inventory.remote(job_id) for worker in self.workers])
 
     def unresponsive(self, timeout_s: float, grace_s: float) -> list[RankedWorker]:
         """Workers that do not answer a heartbeat within timeout_s, nor within grace_s of the latest answer of

@@ -16,9 +16,13 @@ import torch.distributed as dist
 
 from ringmaster.service.reports import CheckpointRecord
 from ringmaster.service.spec import JobSpec
+import torch
+
 from ringmaster.workers.checkpoint import (CommittedCheckpoint, PendingSave, begin_save, checkpoint_dir,
                                            checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point,
                                            load_checkpoint)
+from ringmaster.workers.checkpoint_storage import CheckpointStorage
+from ringmaster.workers.memory_snapshots import restore_from_peers
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.strategies import ParallelModel
@@ -50,6 +54,8 @@ class Checkpointer:
     def restore(self) -> Restored:
         """Collective: load the newest usable checkpoint (this job's, else resume_from's) and replay the metric
         points it kept; rank 0 reports what it restored and the corrupt checkpoints it skipped."""
+        if self._ctx.memory_resume is not None:
+            return self._restore_from_memory()
         latest, corrupt = self._agreed_resume_point()
         restored = Restored(0, DataPosition(), None)
         ctx = self._ctx
@@ -60,7 +66,7 @@ class Checkpointer:
             if ctx.rank == 0:
                 restore_s = time.perf_counter() - began
                 ctx.sink.event(f"restored checkpoint step {restored.step} in {restore_s:.2f}s",
-                               {"restored_step": restored.step, "restore_s": round(restore_s, 4)})
+                               {"restored_step": restored.step, "restore_s": round(restore_s, 4), "source": "storage"})
         if corrupt and ctx.rank == 0:
             resumed = f"resumed from step {latest.step}" if latest is not None else "started from scratch"
             problems = "; ".join(f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt)
@@ -74,6 +80,28 @@ class Checkpointer:
             self._metrics.replay(checkpoint_metrics(latest))
         self.saved_step, self.latest_uri = restored.step, restored.uri
         return restored
+
+    def _restore_from_memory(self) -> Restored:
+        """Collective: continue from the snapshot the driver chose, moved between peers' memory; rank 0 reports how
+        long it took, the bytes moved and the storage reads made (every rank's, summed: none is expected)."""
+        ctx = self._ctx
+        began, reads_before = time.perf_counter(), CheckpointStorage.reads
+        progress, metrics, received = restore_from_peers(
+            ctx.snapshot_store, ctx.job_id, ctx.memory_resume, self._group,
+            model_parts=self._parallel.parts, optimizers=self._parallel.optimizers)
+        totals = torch.tensor([CheckpointStorage.reads - reads_before, received], dtype=torch.float64)
+        dist.all_reduce(totals, group=self._group)
+        if ctx.rank == 0:
+            restore_s = time.perf_counter() - began
+            reads, moved = (int(value) for value in totals.tolist())
+            ctx.sink.event(f"restored step {progress.step} from peers' memory in {restore_s:.2f}s ({moved} bytes moved "
+                           "between ranks)", {"restored_step": progress.step, "restore_s": round(restore_s, 4),
+                                              "source": "memory", "bytes_moved": moved, "storage_reads": reads,
+                                              "snapshot_generation": ctx.memory_resume.generation})
+            self._metrics.replay(metrics)
+        # No durable save of this step was made here: the last step's is always written.
+        self.saved_step, self.latest_uri = -1, None
+        return Restored(progress.step, progress.position, None)
 
     def due(self, step: int) -> bool:
         """A periodic save is due after this step (the last step's save is the final one)."""

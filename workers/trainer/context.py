@@ -63,6 +63,10 @@ class TrainContext:
     resume_from_root: str | None = None
     # The job attempt this run serves: the metric points a checkpoint keeps name it.
     attempt: int = 1
+    # This process's in-memory snapshots (workers/memory_snapshots.py), kept across the groups it joins; None: none.
+    snapshot_store: Any = None
+    # The snapshot the driver chose to resume from (a SnapshotRef the members hold between them); None: from storage.
+    memory_resume: Any = None
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from ringmaster.service.reports import MetricPoint
 from ringmaster.service.spec import DataSourceSpec, JobSpec
+from ringmaster.workers.checkpoint import training_state
 from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
+from ringmaster.workers.memory_snapshots import PeerSnapshots
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.models.registry import LossFn
@@ -63,8 +65,11 @@ class Trainer:
         self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train), spec.train.grad_clip,
                                         pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None,
                                         counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates])
+        replicas = spec.checkpoint.in_memory_replicas(len(ctx.ranks_per_node or (ctx.world_size,)))
+        self._snapshots = None if replicas is None or ctx.snapshot_store is None else PeerSnapshots(
+            ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device)
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
-                                    keep_for_checkpoints=bool(spec.checkpoint.every_steps))
+                                    keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None)
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
         # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
         bf16 = spec.train.precision == "bf16" and not isinstance(self.parallel.parts[0], FSDPModule)
@@ -86,15 +91,23 @@ class Trainer:
         committed checkpoint; collective over the process group."""
         spec, ctx = self.spec, self.ctx
         restored = self._checkpointer.restore()
+        if self._snapshots is None and ctx.snapshot_store is not None:
+            # A group that takes no snapshots (one on a single node) leaves none behind that are older than its state.
+            ctx.snapshot_store.drop(ctx.job_id)
         self.step = restored.step
         self._stream = GlobalBatchStream(
             self._bundle.train_dataset, micro_batch_size=self._batch_size, dp_rank=self._dp_rank, dp_size=self._dims.dp,
             seed=spec.train.seed, global_batch_size=spec.train.global_batch_size, position=restored.position,
             pin_memory=ctx.device.type == "cuda", num_workers=_data_workers(spec))
         try:
-            return self._train_from_restored()
+            result = self._train_from_restored()
         finally:
             self._stream.close()
+        if self._snapshots is not None:
+            self._snapshots.close()  # the last snapshot (of a stop's step) is complete for the next group to use
+            if not result.stopped:
+                self.ctx.snapshot_store.drop(self.ctx.job_id)
+        return result
 
     def _train_from_restored(self) -> TrainResult:
         spec = self.spec
@@ -105,6 +118,10 @@ class Trainer:
         while self.step < spec.train.steps and not stopped:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
+            if self._snapshots is not None and self.step < spec.train.steps:
+                self._snapshots.take(self.step, training_state(
+                    self.step, self._stream.position, self.parallel.parts, self.parallel.optimizers,
+                    metrics=self._metrics.for_checkpoint() if self.ctx.rank == 0 else None))
             if self._evaluation_due():
                 self._validate()
             if stopped or self._checkpointer.due(self.step):
@@ -140,6 +157,8 @@ class Trainer:
             if micro_loss is not None:
                 loss_sum.add_(micro_loss)
         self._checkpointer.before_state_changes()
+        if self._snapshots is not None:
+            self._snapshots.before_state_changes()
         for stage in self.parallel.stages:
             stage.scale_grads(self.spec.parallel.microbatches * self._accumulation)  # the schedule left them summed
         for tied in self.parallel.tied:
