@@ -109,9 +109,6 @@ class SnapshotStore:
             held.append({"generation": ref.generation, "step": ref.step, "files": sorted(names), "required": required})
         return held
 
-    def held_bytes(self, job_id: str) -> int:
-        return sum(sum(self.names(snapshot_location(job_id, ref)).values()) for ref in self.snapshots(job_id))
-
     def retain(self, job_id: str, keep: int = KEPT) -> None:
         """Keep the newest `keep` snapshots this process has the metadata of, and any newer (one being taken)."""
         refs = self.snapshots(job_id)
@@ -146,7 +143,6 @@ class PeerSnapshots:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._staged: Future | None = None
         self._in_flight: Future | None = None
-        self.held_bytes: int | None = None  # after the first snapshot: what this process holds of the job's
 
     def take(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state`, the state after `step`, in the background (the previous snapshot finishes first)."""
@@ -189,8 +185,6 @@ class PeerSnapshots:
             for name, content in pickle.loads(received.numpy().tobytes()).items():
                 self._store.write(location, name, content)
         self._store.retain(self._job_id)
-        if self.held_bytes is None:
-            self.held_bytes = self._store.held_bytes(self._job_id)
 
 
 def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, group: dist.ProcessGroup, *,
