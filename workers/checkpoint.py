@@ -285,11 +285,13 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
 
 
 def load_training_state(reader: StorageReader, *, model_parts: list[nn.Module], optimizers: list[Optimizer],
-                        process_group: dist.ProcessGroup | None = None) -> tuple[TrainingProgress, list[dict[str, Any]]]:
+                        process_group: dist.ProcessGroup | None = None,
+                        state: dict[str, Any] | None = None) -> tuple[TrainingProgress, list[dict[str, Any]]]:
     """Collective: restore ``training_state`` from a DCP reader (resharded to this group by DCP's planner); returns the
-    progress and the metric points it kept ([] when it kept none)."""
-    saved_keys = reader.read_metadata().state_dict_metadata
-    state = load_state_template(saved_keys, model_parts, optimizers)
+    progress and the metric points it kept ([] when it kept none). `state`: the ``load_state_template`` already made
+    for this reader's metadata, if any."""
+    if state is None:
+        state = load_state_template(reader.read_metadata().state_dict_metadata, model_parts, optimizers)
     dcp.load(state, storage_reader=reader, process_group=process_group)
     for part, optimizer in zip(model_parts, optimizers, strict=True):
         set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],

@@ -202,7 +202,8 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
     if METADATA_NAME not in held[rank]:
         store.write(location, METADATA_NAME, metadata_bytes[0])
     metadata: Metadata = pickle.loads(metadata_bytes[0])
-    needed = _files_needed(load_state_template(metadata.state_dict_metadata, model_parts, optimizers), metadata)
+    state = load_state_template(metadata.state_dict_metadata, model_parts, optimizers)
+    needed = _files_needed(state, metadata)
     wanted: list[Any] = [None] * world_size
     dist.all_gather_object(wanted, sorted(needed - set(held[rank])), group=group)
     received = 0
@@ -219,7 +220,7 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
                 store.write(location, name, content)
                 received += len(content)
     progress, metrics = load_training_state(FsspecReader(location), model_parts=model_parts, optimizers=optimizers,
-                                            process_group=group)
+                                            process_group=group, state=state)
     return progress, metrics, received
 
 

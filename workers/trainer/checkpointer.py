@@ -12,18 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ringmaster.service.reports import CheckpointRecord
 from ringmaster.service.spec import JobSpec
-import torch
-
 from ringmaster.workers.checkpoint import (CommittedCheckpoint, PendingSave, begin_save, checkpoint_dir,
                                            checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point,
                                            load_checkpoint)
 from ringmaster.workers.checkpoint_storage import CheckpointStorage
-from ringmaster.workers.memory_snapshots import restore_from_peers
 from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.memory_snapshots import restore_from_peers
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.strategies import ParallelModel
 from ringmaster.workers.trainer.context import TrainContext

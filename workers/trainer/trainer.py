@@ -65,7 +65,7 @@ class Trainer:
         self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train), spec.train.grad_clip,
                                         pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None,
                                         counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates])
-        replicas = spec.checkpoint.in_memory_replicas(len(ctx.ranks_per_node or (ctx.world_size,)))
+        replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
         self._snapshots = None if replicas is None or ctx.snapshot_store is None else PeerSnapshots(
             ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device)
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
