@@ -19,18 +19,11 @@ from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.errors import LogsUnavailable
 from ringmaster.service.logs import configure_logging
+from ringmaster.service.ray_agent import agent_command
 from ringmaster.service.ray_cluster import RayCluster
 from ringmaster.service.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-def _warm_pool(per_node: int):
-    """The composition root hands the control plane the workers' warm pool (imported only once the cluster is used:
-    it imports ray, not torch)."""
-    from ringmaster.workers.warm_pool import WarmPoolKeeper
-
-    return WarmPoolKeeper(per_node)
 
 
 class ControlPlane:
@@ -52,7 +45,10 @@ class ControlPlane:
             host = urlsplit(settings.ray_address if "://" in settings.ray_address else f"//{settings.ray_address}").hostname
             settings = settings.model_copy(update={"ray_dashboard_url": f"http://{host}:8265"})
         self.settings = settings
-        self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url, warm_pool_factory=_warm_pool)
+        # The Ray agent with the warm pool: the control plane's Ray connection, in a process that can be replaced.
+        self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url,
+                                  agent=agent_command("ringmaster.api.ray_agent", settings.ray_address),
+                                  driver_resources=settings.driver_resources)
         self.cluster.connect()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -92,7 +88,7 @@ class ControlPlane:
         return create_app(self.settings, start_background=self.start_dispatcher, logs_provider=self.logs)
 
     def close(self) -> None:
-        """Leave the cluster before an embedded head goes, so Ray's exit hook does not wait on a dead GCS."""
+        """Stop the Ray agent (it leaves the cluster) before an embedded head goes."""
         self.cluster.disconnect()
         if self.head is not None:
             stop_head(self.head, self.settings.data_dir)

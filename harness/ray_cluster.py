@@ -25,6 +25,17 @@ def leave_ray() -> None:
         ray.shutdown()
 
 
+def watch_cluster(head: RayHead) -> None:
+    """Join the head from this process, in the control plane's namespace, so a test can look at the cluster (its
+    resources, the warm pool's named workers); the control plane itself joins only from its Ray agent's process."""
+    import ray
+
+    from ringmaster.service.naming import NAMESPACE
+
+    leave_ray()
+    ray.init(address=head.gcs_address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+
+
 def start_test_head(data_dir: Path) -> RayHead:
     """A Ray head with CLUSTER_CPUS CPUs whose metrics reach the node's Prometheus endpoint every second (Ray's
     default: 10 s), so a test sees them."""
@@ -85,6 +96,7 @@ def running_control_plane(data_dir: Path, head: RayHead | None = None, **setting
     try:
         with BackgroundServer(settings) as running:
             running.ray_metrics_url = head.metrics_url
+            watch_cluster(head)
             yield running
     finally:
         leave_ray()

@@ -28,6 +28,7 @@ from ringmaster.service import auth, code_store, jobs, queue, telemetry, tenants
 from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
 from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
+from ringmaster.service.ray_agent import ClusterUnreachable
 from ringmaster.service.ray_cluster import ClusterBackend
 from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
 from ringmaster.service.settings import Settings
@@ -77,6 +78,8 @@ class Dispatcher:
                     Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None))))
                 runtime_envs = self._warm_pool_envs(session)
             self.cluster.keep_warm(self.settings.warm_workers_per_node, active, runtime_envs)
+        except ClusterUnreachable as error:
+            log.warning("warm pool upkeep skipped: %s", error)
         except Exception:  # noqa: BLE001 — the pool only saves start-up time: admission must go on without it
             log.exception("warm pool upkeep failed")
 
@@ -118,6 +121,8 @@ class Dispatcher:
             self._wake.clear()
             try:
                 self.run_once()
+            except ClusterUnreachable as error:
+                log.warning("dispatcher pass cut short, retried: %s", error)
             except Exception:  # noqa: BLE001 — a transient database or Ray error must not end the loop
                 log.exception("dispatcher pass failed")
             self._wake.wait(self.settings.dispatch_interval_s)
@@ -278,6 +283,8 @@ class Dispatcher:
         for job, last_report_at in active:
             try:
                 self._reconcile(job, last_report_at)
+            except ClusterUnreachable as error:
+                log.warning("job %s not reconciled, retried: %s", job.id, error, extra={"job_id": job.id})
             except Exception:  # noqa: BLE001 — one job's Ray or database error must not stall the others
                 log.exception("reconciling job %s failed", job.id, extra={"job_id": job.id})
 
@@ -335,6 +342,9 @@ class Dispatcher:
         for attempt in attempts:
             try:
                 self._close(attempt, owners[attempt.job_id])
+            except ClusterUnreachable as error:
+                log.warning("attempt %d of job %s not closed yet, retried: %s", attempt.number, attempt.job_id, error,
+                            extra={"job_id": attempt.job_id})
             except Exception:  # noqa: BLE001 — one attempt's Ray or database error must not stall the others
                 log.exception("closing attempt %d of job %s failed", attempt.number, attempt.job_id,
                               extra={"job_id": attempt.job_id})

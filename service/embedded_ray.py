@@ -89,10 +89,13 @@ def _cause(log_path: Path, offset: int) -> str:
 
 def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
                system_config: dict | None = None, timeout_s: float = 60.0, ray_client_server: bool = False,
-               attempts: int = 2) -> RayHead:
+               attempts: int = 2, port: int | None = None, dashboard_port: int | None = None,
+               env: dict[str, str] | None = None) -> RayHead:
     """Start a local head (or reuse the one recorded in data_dir if it still answers). A start that fails (the
     process exits, or the dashboard does not answer in timeout_s) is cleaned up, every process of it ended, and tried
-    again up to `attempts` times in all; then HeadStartFailed says why and where the log is."""
+    again up to `attempts` times in all; then HeadStartFailed says why and where the log is. `port` (the GCS's) and
+    `dashboard_port`: free ones unless given (a new cluster at an old one's address). `env`: more variables for the
+    head's processes (e.g. RAY_REDIS_ADDRESS, for GCS fault tolerance)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     state_path = data_dir / _STATE_FILE
     if state_path.exists():
@@ -105,7 +108,8 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
     for _ in range(attempts):
         offset = log_path.stat().st_size if log_path.exists() else 0
         try:
-            head = _start_once(data_dir, log_path, num_cpus, resources, system_config, timeout_s, ray_client_server)
+            head = _start_once(data_dir, log_path, num_cpus, resources, system_config, timeout_s, ray_client_server,
+                               port, dashboard_port, env or {})
         except _StartFailed as failure:
             causes.append(f"{failure}: {_cause(log_path, offset)}")
             continue
@@ -120,8 +124,9 @@ class _StartFailed(RuntimeError):
 
 
 def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources: dict[str, float] | None,
-                system_config: dict | None, timeout_s: float, ray_client_server: bool) -> RayHead:
-    port, dashboard_port, metrics_port = _free_port(), _free_port(), _free_port()
+                system_config: dict | None, timeout_s: float, ray_client_server: bool, port: int | None,
+                dashboard_port: int | None, extra_env: dict[str, str]) -> RayHead:
+    port, dashboard_port, metrics_port = port or _free_port(), dashboard_port or _free_port(), _free_port()
     # Its own temp dir: Ray resolves "auto" addresses (as the Jobs API does for each job's driver)
     # through <temp dir>/ray_current_cluster, which a shared /tmp/ray lets another cluster overwrite.
     # Kept short: Ray's Unix socket paths live below it.
@@ -145,7 +150,7 @@ def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources:
         command += ["--resources", json.dumps(resources)]
     command += ["--system-config", json.dumps({**CLUSTER_SYSTEM_CONFIG, **(system_config or {})})]
     # The head's processes inherit PATH, so the job driver finds this interpreter's packages.
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra_env)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     head = RayHead(pid=process.pid, gcs_address=f"127.0.0.1:{port}", dashboard_url=f"http://127.0.0.1:{dashboard_port}",

@@ -1,21 +1,21 @@
 """The control plane's client side of Ray: gang reservation, Ray job submission, status, stop, logs.
 
-Imports ray lazily: the API process starts without it until the dispatcher first needs the cluster.
+The Jobs API is Ray's REST API, called from this process; placement groups and the warm pool need a Ray driver,
+which runs in the Ray agent's process (service/ray_agent.py), so that no restart of the cluster can take this
+process down with it.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import socket
 import threading
-from collections.abc import Callable
 from typing import Any, Protocol
 
-from ringmaster.service.naming import NAMESPACE
+from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, RayAgent, agent_command
 
 log = logging.getLogger(__name__)
-
-CONTROL_PLANE_JOB_NAME = "ringmaster control plane (its warm pool workers)"
 
 
 class ClusterBackend(Protocol):
@@ -33,30 +33,20 @@ class ClusterBackend(Protocol):
     def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
 
 
-class WarmPool(Protocol):
-    """The cluster's pool of idle warm workers (workers/warm_pool.py), topped up by the dispatcher."""
-
-    per_node: int
-
-    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
-
-
-# per_node -> a pool keeper; the composition root supplies it (it lives with the workers).
-WarmPoolFactory = Callable[[int], WarmPool]
-
-
 class RayCluster:
-    """A Ray cluster reached through its GCS (placement groups) and dashboard (Jobs API)."""
+    """A Ray cluster reached through its dashboard (Jobs API) and, for placement groups and the warm pool, the Ray
+    agent's own connection to its GCS."""
 
-    def __init__(self, address: str, dashboard_url: str, warm_pool_factory: WarmPoolFactory | None = None) -> None:
-        """`warm_pool_factory`: builds the warm pool keep_warm tops up; None keeps no pool."""
+    def __init__(self, address: str, dashboard_url: str, agent: list[str] | None = None,
+                 driver_resources: dict[str, float] | None = None) -> None:
+        """`agent`: the command that starts the Ray agent (the composition root's adds the warm pool); by default one
+        that keeps no pool. `driver_resources`: what each job's driver asks Ray for (Settings.driver_resources)."""
         self.address = address
+        self.driver_resources = dict(driver_resources or {})
         self.dashboard_url = dashboard_url.rstrip("/")
+        self.agent = RayAgent(agent or agent_command("ringmaster.service.ray_agent", address))
         self._jobs = None
         self._lock = threading.Lock()
-        self._warm_pool_factory = warm_pool_factory
-        self._warm_pool: WarmPool | None = None
-        self._connected = False
 
     @property
     def gcs_address(self) -> str | None:
@@ -64,49 +54,34 @@ class RayCluster:
         running on the cluster itself, takes the address the Jobs API gives it."""
         return None if self.address.startswith("ray://") else self.address
 
-    def connect(self):
-        """Join the cluster as a client; call from the main thread so Ray can install its signal handlers."""
-        return self._connect()
+    def connect(self) -> None:
+        """Start the Ray agent now rather than at the first reservation; a cluster that does not answer yet is
+        joined later (each call tries again)."""
+        try:
+            self._agent_call("ping")
+        except RuntimeError as error:
+            log.warning("the Ray cluster at %s is not reachable yet (tried again on use): %s", self.address, error)
 
-    def _connect(self):
-        import ray
-        import ray.job_config
+    def _jobs_api(self):
         from ray.job_submission import JobSubmissionClient
 
         with self._lock:
-            if not self._connected:
-                if ray.is_initialized() and ray.get_runtime_context().gcs_address != self.address:
-                    # The process is connected to another cluster (Ray allows one connection per process): leave it
-                    # rather than place this cluster's jobs there.
-                    log.warning("leaving Ray cluster %s to join %s", ray.get_runtime_context().gcs_address, self.address)
-                    ray.shutdown()
-                if not ray.is_initialized():
-                    # Named, as the dashboard's job list shows it: this connection owns the warm pool's workers.
-                    ray.init(address=self.address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                             log_to_driver=False, configure_logging=False,
-                             job_config=ray.job_config.JobConfig(metadata={"job_name": CONTROL_PLANE_JOB_NAME}))
-                self._connected = True
             if self._jobs is None:
-                self._jobs = JobSubmissionClient(self.dashboard_url)
-        return ray, self._jobs
+                try:
+                    self._jobs = JobSubmissionClient(self.dashboard_url)
+                except ConnectionError as error:  # the client checks the dashboard's version at once
+                    raise ClusterUnreachable(f"the Ray dashboard at {self.dashboard_url} does not answer: {error}") from error
+        return _JobsApi(self._jobs, self.dashboard_url)
 
     def disconnect(self) -> None:
-        import ray
-
+        self.agent.close()
         with self._lock:
-            if self._connected and ray.is_initialized():
-                ray.shutdown()
-            self._connected = False
             self._jobs = None
 
     def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None:
         """Top up each warm pool (pool -> the runtime_env its workers start in) on every node; kill pool workers whose
         job attempt has ended, and idle workers of pools not named."""
-        if self._warm_pool_factory is None:
-            return
-        _, jobs = self._connect()
-        if self._warm_pool is None or self._warm_pool.per_node != per_node:
-            self._warm_pool = self._warm_pool_factory(per_node)
+        jobs = self._jobs_api()
         resolved = {}
         for pool, runtime_env in runtime_envs.items():
             runtime_env = copy.deepcopy(runtime_env)
@@ -114,40 +89,33 @@ class RayCluster:
             # the job's own submission uploads (a no-op once the cluster has it), so pool and job share one copy.
             jobs._upload_working_dir_if_needed(runtime_env)
             resolved[pool] = runtime_env
-        self._warm_pool.tick(active_submissions, resolved)
+        self._agent_call("keep_warm", per_node=per_node, active_submissions=sorted(active_submissions),
+                        runtime_envs=resolved)
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         """All-or-nothing: a placement group of these bundles is ready within wait_s, or nothing is held."""
-        ray, _ = self._connect()
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        group = placement_group(bundles, strategy="PACK", name=name, lifetime="detached")
-        ready, _ = ray.wait([group.ready()], timeout=wait_s)
-        if ready:
-            return True
-        remove_placement_group(group)
-        return False
+        return bool(self._agent_call("reserve", timeout_s=wait_s + 60, name=name, bundles=bundles, wait_s=wait_s))
 
     def release(self, name: str) -> None:
-        ray, _ = self._connect()
-        from ray.util import get_placement_group
-        from ray.util.placement_group import remove_placement_group
+        self._agent_call("release", name=name)
 
-        try:
-            remove_placement_group(get_placement_group(name))
-        except ValueError:
-            pass  # already removed
+    def _agent_call(self, op: str, **args: Any) -> Any:
+        if not self.agent.running and (why := _unreachable(self.address)):
+            # Not worth an agent's start (seconds) and its wait to join: the cluster is down or restarting.
+            raise AgentUnavailable(why)
+        return self.agent.call(op, **args)
 
     def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
         """`runtime_env`: Ray's; a local zip as its working_dir is uploaded as a Ray package unless the cluster has it.
         `metadata`: the Ray job's, shown in the dashboard."""
-        _, jobs = self._connect()
-        # The driver holds no cluster resources of its own: the job's placement group has them all.
+        jobs = self._jobs_api()
+        # The driver holds no CPU of its own (the job's placement group has them all); driver_resources only say
+        # where it may run.
         jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0, runtime_env=runtime_env,
-                        metadata=metadata)
+                        metadata=metadata, entrypoint_resources=self.driver_resources or None)
 
     def status(self, submission_id: str) -> str | None:
-        _, jobs = self._connect()
+        jobs = self._jobs_api()
         try:
             return str(jobs.get_job_status(submission_id).value)
         except RuntimeError as error:
@@ -159,7 +127,7 @@ class RayCluster:
         """Why a FAILED Ray job's driver never ran, when it is a failure every attempt would meet: its runtime env could
         not be set up (a pip install failed), its entrypoint could not be started, or it exited by itself with an error
         code (a crash at import). None for a driver killed by a signal, a lost supervisor or node, or any other end."""
-        _, jobs = self._connect()
+        jobs = self._jobs_api()
         try:
             info = jobs.get_job_info(submission_id)
         except RuntimeError as error:
@@ -180,7 +148,7 @@ class RayCluster:
         return None
 
     def stop(self, submission_id: str) -> None:
-        _, jobs = self._connect()
+        jobs = self._jobs_api()
         try:
             jobs.stop_job(submission_id)
         except RuntimeError as error:
@@ -188,5 +156,39 @@ class RayCluster:
                 raise
 
     def logs(self, submission_id: str) -> str:
-        _, jobs = self._connect()
+        jobs = self._jobs_api()
         return jobs.get_job_logs(submission_id)
+
+
+def _unreachable(address: str) -> str | None:
+    """Why nothing can join the GCS at host:port now (None if it accepts connections, or for a ray:// address)."""
+    if "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return None
+    except (OSError, ValueError) as error:
+        return f"nothing answers at the Ray cluster's address {address}: {error}"
+
+
+class _JobsApi:
+    """The Jobs API client, whose calls raise ClusterUnreachable when the dashboard does not answer at all."""
+
+    def __init__(self, jobs: Any, dashboard_url: str) -> None:
+        self._jobs, self._dashboard_url = jobs, dashboard_url
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._jobs, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            import requests
+
+            try:
+                return attribute(*args, **kwargs)
+            except requests.exceptions.ConnectionError as error:
+                raise ClusterUnreachable(f"the Ray dashboard at {self._dashboard_url} does not answer") from error
+        return call
+

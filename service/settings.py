@@ -26,6 +26,11 @@ class Settings(BaseSettings):
     lease_s: float = Field(default=30.0, gt=0, description="How long a dispatcher owns a claimed job before another may take it.")
     admission_wait_s: float = Field(default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued.")
     driver_python: str = Field(default="python", description="Interpreter that runs the job driver on the Ray cluster.")
+    driver_resources: dict[str, float] = Field(default_factory=dict, description="Ray resources a job's driver needs "
+                                               "(the Jobs API's entrypoint_resources), e.g. {\"ringmaster_driver\": 1} "
+                                               "where only worker nodes have that resource: with GCS fault tolerance, "
+                                               "a driver off the head lives through the head's restart. Default: none "
+                                               "(Ray places drivers on the head).")
     gpus_per_node: int | None = Field(default=None, ge=0, description="GPUs on each node workers run on, when the cluster "
                                       "does not say; the submit-time check keeps tensor-parallel groups inside a node.")
     cpus_per_node: float | None = Field(default=None, gt=0, description="CPUs on each node workers run on (CPU jobs), as above.")

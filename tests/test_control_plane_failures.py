@@ -4,11 +4,16 @@
   job finishes once, and the driver's buffered reports are replayed without duplicates;
 - the job's driver process is killed: the reconciler resubmits it as attempt 2, which resumes from
   the latest committed checkpoint and succeeds;
-- PostgreSQL restarts mid-job: no event, metric or state transition is lost.
+- PostgreSQL restarts mid-job: no event, metric or state transition is lost;
+- the whole Ray cluster is killed mid-job and a new one started at its address: the server lives on, joins the
+  new cluster by itself, and the job resumes there from its newest checkpoint and succeeds;
+- with GCS fault tolerance (Redis), the head alone is killed and restarted mid-job: the workers and the driver,
+  off the head, train on, and the job succeeds as attempt 1 with every step once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +22,9 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -30,6 +36,7 @@ from ringmaster.service.client import ApiError, RingmasterClient
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.models import DEFAULT_TENANT
+from harness.fault_tolerant_cluster import DRIVER_RESOURCE, FaultTolerantCluster, redis_server_path
 from harness.ports import free_port
 from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
 from ringmaster.workers.checkpoint import committed_checkpoints
@@ -61,6 +68,7 @@ class Server:
     port: int
     token: str | None = None
     process: subprocess.Popen | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # more RINGMASTER_* variables
 
     @property
     def url(self) -> str:
@@ -78,6 +86,7 @@ class Server:
             RINGMASTER_API_PORT=str(self.port),
             RINGMASTER_DRIVER_PYTHON=sys.executable,
             RINGMASTER_CODE_PATH=str(REPO_ROOT),
+            **self.settings,
         )
         with open(self.data_dir / "server.log", "ab") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "serve"], cwd=REPO_ROOT, env=env,
@@ -97,7 +106,7 @@ class Server:
 
     def replacement(self) -> Server:
         """A new server on this one's port, database and token (not started)."""
-        return Server(self.data_dir, self.database_url, self.head, self.port, self.token)
+        return Server(self.data_dir, self.database_url, self.head, self.port, self.token, settings=self.settings)
 
     def kill(self) -> None:
         """kill -9: no shutdown code runs."""
@@ -165,6 +174,8 @@ def _poll(client: RingmasterClient, job_id: str, until: Callable[[dict], object]
     deadline = time.monotonic() + timeout_s
     job: dict = {}
     while True:
+        assert server.process is None or server.process.poll() is None, \
+            f"the server exited with {server.process.returncode}:\n{server.log_tail()}"
         try:
             job = client.job(job_id)
             if until(job):
@@ -277,6 +288,89 @@ def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, 
     assert set(range(1, resumed_from + 1)) <= first_steps, "attempt 1 did not report every step it committed"
     _wait_ray_status(ray_head, f"ringmaster-{job_id}-2", "SUCCEEDED")
     assert _ray_jobs(ray_head, job_id) == {first_attempt: "FAILED", f"ringmaster-{job_id}-2": "SUCCEEDED"}
+
+
+def test_a_replaced_ray_cluster_is_joined_by_the_living_server_and_the_job_resumes_there(tmp_path, servers):
+    steps, every = 100, 10
+    heads = [start_head(tmp_path / "ray-1", num_cpus=CLUSTER_CPUS)]
+    try:
+        server = _sqlite_server(tmp_path, heads[0], servers).start()
+        client = api(server)
+        job_id = client.submit(_spec("cluster-replaced", steps=steps, every_steps=every))["id"]
+        _poll(client, job_id, lambda j: j["state"] == "RUNNING" and client.checkpoints(job_id)["items"], 90, server)
+        seen_checkpoint = max(c["step"] for c in client.checkpoints(job_id)["items"])
+        assert seen_checkpoint < steps, "the job finished before its cluster could be killed"
+
+        stop_head(heads[0], grace_s=0.0)  # every process of the cluster: GCS, raylet, the driver, the workers
+        time.sleep(3.0)  # the control plane meets a cluster that is gone
+        assert server.process.poll() is None, f"the server died with its cluster:\n{server.log_tail()}"
+        heads.append(start_head(tmp_path / "ray-2", num_cpus=CLUSTER_CPUS,
+                                port=int(heads[0].gcs_address.rsplit(":", 1)[1]),
+                                dashboard_port=urlsplit(heads[0].dashboard_url).port))
+        assert heads[1].gcs_address == heads[0].gcs_address and heads[1].dashboard_url == heads[0].dashboard_url
+
+        done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 180, server)  # checks the server is alive
+        assert done["state"] == "SUCCEEDED", done["error"]
+        assert (done["attempt"], done["failures"]) == (2, 1)
+        requeued = next(e for e in client.events(job_id)["items"] if e["to_state"] == "QUEUED" and e["from_state"])
+        assert requeued["message"].startswith(f"attempt 1: Ray job ringmaster-{job_id}-1 is gone from Ray; resubmitting"), \
+            requeued["message"]
+        rows = client.metrics(job_id)["items"]
+        second = sorted(row["step"] for row in rows if row["attempt"] == 2)
+        assert second[0] - 1 >= seen_checkpoint, "attempt 2 did not resume from the newest checkpoint attempt 1 committed"
+        assert second == list(range(second[0], steps + 1))
+        # The second cluster ran it, through an agent of the server's that joined it (the first one's was lost).
+        _wait_ray_status(heads[1], f"ringmaster-{job_id}-2", "SUCCEEDED")
+        assert _ray_jobs(heads[1], job_id) == {f"ringmaster-{job_id}-2": "SUCCEEDED"}
+        assert "Ray agent 2 (pid" in server.log_tail(200_000), server.log_tail()
+        assert server.process.poll() is None
+    finally:
+        for head in heads:
+            stop_head(head, grace_s=2.0)
+
+
+@pytest.fixture
+def fault_tolerant_cluster(tmp_path: Path) -> Iterator[FaultTolerantCluster]:
+    if redis_server_path() is None:
+        message = "redis-server is needed for GCS fault tolerance (apt-get install redis-server)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    cluster = FaultTolerantCluster(tmp_path / "cluster")
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_attempt_1(tmp_path, servers,
+                                                                                     fault_tolerant_cluster):
+    cluster = fault_tolerant_cluster
+    steps = 300  # 30 s: the head is down and back well within it
+    server = Server(tmp_path, f"sqlite:///{tmp_path / 'ringmaster.db'}", cluster.head, free_port(), settings={
+        "RINGMASTER_DRIVER_RESOURCES": json.dumps({DRIVER_RESOURCE: 1}), "RINGMASTER_WARM_WORKERS_PER_NODE": "0"})
+    servers.append(server)
+    server.start()
+    client = api(server)
+    job_id = client.submit(_spec("head-restart", steps=steps, every_steps=0))["id"]
+    _poll(client, job_id, lambda j: j["state"] == "RUNNING" and len(client.metrics(job_id)["items"]) >= 20, 90, server)
+    driver = JobSubmissionClient(cluster.head.dashboard_url).get_job_info(f"ringmaster-{job_id}-1").driver_info
+    assert driver is not None and driver.pid
+
+    killed_at, back_at = cluster.restart_head()
+    assert server.process.poll() is None, f"the server died with the head:\n{server.log_tail()}"
+    done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 180, server)  # checks the server is alive
+
+    assert done["state"] == "SUCCEEDED", done["error"]
+    assert (done["attempt"], done["failures"]) == (1, 0), "the job was restarted instead of living through the head's restart"
+    assert _transitions(client, job_id) == [(None, "QUEUED"), ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"),
+                                            ("RUNNING", "SUCCEEDED")]
+    rows = client.metrics(job_id)["items"]
+    _assert_every_step_once(rows, range(1, steps + 1))  # no step redone, none skipped
+    finished = [row["wall_time"] for row in rows if row["loss"] is not None]
+    assert any(killed_at < at < back_at for at in finished), "no step was trained while the head was down"
+    assert any(at > back_at for at in finished), "the job had finished before the head came back"
+    assert server.process.poll() is None
 
 
 @pytest.fixture

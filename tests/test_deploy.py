@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import os
 import re
 import shutil
@@ -51,6 +52,8 @@ PLACEHOLDER_IMAGES = ("ringmaster-ray", "ringmaster-control-plane")
 EXPECTED: dict[str, dict[str, Any]] = {
     "dev": {"gpus": False, "ray_tag": "cpu", "control_plane_tag": "cpu", "bundled_postgres": True, "rwx": False},
     "gpu": {"gpus": True, "ray_tag": "cuda", "control_plane_tag": "cpu", "bundled_postgres": False, "rwx": True},
+    "ha": {"gpus": False, "ray_tag": "cpu", "control_plane_tag": "cpu", "bundled_postgres": True, "rwx": False,
+           "gcs_fault_tolerance": True},
 }
 
 
@@ -544,6 +547,30 @@ def test_ray_addresses_point_at_the_head_service(overlay: Rendered) -> None:
     assert (dashboard.scheme, dashboard.hostname) == ("http", head_service)
     assert dashboard.port == container_port(head, "dashboard") == 8265
     assert container_port(head, "gcs-server") == 6379
+
+
+def test_gcs_fault_tolerance_has_its_redis_and_keeps_drivers_off_the_head(overlay: Rendered) -> None:
+    spec = overlay.raycluster["spec"]
+    options = spec.get("gcsFaultToleranceOptions")
+    driver_resources = overlay.control_plane_settings.driver_resources
+    if not overlay.expect.get("gcs_fault_tolerance"):
+        assert options is None and not driver_resources, f"{overlay.name}: GCS fault tolerance where none is promised"
+        return
+    host, port = options["redisAddress"].rsplit(":", 1)
+    redis = overlay.get("Service", host)
+    assert int(port) in {p["port"] for p in redis["spec"]["ports"]}, f"{overlay.name}: {host} has no port {port}"
+    redis_pods = [t for _, t in overlay.pod_templates() if redis["spec"]["selector"].items() <= t["metadata"]["labels"].items()]
+    assert len(redis_pods) == 1 and container_port(redis_pods[0]["spec"]["containers"], int(port))
+    secret = options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert secret["key"] in overlay.data("Secret", secret["name"]), f"{overlay.name}: no Redis password secret"
+    # Every driver asks for a resource that only worker pods have, so a restarted head takes no driver with it.
+    assert driver_resources, f"{overlay.name}: RINGMASTER_DRIVER_RESOURCES is unset, so drivers land on the head"
+    head_resources = spec["headGroupSpec"]["rayStartParams"].get("resources")
+    assert head_resources is None or not set(driver_resources) & set(json.loads(json.loads(head_resources)))
+    for group in spec["workerGroupSpecs"]:
+        offered = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
+        assert all(offered.get(name, 0) >= amount for name, amount in driver_resources.items()), \
+            f"{overlay.name}: worker group {group['groupName']} offers {offered}, drivers need {driver_resources}"
 
 
 def test_api_url_reaches_the_control_plane_through_its_service(overlay: Rendered) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import ray
 
@@ -34,6 +35,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _own_node_temp_dir() -> str | None:
+    """The temp dir of the Ray node this driver runs on, from the command line of the raylet above it (the Jobs API's
+    supervisor, this process's parent, is a worker process that raylet started). Where several nodes share a host,
+    ray.init otherwise attaches to the head's raylet, and the driver and the workers it owns would end with the head
+    (RINGMASTER_DRIVER_RESOURCES places a driver off the head just so it outlives the head)."""
+    pid = os.getppid()
+    for _ in range(4):
+        try:
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if arguments and arguments[0].endswith(b"raylet"):
+            return next((a.split(b"=", 1)[1].decode() for a in arguments if a.startswith(b"--temp_dir=")), None)
+        pid = parent
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per report: the log is the training's
@@ -44,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     # `ray job stop` sends SIGTERM: unwind through the finally blocks so actors and the group are freed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
-    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, _temp_dir=_own_node_temp_dir())
     log.info("connected to Ray after %.2fs", time.monotonic() - started)
     # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
