@@ -15,17 +15,21 @@ from ringmaster.service.client import RingmasterClient
 from harness.ray_cluster import wait_for_state
 from harness.simulated_cluster import SimulatedCluster, control_plane_on
 from ringmaster.workers.data.audit import read_effective_samples
+from paced_model import read_tagged_steps
 
 pytestmark = pytest.mark.integration
 
 STEPS = 150
 KILL_AFTER_STEP = 25
 GLOBAL_BATCH = 8
+SAMPLES = 96  # 12 steps an epoch: every run goes through 12 epochs and a half, so every failure is near a wrap
 
 
-def _spec(name: str, minimum: int, maximum: int) -> dict:
+def _spec(cluster: SimulatedCluster, name: str, minimum: int, maximum: int) -> dict:
     return {
-        "name": name, "model": "tests.paced_model:build", "model_options": {"pause_s": 0.03},
+        "name": name, "model": "tests.paced_model:build",
+        "model_options": {"pause_s": 0.03, "n_train": SAMPLES, "n_val": 64,
+                          "id_record_dir": str(cluster.id_records / name)},
         "workers": {"min": minimum, "max": maximum, "cpus_per_worker": 1},
         "train": {"steps": STEPS, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, "lr": 0.003, "seed": 3,
                   "record_sample_ids": True},
@@ -39,6 +43,7 @@ def cluster(tmp_path_factory):
     simulated = SimulatedCluster(nodes=2)
     try:
         with control_plane_on(simulated, tmp_path_factory.mktemp("elastic")) as server:
+            simulated.id_records = tmp_path_factory.mktemp("ids-in-the-loss-path")
             simulated.client = server.client()
             simulated.storage = Path(server.plane.settings.resolved_storage_uri())
             yield simulated
@@ -52,7 +57,7 @@ def uninterrupted(cluster) -> list[float]:
     whatever the machine's speed (tests/paced_model.py): a standby has time to warm up mid-job, and a worker that
     starts warming up when the group shrinks is ready long before a one-worker group would finish the job."""
     _ensure_nodes(cluster, 2)
-    job = cluster.client.submit(_spec("reference", 2, 2))
+    job = cluster.client.submit(_spec(cluster, "reference", 2, 2))
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
     assert done["state"] == "SUCCEEDED", done["error"]
     return _losses(cluster.client, job["id"])
@@ -100,6 +105,22 @@ def _assert_each_sample_once_per_epoch(storage: Path, job_id: str) -> None:
         assert len(sample_ids) == len(set(sample_ids)), f"epoch {epoch} used a sample twice"
 
 
+def _assert_each_sample_once_per_epoch_in_the_loss_path(cluster: SimulatedCluster, name: str, job_id: str) -> None:
+    """The same, from the ids the samples carried into the model (tests/paced_model.py), not ringmaster's record:
+    every step used a global batch of distinct samples, and each epoch used every sample exactly once."""
+    regroups = sum(1 for e in _events(cluster.client, job_id) if e["data"] and "resumed_from" in e["data"])
+    steps, again = read_tagged_steps(cluster.id_records / name)
+    assert len(steps) == STEPS and all(len(ids) == GLOBAL_BATCH for ids in steps), [len(ids) for ids in steps]
+    # Per failure: the step whose snapshot was in flight, and the one it cut short.
+    assert again <= 2 * regroups, f"{again} computations repeated samples over {regroups} re-formation(s)"
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for epoch in range(0, STEPS, per_epoch):
+        used = [i for ids in steps[epoch:epoch + per_epoch] for i in ids]
+        assert len(used) == len(set(used)), f"epoch {epoch // per_epoch} used a sample twice"
+        if len(used) == SAMPLES:
+            assert set(used) == set(range(SAMPLES)), f"epoch {epoch // per_epoch} left samples out"
+
+
 def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> None:
     """Every re-formation resumed from the survivors' memory (checkpoint.in_memory is on for a multi-node group):
     no rank read storage to restore, and no optimizer step was computed by more than one formation of the group but
@@ -121,7 +142,7 @@ def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> Non
 
 def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
     _ensure_nodes(cluster, 2)
-    job = cluster.client.submit(_spec("replace", 2, 2))
+    job = cluster.client.submit(_spec(cluster, "replace", 2, 2))
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.add_node()
     cluster.kill_node(_worker_node(cluster))
@@ -133,13 +154,14 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
     assert resumed["data"]["world_size"] == 2 and resumed["data"]["resumed_from_step"] >= KILL_AFTER_STEP - 1
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "replace", job["id"])
     _assert_recovered_from_memory(cluster, job["id"])
 
 
 def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterrupted):
     _ensure_nodes(cluster, 2)
     # Snapshots on also at one worker (on one node they are off by default): the growth back resumes from memory too.
-    spec = _spec("shrink", 1, 2)
+    spec = _spec(cluster, "shrink", 1, 2)
     job = cluster.client.submit({**spec, "checkpoint": {**spec["checkpoint"], "in_memory": {"replicas": 1}}})
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.kill_node(_worker_node(cluster))
@@ -157,12 +179,13 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterr
     # The global batch is kept (accumulation doubles at one worker), so the trajectory is the same run's.
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "shrink", job["id"])
     _assert_recovered_from_memory(cluster, job["id"])
 
 
 def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterrupted):
     _ensure_nodes(cluster, 2)
-    job = cluster.client.submit(_spec("frozen", 1, 2))
+    job = cluster.client.submit(_spec(cluster, "frozen", 1, 2))
     _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     frozen_node, frozen_at = _worker_node(cluster), time.time()
     cluster.freeze_node(frozen_node)
@@ -175,12 +198,13 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
     detected_after = datetime.fromisoformat(recovering["at"]).timestamp() - frozen_at
     assert detected_after < 5.0, f"a frozen node was noticed only after {detected_after:.1f}s"
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "frozen", job["id"])
     _assert_recovered_from_memory(cluster, job["id"])
 
 
 def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninterrupted):
     _ensure_nodes(cluster, 3)  # two nodes for the group, one idle for the standby
-    spec = _spec("standby", 2, 2)
+    spec = _spec(cluster, "standby", 2, 2)
     job = cluster.client.submit({**spec, "workers": {**spec["workers"], "standby": 1}})
     deadline = time.monotonic() + 120
     while not (ready := [e for e in _events(cluster.client, job["id"]) if e["data"] and "standby_node" in e["data"]]):
@@ -195,4 +219,5 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninte
     assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "standby", job["id"])
     _assert_recovered_from_memory(cluster, job["id"])

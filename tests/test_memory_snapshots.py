@@ -21,7 +21,7 @@ from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.snapshot_choice import choose_snapshot
-from ringmaster.workers.memory_snapshots import SnapshotRef, SnapshotStore
+from ringmaster.workers.memory_snapshots import KEPT, SnapshotRef, SnapshotStore
 from ringmaster.workers.trainer import TrainContext, run_training
 from strategy_reference import strategy_spec
 
@@ -72,7 +72,8 @@ def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, ports: list
     port = iter(ports)
     for strategy in STRATEGIES:
         spec, runs = _spec(strategy), {}
-        runs["straight"], _ = _train(spec, f"{strategy}-straight", root, store, 1)
+        runs["straight"], straight_events = _train(spec, f"{strategy}-straight", root, store, 1)
+        runs["snapshot-cost"] = [e["snapshot_host_memory"] for e in straight_events if "snapshot_host_memory" in e]
         for ending in ("shrink", "replace", "buddy-lost"):
             job = f"{strategy}-{ending}"
             runs[job], _ = _train(spec, job, root, store, 1, stop_after=STOP_AFTER)
@@ -127,3 +128,15 @@ def test_a_shard_lost_with_its_only_copy_is_named(runs: dict[str, Any], strategy
     assert choice["chosen"] is None
     # Rank 1's copy lived on rank 2: both are gone.
     assert f"step {STOP_AFTER} lacks __1_0.distcp" in choice["why_not"]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, Any], strategy: str) -> None:
+    [costs] = runs[strategy]["snapshot-cost"]
+    assert [cost["rank"] for cost in costs] == [0, 1, 2]
+    for cost in costs:
+        buddy = costs[(cost["rank"] - 1) % 3]  # one replica, on the next rank round the ring
+        assert cost["own_bytes_per_snapshot"] > 0 and cost["sent_bytes_per_snapshot"] >= cost["own_bytes_per_snapshot"]
+        # Its own shard and its buddy's, of each of the KEPT snapshots it holds (and their metadata).
+        assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["own_bytes_per_snapshot"])
+

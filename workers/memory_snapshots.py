@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -131,8 +132,13 @@ class PeerSnapshots:
     the snapshots' gloo group)."""
 
     def __init__(self, store: SnapshotStore, job_id: str, generation: int, replicas: int,
-                 ranks_per_node: tuple[int, ...] | None, device: torch.device) -> None:
+                 ranks_per_node: tuple[int, ...] | None, device: torch.device,
+                 report: Callable[[list[dict[str, int]]], None] | None = None) -> None:
+        """`report`: given on rank 0, called once with every rank's host-memory cost (host_memory_cost) when the
+        snapshots reach their steady state (KEPT of them held)."""
         self._store, self._job_id, self._generation = store, job_id, generation
+        self._report, self._written = report, 0
+        self.sent_bytes = 0  # what this rank sent its buddies for the latest snapshot
         self.group = dist.new_group(backend="gloo")
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         # Ranks are contiguous per node: a shift of the largest node's size lands on another node (when nodes are
@@ -141,20 +147,19 @@ class PeerSnapshots:
         self._shifts = sorted({(copy * shift) % self._world_size for copy in range(1, replicas + 1)} - {0})
         self._stager = checkpoint_stager(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
-        self._staged: Future | None = None
         self._in_flight: Future | None = None
 
     def take(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state`, the state after `step`, in the background (the previous snapshot finishes first)."""
         self.wait()
         staged = self._stager.stage(state)
-        self._staged = staged if isinstance(staged, Future) else None
         self._in_flight = self._executor.submit(self._write, SnapshotRef(self._generation, step), staged)
 
     def before_state_changes(self) -> None:
-        """The snapshot must have copied the state before the optimizer changes it."""
-        if self._staged is not None:
-            self._staged.result()
+        """Before the optimizer changes the state, the previous step's snapshot must be whole in peers' memory (not
+        only copied out): a failure then costs at most the one step in progress. Waiting only for the copy would let
+        a step complete while the snapshot before it could still be lost, and a failure cost two."""
+        self.wait()
 
     def wait(self) -> None:
         if self._in_flight is not None:
@@ -179,12 +184,29 @@ class PeerSnapshots:
         own_prefix = f"__{self._rank}_"
         own = {name: self._store.read(location, name) for name in self._store.names(location) if name.startswith(own_prefix)}
         payload = _to_tensor(pickle.dumps(own))
+        self.sent_bytes = payload.numel() * len(self._shifts)
         for shift in self._shifts:
             received = _exchange(payload, (self._rank + shift) % self._world_size,
                                  (self._rank - shift) % self._world_size, self.group)
             for name, content in pickle.loads(received.numpy().tobytes()).items():
                 self._store.write(location, name, content)
         self._store.retain(self._job_id)
+        self._written += 1
+        if self._written == KEPT:
+            costs: list[Any] = [None] * self._world_size
+            dist.all_gather_object(costs, self.host_memory_cost(location), group=self.group)
+            if self._report is not None:
+                self._report(costs)
+
+    def host_memory_cost(self, latest: str) -> dict[str, int]:
+        """This rank's host memory for snapshots: every file it holds (its own and its buddies' shards, of each
+        snapshot kept), and per snapshot what it wrote itself and what it sent to buddies."""
+        held = sum(sum(self._store.names(snapshot_location(self._job_id, ref)).values())
+                   for ref in self._store.snapshots(self._job_id))
+        own_prefix = f"__{self._rank}_"
+        own = sum(size for name, size in self._store.names(latest).items() if name.startswith(own_prefix))
+        return {"rank": self._rank, "held_bytes": held, "own_bytes_per_snapshot": own,
+                "sent_bytes_per_snapshot": self.sent_bytes}
 
 
 def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, group: dist.ProcessGroup, *,

@@ -67,7 +67,8 @@ class Trainer:
                                         counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates])
         replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
         self._snapshots = None if replicas is None or ctx.snapshot_store is None else PeerSnapshots(
-            ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device)
+            ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device,
+            report=self._report_snapshot_cost if ctx.rank == 0 else None)
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
                                     keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None)
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
@@ -184,6 +185,12 @@ class Trainer:
                 step_time_s=step_time, wall_time=time.time(), lr=lr, grad_norm=self._optimizer.grad_norm.item(),
                 world_size=self.ctx.world_size))
         return votes > 0 and self.step < self.spec.train.steps
+
+    def _report_snapshot_cost(self, costs: list[dict[str, int]]) -> None:
+        most = max(costs, key=lambda cost: cost["held_bytes"])
+        self.ctx.sink.event(f"in-memory snapshots hold up to {most['held_bytes']} bytes of host memory per rank "
+                            f"(rank {most['rank']}); each snapshot sends {sum(c['sent_bytes_per_snapshot'] for c in costs)} "
+                            "bytes to buddies in all", {"snapshot_host_memory": costs})
 
     def _evaluation_due(self) -> bool:
         """train.eval_every_steps: evaluate after this step (the last step's is the final evaluation)."""
