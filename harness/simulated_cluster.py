@@ -45,7 +45,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 class SimulatedCluster:
-    def __init__(self, nodes: int, cpus_per_node: int = 1) -> None:
+    def __init__(self, nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0) -> None:
         self.dashboard_port = free_port()
         # Its own temp dir, so "auto" addresses inside it never resolve to another cluster here.
         self.temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
@@ -56,7 +56,7 @@ class SimulatedCluster:
             "num_cpus": 0, "temp_dir": self.temp_dir, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": self.dashboard_port, "_system_config": CLUSTER_SYSTEM_CONFIG,
         })
-        self.cpus_per_node = cpus_per_node
+        self.cpus_per_node, self.gpus_per_node = cpus_per_node, gpus_per_node
         self.nodes = [self.add_node() for _ in range(nodes)]
 
     @property
@@ -68,7 +68,7 @@ class SimulatedCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node)
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
         self.cluster.wait_for_nodes()
         return node
 

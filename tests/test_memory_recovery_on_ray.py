@@ -1,0 +1,142 @@
+"""A node killed mid-run, for every parallel layout: the group re-forms with a replacement and continues from the
+state its members hold in memory (checkpoint.in_memory), on a simulated multi-node cluster through the REST API.
+
+For each layout: the job SUCCEEDS; at most one optimizer step is computed twice, counted from each rank's own
+step record (train.record_sample_ids); the restore read no storage (the storage layer counts every read, and the
+restore event reports the sum over ranks); the per-step losses equal one process training on the same global
+batches (tests/strategy_reference.py), step for step, within 1e-6; and, as for an uninterrupted run
+(tests/test_strategies_on_ray.py, which leaves these layouts to this module), the final checkpoint holds the one
+process's weights and every rank reports its state memory. ddp's node loss with a replacement is
+tests/test_elastic.py's (against an uninterrupted run of the job itself).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from ray.util.state import list_actors, list_nodes
+
+from harness.checkpoints import load_model_weights
+from harness.ray_cluster import wait_for_state
+from harness.simulated_cluster import SimulatedCluster, control_plane_on
+from ringmaster.service.client import RingmasterClient
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.models import build_bundle
+from strategy_reference import ReferenceRun, strategy_spec, train_reference
+
+pytestmark = pytest.mark.integration
+
+STEPS = 12
+KILL_AFTER_STEP = 4
+CPUS_PER_NODE = 2
+TOLERANCE = 1e-6
+
+# name: (strategy, workers, cpus per worker, micro batch, parallel). Two nodes of two CPUs: one rank per node
+# where a worker takes both, else two; a layout's node-local group (hybrid's shard group, tensor's tp) is a node.
+CASES = {
+    "zero1": ("zero1", 2, 2, 4, {}),
+    "fsdp-zero3": ("fsdp", 2, 2, 4, {"shard": "zero3"}),
+    "fsdp-hybrid": ("fsdp", 4, 1, 2, {"shard": "hybrid"}),
+    "pipeline-1f1b": ("pipeline", 2, 2, 2, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
+    "tensor": ("tensor", 4, 1, 4, {"tp": 2}),
+    "3d-fsdp-tp-2x2": ("3d", 4, 1, 4, {"tp": 2, "shard": "zero3"}),
+}
+
+
+def _spec(name: str) -> dict:
+    strategy, workers, cpus, micro_batch, parallel = CASES[name]
+    spec = strategy_spec(f"memory-{name}", strategy, workers, STEPS, micro_batch, **parallel)
+    return {**spec, "workers": {**spec["workers"], "cpus_per_worker": cpus},
+            "train": {**spec["train"], "record_sample_ids": True},
+            # a durable checkpoint exists (the fallback), but recovery must not read it
+            "checkpoint": {"every_steps": 4, "keep": 2}, "max_failures": 2}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    simulated = SimulatedCluster(nodes=3, cpus_per_node=CPUS_PER_NODE)
+    try:
+        with control_plane_on(simulated, tmp_path_factory.mktemp("memory-recovery")) as server:
+            simulated.client = server.client()
+            simulated.storage = Path(server.plane.settings.resolved_storage_uri())
+            yield simulated
+    finally:
+        simulated.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference() -> ReferenceRun:
+    return train_reference(STEPS)
+
+
+def _ensure_nodes(cluster: SimulatedCluster, count: int) -> None:
+    while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+              if node.resources_total.get("CPU")) < count:
+        cluster.add_node()
+
+
+def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
+        assert time.monotonic() < deadline, f"job {job_id} never reached step {step}"
+        time.sleep(0.05)
+
+
+def _steps_computed_twice(storage: Path, job_id: str) -> tuple[int, int]:
+    """(steps that more than one formation of the group computed, formations), from every rank's own record."""
+    steps_by_generation: dict[int, set[int]] = {}
+    for record_file in (storage / job_id / "sample-ids").glob("*.jsonl"):
+        for line in record_file.read_text().splitlines():
+            record = json.loads(line)
+            steps_by_generation.setdefault(record["generation"], set()).add(record["step"])
+    computed = Counter(step for steps in steps_by_generation.values() for step in steps)
+    assert set(computed) == set(range(1, STEPS + 1)), "a step was never computed"
+    return sum(1 for times in computed.values() if times > 1), len(steps_by_generation)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, cluster, reference):
+    _ensure_nodes(cluster, 3)  # the job's two, and the replacement, idle from the start
+    client = cluster.client
+    job_id = client.submit(_spec(name))["id"]
+    _wait_for_step(client, job_id, KILL_AFTER_STEP)
+    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    cluster.kill_node(cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1]))
+    done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
+    assert done["state"] == "SUCCEEDED", done["error"]
+
+    events = client.events(job_id)["items"]
+    regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
+    assert [data["resumed_from"] for data in regroups] == ["memory"], regroups
+    restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
+    assert len(restores) == 1 and restores[0]["storage_reads"] == 0 and restores[0]["bytes_moved"] > 0, restores
+    # Step KILL_AFTER_STEP was reported before the kill, so the snapshot of the step before it was complete.
+    assert restores[0]["restored_step"] >= KILL_AFTER_STEP - 1, restores
+
+    twice, formations = _steps_computed_twice(cluster.storage, job_id)
+    assert formations == 2 and twice <= 1, f"{twice} steps computed twice over {formations} formations"
+
+    metrics = client.metrics(job_id)
+    rows = [row for row in metrics["items"] if row["loss"] is not None]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert [row["loss"] for row in rows] == pytest.approx(reference.losses, abs=TOLERANCE)
+    assert math.isfinite(metrics["items"][-1]["val_loss"])
+
+    final = Path(client.checkpoints(job_id)["items"][-1]["uri"])
+    trained = build_bundle(JobSpec.model_validate(_spec(name))).model
+    load_model_weights(final, trained)  # unsplit FQNs: a plain module loads any layout's shards
+    for key, expected in reference.state.items():
+        torch.testing.assert_close(trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    workers = CASES[name][1]
+    memory = [entry for entry in metrics["memory"] if entry["attempt"] == 1]
+    assert sorted(entry["rank"] for entry in memory) == list(range(workers)), "every rank reports its memory once"
+    parameter_count = sum(t.numel() for t in reference.state.values())
+    assert all(entry["parameter_count"] == parameter_count and entry["measured"]["total_bytes"] > 0 for entry in memory)
+    if name in ("fsdp-zero3", "pipeline-1f1b"):  # disjoint pieces of the parameters: their fp32 shards add up
+        assert sum(entry["measured"]["parameters_bytes"] for entry in memory) == 4 * parameter_count
