@@ -18,6 +18,14 @@ consecutive step metrics; a save happens between two metrics, so:
 
     .venv/bin/python bench/checkpoint.py [--dim 256 --layers 6 --steps 24 --every 6]
 Prints one JSON object.
+
+With ``--snapshots``, the cost of in-memory snapshots (checkpoint.in_memory) instead, on the same 2 ranks taken
+for 2 nodes: rounds alternate between snapshots off and on (one buddy copy), side by side, and compare their
+median step time (steady state: the first 3 steps left out); the bytes each rank sends its buddy per step come
+from the trainer's own report. Then a run stopped mid-way is resumed twice, from peers' memory and from its
+durable checkpoint of the same step, and their restore throughputs are compared.
+
+    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40]
 """
 
 from __future__ import annotations
@@ -141,17 +149,91 @@ def _summarise(raw: dict, args: argparse.Namespace, root: Path) -> dict:
     return summary
 
 
+def _snapshot_spec(args: argparse.Namespace, steps: int, snapshots: bool, every_steps: int = 0):
+    spec = _spec(args, steps)
+    checkpoint = spec.checkpoint.model_copy(update={"every_steps": every_steps, "in_memory": {"enabled": snapshots}})
+    return spec.model_validate({**spec.model_dump(), "checkpoint": checkpoint.model_dump()})
+
+
+def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    from harness.sinks import CallbackSink
+    from ringmaster.workers.memory_snapshots import SnapshotRef, SnapshotStore
+    from ringmaster.workers.trainer import TrainContext, run_training
+
+    store = SnapshotStore()
+    two_nodes = (1, 1)  # one rank per node, as the trainer is told: snapshots go to the other "node"
+
+    def train(job: str, spec, stop_after: int | None = None, resume: SnapshotRef | None = None, generation: int = 1,
+              storage: str | None = None):
+        walls, events = [], []
+        calls = iter(range(1, 10**9))
+        sink = CallbackSink(on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None,
+                            on_event=lambda message, details: events.append(details),
+                            should_stop=(lambda: next(calls) >= stop_after) if stop_after else (lambda: False))
+        run_training(spec, TrainContext(rank, WORLD_SIZE, torch.device("cpu"), job, f"{root}/{storage or job}", sink=sink,
+                                        ranks_per_node=two_nodes, generation=generation, snapshot_store=store,
+                                        memory_resume=resume))
+        return walls, events
+
+    results: dict = {"off": [], "on": [], "costs": []}
+    for index in range(args.rounds):
+        for mode in ("off", "on"):
+            walls, events = train(f"{mode}-{index}", _snapshot_spec(args, args.steps, snapshots=mode == "on"))
+            intervals = [b - a for a, b in zip(walls[3:], walls[4:])]
+            results[mode].append(statistics.median(intervals))
+            results["costs"] += [e["snapshot_host_memory"] for e in events if "snapshot_host_memory" in e]
+    # Stopped after step `half` with a durable checkpoint of that step, then resumed both ways.
+    half = args.steps // 2
+    train("resume", _snapshot_spec(args, args.steps, snapshots=True, every_steps=half), stop_after=half)
+    # The memory run writes its own final checkpoint elsewhere: the storage run must find step `half` the newest.
+    for source, resume, storage in (("memory", SnapshotRef(1, half), "resume-memory"), ("storage", None, None)):
+        _, events = train("resume", _snapshot_spec(args, half + 1, snapshots=source == "memory"), resume=resume,
+                          generation=2, storage=storage)
+        results[f"restore_{source}"] = [e for e in events if "restored_step" in e]
+    if rank == 0:
+        Path(root, "raw.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
+    off, on = statistics.median(raw["off"]), statistics.median(raw["on"])
+    [costs] = raw["costs"][:1]
+    memory = raw["restore_memory"][0]
+    storage = raw["restore_storage"][0]
+    snapshot_bytes = sum(cost["own_bytes_per_snapshot"] for cost in costs)
+    return {
+        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": WORLD_SIZE, "rounds": args.rounds,
+        "step_s_snapshots_off": [round(value, 4) for value in raw["off"]],
+        "step_s_snapshots_on": [round(value, 4) for value in raw["on"]],
+        "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
+        "bytes_sent_to_buddies_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
+        "host_bytes_held_per_rank": {cost["rank"]: cost["held_bytes"] for cost in costs},
+        "restore_from_memory_s": memory["restore_s"], "memory_storage_reads": memory["storage_reads"],
+        "restore_from_storage_s": storage["restore_s"], "restored_steps": [memory["restored_step"], storage["restored_step"]],
+        "snapshot_mb": round(snapshot_bytes / 1e6, 2),
+        "memory_restore_mb_per_s": round(snapshot_bytes / 1e6 / memory["restore_s"], 1),
+        "storage_restore_mb_per_s": round(snapshot_bytes / 1e6 / storage["restore_s"], 1),
+        "memory_over_storage_throughput": round(storage["restore_s"] / memory["restore_s"], 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=6)
+    parser.add_argument("--snapshots", action="store_true", help="measure in-memory snapshots instead")
+    parser.add_argument("--rounds", type=int, default=3, help="--snapshots: rounds of off and on")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        mp.spawn(_rank, args=(free_port(), args, root), nprocs=WORLD_SIZE, join=True)
+        rank_main = _snapshot_rank if args.snapshots else _rank
+        mp.spawn(rank_main, args=(free_port(), args, root), nprocs=WORLD_SIZE, join=True)
         raw = json.loads(Path(root, "raw.json").read_text())
-        print(json.dumps(_summarise(raw, args, Path(root)), indent=2))
+        summary = _summarise_snapshots(raw, args) if args.snapshots else _summarise(raw, args, Path(root))
+        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -156,6 +156,10 @@ class TrainWorker:
             self._outbox = RankOutbox()
             if self._uses_gpu:
                 torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
+                # A collective a lost peer broke: the watchdog aborts the communicators when it times out, but leaves
+                # the process alive (torch's default, 3, ends it), so the survivor keeps its state and its snapshots
+                # for the re-formed group. The driver's re-formation aborts them sooner (the join above).
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
             dist.init_process_group("nccl" if self._uses_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
