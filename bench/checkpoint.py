@@ -181,8 +181,9 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
     for index in range(args.rounds):
         for mode in ("off", "on"):
             walls, events = train(f"{mode}-{index}", _snapshot_spec(args, args.steps, snapshots=mode == "on"))
-            intervals = [b - a for a, b in zip(walls[3:], walls[4:])]
-            results[mode].append(statistics.median(intervals))
+            if rank == 0:  # the rank that records metric points
+                intervals = [b - a for a, b in zip(walls[3:], walls[4:])]
+                results[mode].append(statistics.median(intervals))
             results["costs"] += [e["snapshot_host_memory"] for e in events if "snapshot_host_memory" in e]
     # Stopped after step `half` with a durable checkpoint of that step, then resumed both ways.
     half = args.steps // 2
