@@ -72,6 +72,14 @@ class SimulatedCluster:
         self.cluster.wait_for_nodes()
         return node
 
+    def ensure_nodes(self, count: int) -> None:
+        """Add nodes until `count` with CPUs are alive: earlier tests kill nodes, and each starts with what it needs."""
+        from ray.util.state import list_nodes
+
+        while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+                  if node.resources_total.get("CPU")) < count:
+            self.add_node()
+
     def node_by_id(self, node_id: str):
         return next(node for node in self.cluster.worker_nodes if node.node_id == node_id)
 
@@ -119,3 +127,28 @@ def control_plane_on(cluster: SimulatedCluster, data_dir: Path, warm_workers_per
             yield server
     finally:
         leave_ray()
+
+
+@contextmanager
+def served_cluster(nodes: int, data_dir: Path, cpus_per_node: int = 1) -> Iterator[SimulatedCluster]:
+    """A simulated cluster with the control plane on it, torn down afterwards; `.client` is an API client and
+    `.storage` the checkpoint storage's local path."""
+    simulated = SimulatedCluster(nodes=nodes, cpus_per_node=cpus_per_node)
+    try:
+        with control_plane_on(simulated, data_dir) as server:
+            simulated.client = server.client()
+            simulated.storage = Path(server.plane.settings.resolved_storage_uri())
+            yield simulated
+    finally:
+        simulated.shutdown()
+
+
+def wait_for_step(client, job_id: str, step: int, timeout_s: float = 240) -> None:
+    """Until the job has reported a metric at `step` or later."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
+        assert time.monotonic() < deadline, f"job {job_id} never reached step {step}"
+        time.sleep(0.05)
+

@@ -9,11 +9,11 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from ray.util.state import list_actors, list_nodes
+from ray.util.state import list_actors
 
 from ringmaster.service.client import RingmasterClient
 from harness.ray_cluster import wait_for_state
-from harness.simulated_cluster import SimulatedCluster, control_plane_on
+from harness.simulated_cluster import SimulatedCluster, served_cluster, wait_for_step
 from ringmaster.workers.data.audit import read_effective_samples
 from paced_model import read_tagged_steps
 
@@ -40,15 +40,9 @@ def _spec(cluster: SimulatedCluster, name: str, minimum: int, maximum: int) -> d
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    simulated = SimulatedCluster(nodes=2)
-    try:
-        with control_plane_on(simulated, tmp_path_factory.mktemp("elastic")) as server:
-            simulated.id_records = tmp_path_factory.mktemp("ids-in-the-loss-path")
-            simulated.client = server.client()
-            simulated.storage = Path(server.plane.settings.resolved_storage_uri())
-            yield simulated
-    finally:
-        simulated.shutdown()
+    with served_cluster(2, tmp_path_factory.mktemp("elastic")) as simulated:
+        simulated.id_records = tmp_path_factory.mktemp("ids-in-the-loss-path")
+        yield simulated
 
 
 @pytest.fixture(scope="module")
@@ -56,31 +50,17 @@ def uninterrupted(cluster) -> list[float]:
     """The reference trajectory: the same job, never disturbed, on two workers. Its steps are of a known length
     whatever the machine's speed (tests/paced_model.py): a standby has time to warm up mid-job, and a worker that
     starts warming up when the group shrinks is ready long before a one-worker group would finish the job."""
-    _ensure_nodes(cluster, 2)
+    cluster.ensure_nodes(2)
     job = cluster.client.submit(_spec(cluster, "reference", 2, 2))
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
     assert done["state"] == "SUCCEEDED", done["error"]
     return _losses(cluster.client, job["id"])
 
 
-def _ensure_nodes(cluster: SimulatedCluster, count: int) -> None:
-    """Earlier tests kill nodes; each test and reference starts with the nodes it needs."""
-    while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-              if node.resources_total.get("CPU")) < count:
-        cluster.add_node()
-
-
 def _losses(client: RingmasterClient, job_id: str) -> list[float]:
     rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     return [row["loss"] for row in rows]
-
-
-def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
-        assert time.monotonic() < deadline, f"job {job_id} never reached step {step}"
-        time.sleep(0.05)
 
 
 def _worker_node(cluster: SimulatedCluster):
@@ -141,9 +121,9 @@ def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> Non
 
 
 def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
-    _ensure_nodes(cluster, 2)
+    cluster.ensure_nodes(2)
     job = cluster.client.submit(_spec(cluster, "replace", 2, 2))
-    _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.add_node()
     cluster.kill_node(_worker_node(cluster))
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
@@ -159,11 +139,11 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
 
 
 def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterrupted):
-    _ensure_nodes(cluster, 2)
+    cluster.ensure_nodes(2)
     # Snapshots on also at one worker (on one node they are off by default): the growth back resumes from memory too.
     spec = _spec(cluster, "shrink", 1, 2)
     job = cluster.client.submit({**spec, "checkpoint": {**spec["checkpoint"], "in_memory": {"replicas": 1}}})
-    _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     cluster.kill_node(_worker_node(cluster))
     deadline = time.monotonic() + 60
     while not any(e["data"] and e["data"].get("world_size") == 1 for e in _events(cluster.client, job["id"])):
@@ -184,9 +164,9 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterr
 
 
 def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterrupted):
-    _ensure_nodes(cluster, 2)
+    cluster.ensure_nodes(2)
     job = cluster.client.submit(_spec(cluster, "frozen", 1, 2))
-    _wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
     frozen_node, frozen_at = _worker_node(cluster), time.time()
     cluster.freeze_node(frozen_node)
     try:
@@ -203,7 +183,7 @@ def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterru
 
 
 def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninterrupted):
-    _ensure_nodes(cluster, 3)  # two nodes for the group, one idle for the standby
+    cluster.ensure_nodes(3)  # two nodes for the group, one idle for the standby
     spec = _spec(cluster, "standby", 2, 2)
     job = cluster.client.submit({**spec, "workers": {**spec["workers"], "standby": 1}})
     deadline = time.monotonic() + 120

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from ray.util.state import list_actors, list_nodes
+from ray.util.state import list_actors
 
 from harness.checkpoints import load_model_weights
 from harness.ray_cluster import wait_for_state
-from harness.simulated_cluster import SimulatedCluster, control_plane_on
-from ringmaster.service.client import RingmasterClient
+from harness.simulated_cluster import served_cluster, wait_for_step
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.models import build_bundle
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
@@ -60,32 +58,13 @@ def _spec(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    simulated = SimulatedCluster(nodes=3, cpus_per_node=CPUS_PER_NODE)
-    try:
-        with control_plane_on(simulated, tmp_path_factory.mktemp("memory-recovery")) as server:
-            simulated.client = server.client()
-            simulated.storage = Path(server.plane.settings.resolved_storage_uri())
-            yield simulated
-    finally:
-        simulated.shutdown()
+    with served_cluster(3, tmp_path_factory.mktemp("memory-recovery"), cpus_per_node=CPUS_PER_NODE) as simulated:
+        yield simulated
 
 
 @pytest.fixture(scope="module")
 def reference() -> ReferenceRun:
     return train_reference(STEPS)
-
-
-def _ensure_nodes(cluster: SimulatedCluster, count: int) -> None:
-    while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-              if node.resources_total.get("CPU")) < count:
-        cluster.add_node()
-
-
-def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
-        assert time.monotonic() < deadline, f"job {job_id} never reached step {step}"
-        time.sleep(0.05)
 
 
 def _steps_computed_twice(storage: Path, job_id: str) -> tuple[int, int]:
@@ -110,10 +89,10 @@ KNOWN_BUG = {"3d-fsdp-tp-2x2": "after a restore from memory the 2x2 fsdp x tp la
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_BUG[name], strict=False))
                                   if name in KNOWN_BUG else name for name in CASES])
 def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, cluster, reference):
-    _ensure_nodes(cluster, 3)  # the job's two, and the replacement, idle from the start
+    cluster.ensure_nodes(3)  # the job's two, and the replacement, idle from the start
     client = cluster.client
     job_id = client.submit(_spec(name))["id"]
-    _wait_for_step(client, job_id, KILL_AFTER_STEP)
+    wait_for_step(client, job_id, KILL_AFTER_STEP)
     actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
     cluster.kill_node(cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1]))
     done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
