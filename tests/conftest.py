@@ -105,3 +105,21 @@ def _no_ray_connection_outlives_its_module() -> Iterator[None]:
 @pytest.fixture
 def client(ray_server):
     return ray_server.client()
+
+
+_finished_sessions: list[pytest.Session] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _finished_sessions.append(session)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Once pytest has reported, a process that joined Ray ends without the interpreter's finalisation. It has joined
+    and left many clusters; Ray's core worker threads can call into a finalising interpreter, and so (once in a few
+    CI runs, after every test had passed) the process crashed at exit (ray-project/ray#31145 is of that kind)."""
+    if _finished_sessions and "ray" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(_finished_sessions[-1].exitstatus))
