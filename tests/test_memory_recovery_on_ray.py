@@ -6,7 +6,8 @@ step record (train.record_sample_ids); the restore read no storage (the storage 
 restore event reports the sum over ranks); the per-step losses equal one process training on the same global
 batches (tests/strategy_reference.py), step for step, within 1e-6; and, as for an uninterrupted run
 (tests/test_strategies_on_ray.py, which leaves these layouts to this module), the final checkpoint holds the one
-process's weights and every rank reports its state memory. ddp's node loss with a replacement is
+process's weights and every rank reports its state memory (hybrid's: half the parameters each, sharded within a
+node and replicated across the two). ddp's node loss with a replacement is
 tests/test_elastic.py's (against an uninterrupted run of the job itself).
 """
 
@@ -127,3 +128,9 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
     assert all(entry["parameter_count"] == parameter_count and entry["measured"]["total_bytes"] > 0 for entry in memory)
     if name in ("fsdp-zero3", "pipeline-1f1b"):  # disjoint pieces of the parameters: their fp32 shards add up
         assert sum(entry["measured"]["parameters_bytes"] for entry in memory) == 4 * parameter_count
+    if name == "fsdp-hybrid":
+        # Across both nodes, sharded over a node's 2 ranks and replicated across nodes: each rank holds half.
+        running = next(e for e in events if e["to_state"] == "RUNNING")
+        assert "across 2 node(s)" in running["message"], running["message"]
+        assert all(entry["measured"]["parameters_bytes"] == pytest.approx(4 * parameter_count / 2, rel=0.02)
+                   for entry in memory)

@@ -2,7 +2,9 @@
 the step a failure interrupted without reading storage (JobSpec checkpoint.in_memory).
 
 A snapshot is a DCP checkpoint written into the process's in-memory filesystem (fsspec's ``memory://``), at
-``{SNAPSHOT_ROOT}/{job}/g{generation:04d}-step-{step:08d}/``. Each rank holds there its own shard file
+``{SNAPSHOT_ROOT}/{job}/g{generation:04d}-step-{step:08d}/``, in a storage layout of its own (SnapshotWriter: each
+item's raw bytes, where DCP's file writers serialise every tensor with torch.save, most of a small model's snapshot
+time). Each rank holds there its own shard file
 (``__{rank}_0.distcp``), DCP's ``.metadata`` (rank 0 writes it; a broadcast gives every rank a copy) and the shard
 files of the ranks it is a buddy of: ranks one node (`shift` ranks) further round the ring, so a node's loss leaves a
 copy of each of its shards on the next node. The process keeps the two newest snapshots it has: a peer that finished
@@ -22,6 +24,8 @@ cannot cover a snapshot.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import pickle
 import re
 from collections.abc import Callable
@@ -34,9 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
 from ringmaster.workers.checkpoint import (TrainingProgress, checkpoint_stager, load_state_template,
@@ -45,6 +51,7 @@ from ringmaster.workers.checkpoint import (TrainingProgress, checkpoint_stager, 
 SNAPSHOT_ROOT = "memory://ringmaster-snapshots"
 METADATA_NAME = ".metadata"
 KEPT = 2  # the newest snapshot and the one before
+_ALIGNMENT = 16  # every item starts at a multiple of this in its shard file, so it can be viewed as any dtype
 _SNAPSHOT_DIR = re.compile(r"^g(\d{4})-step-(\d{8})$")
 
 
@@ -127,6 +134,117 @@ class SnapshotStore:
             self.fs.rm(root, recursive=True)
 
 
+@dataclass(frozen=True)
+class RawSlot:
+    """Where one item of a snapshot lies: a byte range of a rank's shard file; a tensor's dtype and shape (None for
+    DCP's byte items)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+
+
+class SnapshotWriter(StorageWriter):
+    """DCP storage for a snapshot: each rank's items, as raw bytes one after another, make its shard file in the
+    process's store; the coordinator writes the metadata."""
+
+    def __init__(self, store: SnapshotStore, location: str) -> None:
+        super().__init__()
+        self._store, self._location = store, location
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(plan, storage_data=f"__{rank}_0.distcp") for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        name, pieces, results, offset = plan.storage_data, [], [], 0
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                # A byte item (an optimizer hyperparameter, the progress, an RNG state) is pickled: DCP's own
+                # resolve_data runs torch.save for each, and a model's optimizer has hundreds of them.
+                raw, slot_type = _to_tensor(pickle.dumps(planner.lookup_object(item.index))), (None, None)
+            else:
+                tensor = planner.resolve_data(item).detach().cpu().contiguous()
+                raw, slot_type = tensor.reshape(-1).view(torch.uint8), (tensor.dtype, tuple(tensor.shape))
+            results.append(WriteResult(index=item.index, size_in_bytes=raw.numel(),
+                                       storage_data=RawSlot(name, offset, raw.numel(), *slot_type)))
+            padding = -raw.numel() % _ALIGNMENT
+            pieces += [raw, torch.zeros(padding, dtype=torch.uint8)] if padding else [raw]
+            offset += raw.numel() + padding
+        self._store.write(self._location, name, torch.cat(pieces).numpy().tobytes() if pieces else b"")
+        written: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        written.set_result(results)
+        return written
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {result.index: result.storage_data for rank_results in results for result in rank_results}
+        self._store.write(self._location, METADATA_NAME, pickle.dumps(metadata))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class SnapshotReader(StorageReader):
+    """Reads what SnapshotWriter wrote, from the shard files this process holds (restore_from_peers fetched the
+    rest)."""
+
+    def __init__(self, store: SnapshotStore, location: str) -> None:
+        super().__init__()
+        self._store, self._location = store, location
+        self._slots: dict[Any, RawSlot] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return pickle.loads(self._store.read(self._location, METADATA_NAME))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._slots = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        files: dict[str, torch.Tensor] = {}
+        for item in plan.items:
+            slot = self._slots[item.storage_index]
+            if slot.relative_path not in files:
+                files[slot.relative_path] = _to_tensor(self._store.read(self._location, slot.relative_path))
+            raw = files[slot.relative_path][slot.offset:slot.offset + slot.length]
+            if item.type == LoadItemType.BYTE_IO:
+                stream = io.BytesIO()  # the planner takes what torch.save writes
+                torch.save(pickle.loads(raw.numpy().tobytes()), stream)
+                stream.seek(0)
+                planner.load_bytes(item, stream)
+                continue
+            stored = raw.view(slot.dtype).view(slot.shape)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
 class PeerSnapshots:
     """One group's snapshots: taken after every step, copied to `replicas` buddies. Collective to construct (it makes
     the snapshots' gloo group)."""
@@ -148,6 +266,9 @@ class PeerSnapshots:
         self._stager = checkpoint_stager(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._in_flight: Future | None = None
+        # DCP's plan cache is keyed by the planner's class name unless told otherwise: one key per group, so no other
+        # save (a durable checkpoint, an earlier group of another size) ever meets this group's cached plans.
+        self._plan_cache_key = f"snapshots-{job_id}-g{generation}-{id(self)}"
 
     def take(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state`, the state after `step`, in the background (the previous snapshot finishes first)."""
@@ -175,8 +296,9 @@ class PeerSnapshots:
     def _write(self, ref: SnapshotRef, staged: Any) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        dcp.save(state, storage_writer=FsspecWriter(location, sync_files=False),
-                 process_group=self.group)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self._plan_cache_key
+        dcp.save(state, storage_writer=SnapshotWriter(self._store, location), planner=planner, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME) if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
         if self._rank != 0:
@@ -241,7 +363,7 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
                 content = _receive(holder, group).numpy().tobytes()
                 store.write(location, name, content)
                 received += len(content)
-    progress, metrics = load_training_state(FsspecReader(location), model_parts=model_parts, optimizers=optimizers,
+    progress, metrics = load_training_state(SnapshotReader(store, location), model_parts=model_parts, optimizers=optimizers,
                                             process_group=group, state=state)
     return progress, metrics, received
 
