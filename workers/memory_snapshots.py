@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItemType)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
@@ -136,23 +136,52 @@ class SnapshotStore:
 
 @dataclass(frozen=True)
 class RawSlot:
-    """Where one item of a snapshot lies: a byte range of a rank's shard file; a tensor's dtype and shape (None for
-    DCP's byte items)."""
+    """Where one item of a snapshot lies in a rank's shard file: a tensor's byte range, dtype and shape, or a byte
+    item's (DCP's name for a non-tensor value) key in the file's table of pickled values."""
 
     relative_path: str
-    offset: int
-    length: int
+    offset: int = 0
+    length: int = 0
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
+    key: int | None = None
+
+
+def _shard_file(items: list[WriteItem], planner: DefaultSavePlanner, name: str) -> tuple[bytes, list[WriteResult]]:
+    """A rank's shard file: its tensors' raw bytes one after another, then one pickled table of its byte items (an
+    optimizer hyperparameter, the progress, an RNG state: DCP's own resolve_data runs torch.save for each, and a
+    model's optimizer has hundreds), then the table's length."""
+    pieces, results, values, offset = [], [], {}, 0
+    for key, item in enumerate(items):
+        if item.type == WriteItemType.BYTE_IO:
+            values[key] = planner.lookup_object(item.index)
+            results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=RawSlot(name, key=key)))
+            continue
+        tensor = planner.resolve_data(item).detach().cpu().contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8)
+        results.append(WriteResult(index=item.index, size_in_bytes=raw.numel(),
+                                   storage_data=RawSlot(name, offset, raw.numel(), tensor.dtype, tuple(tensor.shape))))
+        padding = -raw.numel() % _ALIGNMENT
+        pieces += [raw, torch.zeros(padding, dtype=torch.uint8)] if padding else [raw]
+        offset += raw.numel() + padding
+    table = pickle.dumps(values)
+    tensors = torch.cat(pieces).numpy().tobytes() if pieces else b""
+    return tensors + table + len(table).to_bytes(8, "little"), results
+
+
+def _open_shard_file(content: bytes) -> tuple[torch.Tensor, dict[int, Any]]:
+    size = int.from_bytes(content[-8:], "little")
+    return _to_tensor(content[:-8 - size]), pickle.loads(content[-8 - size:-8])
 
 
 class SnapshotWriter(StorageWriter):
-    """DCP storage for a snapshot: each rank's items, as raw bytes one after another, make its shard file in the
-    process's store; the coordinator writes the metadata."""
+    """DCP storage for a snapshot: each rank's shard file (_shard_file) in the process's store; the coordinator
+    writes the metadata. It keeps the rank's final plan, for the snapshots that reuse it (PeerSnapshots)."""
 
     def __init__(self, store: SnapshotStore, location: str) -> None:
         super().__init__()
         self._store, self._location = store, location
+        self.final_plan: SavePlan | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -167,21 +196,9 @@ class SnapshotWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=f"__{rank}_0.distcp") for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
-        name, pieces, results, offset = plan.storage_data, [], [], 0
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                # A byte item (an optimizer hyperparameter, the progress, an RNG state) is pickled: DCP's own
-                # resolve_data runs torch.save for each, and a model's optimizer has hundreds of them.
-                raw, slot_type = _to_tensor(pickle.dumps(planner.lookup_object(item.index))), (None, None)
-            else:
-                tensor = planner.resolve_data(item).detach().cpu().contiguous()
-                raw, slot_type = tensor.reshape(-1).view(torch.uint8), (tensor.dtype, tuple(tensor.shape))
-            results.append(WriteResult(index=item.index, size_in_bytes=raw.numel(),
-                                       storage_data=RawSlot(name, offset, raw.numel(), *slot_type)))
-            padding = -raw.numel() % _ALIGNMENT
-            pieces += [raw, torch.zeros(padding, dtype=torch.uint8)] if padding else [raw]
-            offset += raw.numel() + padding
-        self._store.write(self._location, name, torch.cat(pieces).numpy().tobytes() if pieces else b"")
+        self.final_plan = plan
+        content, results = _shard_file(plan.items, planner, plan.storage_data)
+        self._store.write(self._location, plan.storage_data, content)
         written: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         written.set_result(results)
         return written
@@ -220,19 +237,19 @@ class SnapshotReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        files: dict[str, torch.Tensor] = {}
+        files: dict[str, tuple[torch.Tensor, dict[int, Any]]] = {}
         for item in plan.items:
             slot = self._slots[item.storage_index]
             if slot.relative_path not in files:
-                files[slot.relative_path] = _to_tensor(self._store.read(self._location, slot.relative_path))
-            raw = files[slot.relative_path][slot.offset:slot.offset + slot.length]
+                files[slot.relative_path] = _open_shard_file(self._store.read(self._location, slot.relative_path))
+            tensors, values = files[slot.relative_path]
             if item.type == LoadItemType.BYTE_IO:
                 stream = io.BytesIO()  # the planner takes what torch.save writes
-                torch.save(pickle.loads(raw.numpy().tobytes()), stream)
+                torch.save(values[slot.key], stream)
                 stream.seek(0)
                 planner.load_bytes(item, stream)
                 continue
-            stored = raw.view(slot.dtype).view(slot.shape)
+            stored = tensors[slot.offset:slot.offset + slot.length].view(slot.dtype).view(slot.shape)
             target = planner.resolve_tensor(item).detach()
             target.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
             planner.commit_tensor(item, target)
@@ -243,6 +260,16 @@ class SnapshotReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a group's snapshots share while the state keeps its structure: this rank's local plan (to see a change),
+    its final plan (which items it writes, into which file) and the snapshots' metadata."""
+
+    local_items: list[WriteItem]
+    final_plan: SavePlan
+    metadata: bytes
 
 
 class PeerSnapshots:
@@ -266,9 +293,7 @@ class PeerSnapshots:
         self._stager = checkpoint_stager(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._in_flight: Future | None = None
-        # DCP's plan cache is keyed by the planner's class name unless told otherwise: one key per group, so no other
-        # save (a durable checkpoint, an earlier group of another size) ever meets this group's cached plans.
-        self._plan_cache_key = f"snapshots-{job_id}-g{generation}-{id(self)}"
+        self._layout: _Layout | None = None
 
     def take(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state`, the state after `step`, in the background (the previous snapshot finishes first)."""
@@ -296,13 +321,25 @@ class PeerSnapshots:
     def _write(self, ref: SnapshotRef, staged: Any) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = self._plan_cache_key
-        dcp.save(state, storage_writer=SnapshotWriter(self._store, location), planner=planner, process_group=self.group)
-        metadata = [self._store.read(location, METADATA_NAME) if self._rank == 0 else None]
-        dist.broadcast_object_list(metadata, src=0, group=self.group)
-        if self._rank != 0:
-            self._store.write(location, METADATA_NAME, metadata[0])
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, storage_meta=None, is_coordinator=self._rank == 0)
+        local_items = planner.create_local_plan().items
+        # A step's state has the structure of the step before: DCP plans a snapshot (collectives over the group) and
+        # makes its metadata once, and again only when some rank's local plan changes; the snapshots between reuse
+        # them, each rank writing its shard file alone, at the byte offsets that metadata names.
+        changed = torch.tensor([int(self._layout is None or self._layout.local_items != local_items)])
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        if changed.item() or self._layout is None:
+            writer = SnapshotWriter(self._store, location)
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+            metadata = [self._store.read(location, METADATA_NAME) if self._rank == 0 else None]
+            dist.broadcast_object_list(metadata, src=0, group=self.group)
+            assert writer.final_plan is not None
+            self._layout = _Layout(local_items, writer.final_plan, metadata[0])
+        else:
+            name = self._layout.final_plan.storage_data
+            self._store.write(location, name, _shard_file(self._layout.final_plan.items, planner, name)[0])
+        self._store.write(location, METADATA_NAME, self._layout.metadata)
         own_prefix = f"__{self._rank}_"
         own = {name: self._store.read(location, name) for name in self._store.names(location) if name.startswith(own_prefix)}
         payload = _to_tensor(pickle.dumps(own))
