@@ -329,7 +329,7 @@ class PeerSnapshots:
         # them, each rank writing its shard file alone, at the byte offsets that metadata names.
         changed = torch.tensor([int(self._layout is None or self._layout.local_items != local_items)])
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
-        if changed.item() or self._layout is None:
+        if changed.item():
             writer = SnapshotWriter(self._store, location)
             dcp.save(state, storage_writer=writer, process_group=self.group)
             metadata = [self._store.read(location, METADATA_NAME) if self._rank == 0 else None]
@@ -337,6 +337,7 @@ class PeerSnapshots:
             assert writer.final_plan is not None
             self._layout = _Layout(local_items, writer.final_plan, metadata[0])
         else:
+            assert self._layout is not None  # an unset layout is a change
             name = self._layout.final_plan.storage_data
             self._store.write(location, name, _shard_file(self._layout.final_plan.items, planner, name)[0])
         self._store.write(location, METADATA_NAME, self._layout.metadata)
