@@ -107,6 +107,10 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
     # Step KILL_AFTER_STEP was reported before the kill, so the snapshot of the step before it was complete.
     assert restores[0]["restored_step"] >= KILL_AFTER_STEP - 1, restores
 
+    # Snapshots after the first reuse its layout (a full DCP save per step would be many times slower).
+    costs = [cost for e in events if e["data"] and "snapshot_host_memory" in e["data"] for cost in e["data"]["snapshot_host_memory"]]
+    assert costs and all(cost["full_saves"] == 1 for cost in costs), costs
+
     twice, formations = _steps_computed_twice(cluster.storage, job_id)
     assert formations == 2 and twice <= 1, f"{twice} steps computed twice over {formations} formations"
 

@@ -139,4 +139,5 @@ def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, A
         assert cost["own_bytes_per_snapshot"] > 0 and cost["sent_bytes_per_snapshot"] >= cost["own_bytes_per_snapshot"]
         # Its own shard and its buddy's, of each of the KEPT snapshots it holds (and their metadata).
         assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["own_bytes_per_snapshot"])
+        assert cost["full_saves"] == 1  # the second snapshot reused the first's layout
 

@@ -266,9 +266,12 @@ def training_state(step: int, position: DataPosition, model_parts: list[nn.Modul
     """What a checkpoint (durable or in memory) holds of this rank: its model and optimizer shards, the step, the data
     position and its RNG states; `metrics` (rank 0): the metric points it keeps for a resumed run to replay."""
     model_state, optimizer_state = _merged_state(model_parts, optimizers)
+    return {"model": model_state, "optimizer": optimizer_state, **step_state(step, position, metrics)}
+
+
+def step_state(step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The part of ``training_state`` that is not the model's or optimizer's: progress, RNG states, metric points."""
     state = {
-        "model": model_state,
-        "optimizer": optimizer_state,
         "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
         "rng": {f"rank{dist.get_rank()}": _rng_state()},
     }

@@ -1,19 +1,21 @@
 """Every step's state in host memory, the rank's own and copies on buddy ranks, so a re-formed group continues from
 the step a failure interrupted without reading storage (JobSpec checkpoint.in_memory).
 
-A snapshot is a DCP checkpoint written into the process's in-memory filesystem (fsspec's ``memory://``), at
-``{SNAPSHOT_ROOT}/{job}/g{generation:04d}-step-{step:08d}/``, in a storage layout of its own (SnapshotWriter: each
-item's raw bytes, where DCP's file writers serialise every tensor with torch.save, most of a small model's snapshot
-time). Each rank holds there its own shard file
+A snapshot is a DCP checkpoint held in the process's SnapshotStore, at ``{SNAPSHOT_ROOT}/{job}/g{generation:04d}-step-
+{step:08d}``, in a storage layout of its own (SnapshotWriter: each item's raw bytes, where DCP's file writers serialise
+every tensor with torch.save, most of a small model's snapshot time). Each rank holds there its own shard file
 (``__{rank}_0.distcp``), DCP's ``.metadata`` (rank 0 writes it; a broadcast gives every rank a copy) and the shard
 files of the ranks it is a buddy of: ranks one node (`shift` ranks) further round the ring, so a node's loss leaves a
 copy of each of its shards on the next node. The process keeps the two newest snapshots it has: a peer that finished
 one step fewer can still be met at the step before.
 
-Taking a snapshot overlaps the next step: the state is staged into host buffers in the background (the optimizer
-step waits for that copy), then written, its metadata broadcast and the buddy copies exchanged, over a gloo group of
-the snapshots' own. One snapshot is in flight at a time, and the next waits for it, so at any moment every member
-holds the snapshot of the last step or the one before: a failure costs at most one step.
+Taking a snapshot overlaps the next step. The first one of a group is a full DCP save (its planning collectives, the
+state staged into host buffers in the background); it leaves a layout (_Layout): which items this rank writes, where
+each lies in its file, and views of the live tensors they come from. While the state keeps that structure, the next
+snapshots reuse it: no state dict, no planning, each rank copies the live tensors into a fresh shard file and sends
+it to its buddies, over a gloo group of the snapshots' own. The optimizer step waits for the snapshot before it; one
+is in flight at a time, so at any moment every member holds the snapshot of the last step or the one before: a
+failure costs at most one step.
 
 After a failure the driver asks every member of the new group what it holds (`SnapshotStore.inventory`) and names
 the newest snapshot they cover between them (workers/driver/snapshot_choice.py); `restore_from_peers` then moves to
@@ -26,14 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import pickle
 import re
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -43,12 +46,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from ringmaster.workers.checkpoint import (TrainingProgress, checkpoint_stager, load_state_template,
-                                           load_training_state)
+from ringmaster.workers.checkpoint import (TrainingProgress, checkpoint_stager, load_state_template, load_training_state,
+                                           step_state, training_state)
+from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.strategies.zero1 import local_optimizer
 
-SNAPSHOT_ROOT = "memory://ringmaster-snapshots"
+SNAPSHOT_ROOT = "ringmaster-snapshots"  # a name in SnapshotStore, not a filesystem path
 METADATA_NAME = ".metadata"
 KEPT = 2  # the newest snapshot and the one before
 _ALIGNMENT = 16  # every item starts at a multiple of this in its shard file, so it can be viewed as any dtype
@@ -72,33 +78,42 @@ def snapshot_location(job_id: str, ref: SnapshotRef) -> str:
 
 
 class SnapshotStore:
-    """The snapshots in this process, across every group it joins (a worker actor keeps one for its life)."""
+    """The snapshots in this process, across every group it joins (a worker actor keeps one for its life): per
+    snapshot location, its files as byte tensors (a buddy's copy is kept as it was received, with no further copy).
+    The training thread's snapshot writer and the actor's inventory calls share it: a lock guards it."""
 
     def __init__(self) -> None:
-        self.fs = fsspec.filesystem("memory")
+        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
 
     def names(self, location: str) -> dict[str, int]:
         """File name -> size of what this process holds of one snapshot."""
-        if not self.fs.isdir(location):
-            return {}
-        return {entry["name"].rsplit("/", 1)[-1]: int(entry["size"])
-                for entry in self.fs.ls(location, detail=True) if entry["type"] == "file"}
+        with self._lock:
+            return {name: content.numel() for name, content in self._files.get(location, {}).items()}
 
-    def read(self, location: str, name: str) -> bytes:
-        return self.fs.cat_file(f"{location}/{name}")
+    def read(self, location: str, name: str) -> torch.Tensor:
+        with self._lock:
+            files = self._files.get(location, {})
+            if name not in files:
+                raise FileNotFoundError(f"{location}/{name}")
+            return files[name]
 
-    def write(self, location: str, name: str, content: bytes) -> None:
-        self.fs.makedirs(location, exist_ok=True)
-        self.fs.pipe_file(f"{location}/{name}", content)
+    def read_object(self, location: str, name: str) -> Any:
+        return pickle.loads(self.read(location, name).numpy())
+
+    def write(self, location: str, name: str, content: torch.Tensor | bytes) -> None:
+        tensor = content if isinstance(content, torch.Tensor) else _to_tensor(content)
+        with self._lock:
+            self._files.setdefault(location, {})[name] = tensor
 
     def snapshots(self, job_id: str) -> list[SnapshotRef]:
         """The snapshots this process holds any file of, oldest first."""
-        root = _job_root(job_id)
-        if not self.fs.isdir(root):
-            return []
+        prefix = f"{_job_root(job_id)}/"
+        with self._lock:
+            locations = [location for location, files in self._files.items() if files and location.startswith(prefix)]
         found = []
-        for entry in self.fs.ls(root, detail=False):
-            match = _SNAPSHOT_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        for location in locations:
+            match = _SNAPSHOT_DIR.match(location[len(prefix):])
             if match:
                 found.append(SnapshotRef(int(match.group(1)), int(match.group(2))))
         return sorted(found, key=lambda ref: (ref.generation, ref.step))
@@ -112,7 +127,7 @@ class SnapshotStore:
             names = self.names(location)
             required = None
             if METADATA_NAME in names:
-                metadata = pickle.loads(self.read(location, METADATA_NAME))
+                metadata = self.read_object(location, METADATA_NAME)
                 required = sorted({info.relative_path for info in metadata.storage_data.values()} | {METADATA_NAME})
             held.append({"generation": ref.generation, "step": ref.step, "files": sorted(names), "required": required})
         return held
@@ -124,14 +139,16 @@ class SnapshotStore:
         if len(complete) <= keep:
             return
         oldest_kept = complete[-keep]
-        for ref in refs:
-            if (ref.generation, ref.step) < (oldest_kept.generation, oldest_kept.step):
-                self.fs.rm(snapshot_location(job_id, ref), recursive=True)
+        with self._lock:
+            for ref in refs:
+                if (ref.generation, ref.step) < (oldest_kept.generation, oldest_kept.step):
+                    self._files.pop(snapshot_location(job_id, ref), None)
 
     def drop(self, job_id: str) -> None:
-        root = _job_root(job_id)
-        if self.fs.isdir(root):
-            self.fs.rm(root, recursive=True)
+        prefix = f"{_job_root(job_id)}/"
+        with self._lock:
+            for location in [location for location in self._files if location.startswith(prefix)]:
+                del self._files[location]
 
 
 @dataclass(frozen=True)
@@ -147,31 +164,54 @@ class RawSlot:
     key: int | None = None
 
 
-def _shard_file(items: list[WriteItem], planner: DefaultSavePlanner, name: str) -> tuple[bytes, list[WriteResult]]:
+def _shard_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _file_slots(items: list[WriteItem], tensors: dict[int, torch.Tensor], name: str) -> tuple[list[RawSlot], int]:
+    """Where each of `items` lies in shard file `name`: the tensors among them (`tensors`, by item position) one after
+    another, then a table of the byte items by position. Returns the slots and the tensors' length in bytes."""
+    slots, offset = [], 0
+    for key in range(len(items)):
+        if key not in tensors:
+            slots.append(RawSlot(name, key=key))
+            continue
+        tensor = tensors[key]
+        length = tensor.numel() * tensor.element_size()
+        slots.append(RawSlot(name, offset, length, tensor.dtype, tuple(tensor.shape)))
+        offset += length + (-length % _ALIGNMENT)
+    return slots, offset
+
+
+def _new_file(tensor_bytes: int, values: dict[int, Any]) -> torch.Tensor:
+    """A shard file with room for `tensor_bytes` of tensors, then the pickled table of byte items and its length."""
+    table = pickle.dumps(values)
+    content = torch.empty(tensor_bytes + len(table) + 8, dtype=torch.uint8)
+    content[tensor_bytes:].copy_(_to_tensor(table + len(table).to_bytes(8, "little")))
+    return content
+
+
+def _slot_view(content: torch.Tensor, slot: RawSlot) -> torch.Tensor:
+    return content[slot.offset:slot.offset + slot.length].view(slot.dtype).view(slot.shape)
+
+
+def _shard_file(items: list[WriteItem], planner: DefaultSavePlanner, name: str) -> tuple[torch.Tensor, list[WriteResult]]:
     """A rank's shard file: its tensors' raw bytes one after another, then one pickled table of its byte items (an
     optimizer hyperparameter, the progress, an RNG state: DCP's own resolve_data runs torch.save for each, and a
     model's optimizer has hundreds), then the table's length."""
-    pieces, results, values, offset = [], [], {}, 0
-    for key, item in enumerate(items):
-        if item.type == WriteItemType.BYTE_IO:
-            values[key] = planner.lookup_object(item.index)
-            results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=RawSlot(name, key=key)))
-            continue
-        tensor = planner.resolve_data(item).detach().cpu().contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8)
-        results.append(WriteResult(index=item.index, size_in_bytes=raw.numel(),
-                                   storage_data=RawSlot(name, offset, raw.numel(), tensor.dtype, tuple(tensor.shape))))
-        padding = -raw.numel() % _ALIGNMENT
-        pieces += [raw, torch.zeros(padding, dtype=torch.uint8)] if padding else [raw]
-        offset += raw.numel() + padding
-    table = pickle.dumps(values)
-    tensors = torch.cat(pieces).numpy().tobytes() if pieces else b""
-    return tensors + table + len(table).to_bytes(8, "little"), results
+    tensors = {key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO}
+    slots, tensor_bytes = _file_slots(items, tensors, name)
+    content = _new_file(tensor_bytes, {key: planner.lookup_object(item.index) for key, item in enumerate(items)
+                                       if item.type == WriteItemType.BYTE_IO})
+    for key, tensor in tensors.items():
+        _slot_view(content, slots[key]).copy_(tensor)
+    return content, [WriteResult(index=item.index, size_in_bytes=slot.length, storage_data=slot)
+                     for item, slot in zip(items, slots, strict=True)]
 
 
-def _open_shard_file(content: bytes) -> tuple[torch.Tensor, dict[int, Any]]:
-    size = int.from_bytes(content[-8:], "little")
-    return _to_tensor(content[:-8 - size]), pickle.loads(content[-8 - size:-8])
+def _open_shard_file(content: torch.Tensor) -> tuple[torch.Tensor, dict[int, Any]]:
+    size = int.from_bytes(content[-8:].numpy().tobytes(), "little")
+    return content[:-8 - size], pickle.loads(content[-8 - size:-8].numpy())
 
 
 class SnapshotWriter(StorageWriter):
@@ -193,7 +233,7 @@ class SnapshotWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(plan, storage_data=f"__{rank}_0.distcp") for rank, plan in enumerate(plans)]
+        return [dataclasses.replace(plan, storage_data=_shard_name(rank)) for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
         self.final_plan = plan
@@ -225,7 +265,7 @@ class SnapshotReader(StorageReader):
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return pickle.loads(self._store.read(self._location, METADATA_NAME))
+        return self._store.read_object(self._location, METADATA_NAME)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._slots = metadata.storage_data
@@ -249,7 +289,7 @@ class SnapshotReader(StorageReader):
                 stream.seek(0)
                 planner.load_bytes(item, stream)
                 continue
-            stored = tensors[slot.offset:slot.offset + slot.length].view(slot.dtype).view(slot.shape)
+            stored = _slot_view(tensors, slot)
             target = planner.resolve_tensor(item).detach()
             target.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
             planner.commit_tensor(item, target)
@@ -264,12 +304,123 @@ class SnapshotReader(StorageReader):
 
 @dataclass(frozen=True)
 class _Layout:
-    """What a group's snapshots share while the state keeps its structure: this rank's local plan (to see a change),
-    its final plan (which items it writes, into which file) and the snapshots' metadata."""
+    """What a group's snapshots share while the state keeps its structure: this rank's final plan (which items it
+    writes) and their slots in its file, the snapshots' metadata, and where each item's value comes from at a step.
 
-    local_items: list[WriteItem]
+    `fingerprint` (_fingerprint) is the live state's structure and storage when the layout was made: while it holds,
+    the views in `live` still show the live parameters, module buffers and optimizer state. `at_boundary`: the live
+    items the next forward may change (module buffers), copied before it starts; the rest only the optimizer changes.
+    `fresh`: items the step's own values give (progress, RNG states, metric points). `param_groups`: byte items that are
+    an optimizer's hyperparameter (the learning rate changes every step), as (optimizer, group, name). `reusable`:
+    every item has a source here (else each snapshot is a full DCP save)."""
+
+    fingerprint: list[Any]
     final_plan: SavePlan
+    slots: list[RawSlot]
+    tensor_bytes: int
     metadata: bytes
+    live: dict[int, torch.Tensor]
+    at_boundary: frozenset[int]
+    fresh: tuple[int, ...]
+    param_groups: dict[int, tuple[int, int, str]]
+    reusable: bool
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer], fresh: dict[str, Any]) -> list[Any]:
+    """The structure and storage of a rank's live state (`fresh`: the step's own values, flattened): equal at two
+    steps when a snapshot's items come from the same places (it costs about a microsecond per tensor)."""
+    entries: list[Any] = []
+    for part in model_parts:
+        for tensor in itertools.chain(part.parameters(), part.buffers()):
+            local = _local(tensor)
+            entries.append((local.data_ptr(), local.shape, local.dtype))
+    for optimizer in optimizers:
+        local_optim = local_optimizer(optimizer)
+        for group in local_optim.param_groups:
+            entries.append([len(group["params"])] + [
+                (name, (value.data_ptr(), value.shape) if isinstance(value, torch.Tensor) else value)
+                for name, value in group.items() if name not in ("params", "lr")])
+            for parameter in group["params"]:
+                for name, value in local_optim.state.get(parameter, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        local = _local(value)
+                        entries.append((name, local.data_ptr(), local.shape, local.dtype))
+                    else:
+                        entries.append((name, value))
+    entries.append([(key, value.shape, value.dtype) if isinstance(value, torch.Tensor) else key
+                    for key, value in fresh.items()])
+    return entries
+
+
+def _live_storages(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[int, bool]:
+    """The storage of every live parameter, module buffer and optimizer state tensor -> whether it is a buffer."""
+    storages: dict[int, bool] = {}
+    for part in model_parts:
+        storages.update((_local(tensor).untyped_storage().data_ptr(), False) for tensor in part.parameters())
+        storages.update((_local(tensor).untyped_storage().data_ptr(), True) for tensor in part.buffers())
+    for optimizer in optimizers:
+        for state in local_optimizer(optimizer).state.values():
+            storages.update((_local(value).untyped_storage().data_ptr(), False)
+                            for value in state.values() if isinstance(value, torch.Tensor))
+    return storages
+
+
+def _param_group_sources(optimizer_state: dict[str, Any], optimizers: list[Optimizer]) -> dict[str, tuple[int, int, str]]:
+    """Flattened key of each hyperparameter in `optimizer_state` (training_state's flattened optimizer state, whose
+    "state.{fqn}.{name}" values are the optimizers' own tensors) -> (optimizer, group, name) it is read from. A
+    parameter with no state tensor has no entry."""
+    owners: dict[int, tuple[int, int, str]] = {}
+    for index, optimizer in enumerate(optimizers):
+        local_optim = local_optimizer(optimizer)
+        for group_index, group in enumerate(local_optim.param_groups):
+            for parameter in group["params"]:
+                owners.update((id(value), (index, group_index, name))
+                              for name, value in local_optim.state.get(parameter, {}).items() if isinstance(value, torch.Tensor))
+    groups: dict[str, tuple[int, int]] = {}
+    for key, value in optimizer_state.items():
+        if key.startswith("state.") and id(value) in owners:
+            index, group_index, name = owners[id(value)]
+            groups[key[len("state."):-len(name) - 1]] = (index, group_index)
+    sources = {}
+    for key in optimizer_state:
+        if key.startswith("param_groups."):
+            fqn, name = key[len("param_groups."):].rsplit(".", 1)
+            if fqn in groups:
+                sources[f"optimizer.{key}"] = (*groups[fqn], name)
+    return sources
+
+
+def _make_layout(fingerprint: list[Any], final_plan: SavePlan, metadata: bytes, live_state: dict[str, Any],
+                 storages: dict[int, bool], param_group_sources: dict[str, tuple[int, int, str]]) -> _Layout:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(live_state)
+    items = final_plan.items
+    tensors = {key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO}
+    slots, tensor_bytes = _file_slots(items, tensors, final_plan.storage_data)
+    live, at_boundary, fresh, param_groups, reusable = {}, set(), [], {}, True
+    for key, item in enumerate(items):
+        if item.index.fqn.split(".", 1)[0] not in ("model", "optimizer"):
+            fresh.append(key)
+        elif key in tensors:
+            storage = tensors[key].untyped_storage().data_ptr()
+            if tensors[key].numel() == 0:
+                continue  # nothing to copy
+            if storage not in storages:
+                reusable = False  # a copy, not a view of the live state
+                continue
+            live[key] = tensors[key]
+            if storages[storage]:
+                at_boundary.add(key)
+        elif item.index.fqn in param_group_sources:
+            param_groups[key] = param_group_sources[item.index.fqn]
+        else:
+            reusable = False
+    return _Layout(fingerprint, final_plan, slots, tensor_bytes, metadata, live, frozenset(at_boundary), tuple(fresh),
+                   param_groups, reusable)
 
 
 class PeerSnapshots:
@@ -277,13 +428,16 @@ class PeerSnapshots:
     the snapshots' gloo group)."""
 
     def __init__(self, store: SnapshotStore, job_id: str, generation: int, replicas: int,
-                 ranks_per_node: tuple[int, ...] | None, device: torch.device,
+                 ranks_per_node: tuple[int, ...] | None, device: torch.device, *,
+                 model_parts: list[nn.Module], optimizers: list[Optimizer],
                  report: Callable[[list[dict[str, int]]], None] | None = None) -> None:
         """`report`: given on rank 0, called once with every rank's host-memory cost (host_memory_cost) when the
         snapshots reach their steady state (KEPT of them held)."""
         self._store, self._job_id, self._generation = store, job_id, generation
+        self._model_parts, self._optimizers = model_parts, optimizers
         self._report, self._written = report, 0
         self.sent_bytes = 0  # what this rank sent its buddies for the latest snapshot
+        self.layouts_made = 0  # full DCP saves: the first snapshot's, and one per change of the state's structure
         self.group = dist.new_group(backend="gloo")
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         # Ranks are contiguous per node: a shift of the largest node's size lands on another node (when nodes are
@@ -295,11 +449,42 @@ class PeerSnapshots:
         self._in_flight: Future | None = None
         self._layout: _Layout | None = None
 
-    def take(self, step: int, state: dict[str, Any]) -> None:
-        """Snapshot `state`, the state after `step`, in the background (the previous snapshot finishes first)."""
+    def take(self, step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None) -> None:
+        """Snapshot the state after `step` in the background (the previous snapshot finishes first). Collective.
+
+        While the state keeps its structure (every rank's _fingerprint as at the last full save: one all-reduce says),
+        a snapshot reuses the group's layout: each rank fills its shard file from the live state's views (the part the
+        next forward may change now, the rest in the background) and no DCP planning runs. Else a full DCP save makes
+        a new layout."""
         self.wait()
-        staged = self._stager.stage(state)
-        self._in_flight = self._executor.submit(self._write, SnapshotRef(self._generation, step), staged)
+        ref = SnapshotRef(self._generation, step)
+        values = DefaultSavePlanner()  # flattens the step's own values as DCP does the whole state
+        values.set_up_planner(step_state(step, position, metrics))
+        fingerprint = _fingerprint(self._model_parts, self._optimizers, values.state_dict)
+        layout = self._layout
+        changed = torch.tensor([int(layout is None or not layout.reusable or layout.fingerprint != fingerprint)])
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        if changed.item():
+            state = training_state(step, position, self._model_parts, self._optimizers, metrics=metrics)
+            storages = _live_storages(self._model_parts, self._optimizers)
+            sources = _param_group_sources(state["optimizer"], self._optimizers)
+            staged = self._stager.stage(state)
+            self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprint, storages,
+                                                    sources)
+            return
+        assert layout is not None  # an unset layout is a change
+        items = layout.final_plan.items
+        table = {key: values.lookup_object(items[key].index) for key in layout.fresh
+                 if items[key].type == WriteItemType.BYTE_IO}
+        table.update((key, local_optimizer(self._optimizers[index]).param_groups[group][name])
+                     for key, (index, group, name) in layout.param_groups.items())
+        content = _new_file(layout.tensor_bytes, table)
+        for key in layout.fresh:
+            if items[key].type != WriteItemType.BYTE_IO:
+                _slot_view(content, layout.slots[key]).copy_(values.lookup_object(items[key].index))
+        for key in layout.at_boundary:
+            _slot_view(content, layout.slots[key]).copy_(layout.live[key])
+        self._in_flight = self._executor.submit(self._write_reusing, ref, layout, content)
 
     def before_state_changes(self) -> None:
         """Before the optimizer changes the state, the previous step's snapshot must be whole in peers' memory (not
@@ -318,38 +503,34 @@ class PeerSnapshots:
         self._stager.close()
         dist.destroy_process_group(self.group)
 
-    def _write(self, ref: SnapshotRef, staged: Any) -> None:
+    def _write_new_layout(self, ref: SnapshotRef, staged: Any, live_state: dict[str, Any], fingerprint: list[Any],
+                          storages: dict[int, bool], param_group_sources: dict[str, tuple[int, int, str]]) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state, storage_meta=None, is_coordinator=self._rank == 0)
-        local_items = planner.create_local_plan().items
-        # A step's state has the structure of the step before: DCP plans a snapshot (collectives over the group) and
-        # makes its metadata once, and again only when some rank's local plan changes; the snapshots between reuse
-        # them, each rank writing its shard file alone, at the byte offsets that metadata names.
-        changed = torch.tensor([int(self._layout is None or self._layout.local_items != local_items)])
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
-        if changed.item():
-            writer = SnapshotWriter(self._store, location)
-            dcp.save(state, storage_writer=writer, process_group=self.group)
-            metadata = [self._store.read(location, METADATA_NAME) if self._rank == 0 else None]
-            dist.broadcast_object_list(metadata, src=0, group=self.group)
-            assert writer.final_plan is not None
-            self._layout = _Layout(local_items, writer.final_plan, metadata[0])
-        else:
-            assert self._layout is not None  # an unset layout is a change
-            name = self._layout.final_plan.storage_data
-            self._store.write(location, name, _shard_file(self._layout.final_plan.items, planner, name)[0])
-        self._store.write(location, METADATA_NAME, self._layout.metadata)
-        own_prefix = f"__{self._rank}_"
-        own = {name: self._store.read(location, name) for name in self._store.names(location) if name.startswith(own_prefix)}
-        payload = _to_tensor(pickle.dumps(own))
-        self.sent_bytes = payload.numel() * len(self._shifts)
+        writer = SnapshotWriter(self._store, location)
+        dcp.save(state, storage_writer=writer, process_group=self.group)
+        metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
+        dist.broadcast_object_list(metadata, src=0, group=self.group)
+        assert writer.final_plan is not None
+        self._layout = _make_layout(fingerprint, writer.final_plan, metadata[0], live_state, storages, param_group_sources)
+        self.layouts_made += 1
+        self._share(ref, location, self._store.read(location, writer.final_plan.storage_data), metadata[0])
+
+    def _write_reusing(self, ref: SnapshotRef, layout: _Layout, content: torch.Tensor) -> None:
+        for key, view in layout.live.items():
+            if key not in layout.at_boundary:
+                _slot_view(content, layout.slots[key]).copy_(view)
+        self._share(ref, snapshot_location(self._job_id, ref), content, layout.metadata)
+
+    def _share(self, ref: SnapshotRef, location: str, own: torch.Tensor, metadata: bytes) -> None:
+        """Hold this rank's shard file `own` and the metadata, and exchange shard files with the buddies."""
+        self._store.write(location, _shard_name(self._rank), own)
+        self._store.write(location, METADATA_NAME, metadata)
+        self.sent_bytes = own.numel() * len(self._shifts)
         for shift in self._shifts:
-            received = _exchange(payload, (self._rank + shift) % self._world_size,
-                                 (self._rank - shift) % self._world_size, self.group)
-            for name, content in pickle.loads(received.numpy().tobytes()).items():
-                self._store.write(location, name, content)
+            source = (self._rank - shift) % self._world_size
+            self._store.write(location, _shard_name(source),
+                              _exchange(own, (self._rank + shift) % self._world_size, source, self.group))
         self._store.retain(self._job_id)
         self._written += 1
         if self._written == KEPT:
@@ -360,13 +541,13 @@ class PeerSnapshots:
 
     def host_memory_cost(self, latest: str) -> dict[str, int]:
         """This rank's host memory for snapshots: every file it holds (its own and its buddies' shards, of each
-        snapshot kept), and per snapshot what it wrote itself and what it sent to buddies."""
+        snapshot kept), per snapshot what it wrote itself and what it sent to buddies, and how many of its snapshots
+        so far were full DCP saves (the rest reused their layout)."""
         held = sum(sum(self._store.names(snapshot_location(self._job_id, ref)).values())
                    for ref in self._store.snapshots(self._job_id))
-        own_prefix = f"__{self._rank}_"
-        own = sum(size for name, size in self._store.names(latest).items() if name.startswith(own_prefix))
+        own = self._store.names(latest).get(_shard_name(self._rank), 0)
         return {"rank": self._rank, "held_bytes": held, "own_bytes_per_snapshot": own,
-                "sent_bytes_per_snapshot": self.sent_bytes}
+                "sent_bytes_per_snapshot": self.sent_bytes, "full_saves": self.layouts_made}
 
 
 def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, group: dist.ProcessGroup, *,
@@ -379,7 +560,7 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
     held: list[Any] = [None] * world_size
     dist.all_gather_object(held, sorted(store.names(location)), group=group)
     source = min(member for member, names in enumerate(held) if METADATA_NAME in names)
-    metadata_bytes = [store.read(location, METADATA_NAME) if rank == source else None]
+    metadata_bytes = [store.read(location, METADATA_NAME).numpy().tobytes() if rank == source else None]
     dist.broadcast_object_list(metadata_bytes, src=source, group=group)
     if METADATA_NAME not in held[rank]:
         store.write(location, METADATA_NAME, metadata_bytes[0])
@@ -396,11 +577,11 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
             if name not in names:
                 continue
             if rank == holder:
-                _send(_to_tensor(store.read(location, name)), destination, group)
+                _send(store.read(location, name), destination, group)
             elif rank == destination:
-                content = _receive(holder, group).numpy().tobytes()
+                content = _receive(holder, group)
                 store.write(location, name, content)
-                received += len(content)
+                received += content.numel()
     progress, metrics = load_training_state(SnapshotReader(store, location), model_parts=model_parts, optimizers=optimizers,
                                             process_group=group, state=state)
     return progress, metrics, received

@@ -21,7 +21,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from ringmaster.service.reports import MetricPoint
 from ringmaster.service.spec import DataSourceSpec, JobSpec
-from ringmaster.workers.checkpoint import training_state
 from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
@@ -68,6 +67,7 @@ class Trainer:
         replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
         self._snapshots = None if replicas is None or ctx.snapshot_store is None else PeerSnapshots(
             ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device,
+            model_parts=self.parallel.parts, optimizers=self.parallel.optimizers,
             report=self._report_snapshot_cost if ctx.rank == 0 else None)
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
                                     keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None)
@@ -120,9 +120,8 @@ class Trainer:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
             if self._snapshots is not None and self.step < spec.train.steps:
-                self._snapshots.take(self.step, training_state(
-                    self.step, self._stream.position, self.parallel.parts, self.parallel.optimizers,
-                    metrics=self._metrics.for_checkpoint() if self.ctx.rank == 0 else None))
+                self._snapshots.take(self.step, self._stream.position,
+                                     metrics=self._metrics.for_checkpoint() if self.ctx.rank == 0 else None)
             if self._evaluation_due():
                 self._validate()
             if stopped or self._checkpointer.due(self.step):
