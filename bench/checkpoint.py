@@ -151,8 +151,8 @@ def _summarise(raw: dict, args: argparse.Namespace, root: Path) -> dict:
 
 def _snapshot_spec(args: argparse.Namespace, steps: int, snapshots: bool, every_steps: int = 0):
     spec = _spec(args, steps)
-    checkpoint = spec.checkpoint.model_copy(update={"every_steps": every_steps, "in_memory": {"enabled": snapshots}})
-    return spec.model_validate({**spec.model_dump(), "checkpoint": checkpoint.model_dump()})
+    checkpoint = {**spec.checkpoint.model_dump(), "every_steps": every_steps, "in_memory": {"enabled": snapshots}}
+    return spec.model_validate({**spec.model_dump(), "checkpoint": checkpoint})
 
 
 def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
@@ -209,8 +209,11 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
         "step_s_snapshots_off": [round(value, 4) for value in raw["off"]],
         "step_s_snapshots_on": [round(value, 4) for value in raw["on"]],
         "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
+        # each round's on over the off run just before it (the machine's load drifts between rounds)
+        "round_ratios": [round(b / a, 3) for a, b in zip(raw["off"], raw["on"], strict=True)],
         "bytes_sent_to_buddies_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
         "host_bytes_held_per_rank": {cost["rank"]: cost["held_bytes"] for cost in costs},
+        "full_dcp_saves_in_first_two_snapshots": {cost["rank"]: cost["full_saves"] for cost in costs},
         "restore_from_memory_s": memory["restore_s"], "memory_storage_reads": memory["storage_reads"],
         "restore_from_storage_s": storage["restore_s"], "restored_steps": [memory["restored_step"], storage["restored_step"]],
         "snapshot_mb": round(snapshot_bytes / 1e6, 2),
