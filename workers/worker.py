@@ -33,12 +33,6 @@ _OWNER_SILENCE_S = 1.0
 log = logging.getLogger("ringmaster.worker")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _import_training_stack() -> None:
     import torch._dynamo  # noqa: F401 — DistributedDataParallel imports it on construction
 
@@ -64,6 +58,7 @@ class TrainWorker:
         self._group_lock = threading.Lock()
         self._outbox = RankOutbox()
         self._snapshots: Any = None  # this process's in-memory snapshots, made with the training stack
+        self._rendezvous: socket.socket | None = None  # where the group this actor leads next meets (rendezvous_port)
         self.generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
         warm_up = _import_training_stack_in_background if pooled else _import_training_stack
@@ -115,8 +110,16 @@ class TrainWorker:
                 "actor_id": context.get_actor_id(), "name": context.get_actor_name()}
 
     def rendezvous_port(self) -> int:
-        """A free port on this node, for the group this actor will lead as rank 0."""
-        return _free_port(ray.util.get_node_ip_address())
+        """Open a listening socket on a port the system chooses, for the rendezvous store of the group this actor will
+        lead as rank 0 (join hands it to the store), and return the port. A port found free and bound only later can
+        be taken in between: on a busy node, by another group's connections."""
+        listening = socket.socket()
+        listening.bind((ray.util.get_node_ip_address(), 0))
+        listening.listen()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        self._rendezvous = listening
+        return listening.getsockname()[1]
 
     def resume_step(self, storage_root: str, resume_from_root: str | None) -> int:
         """The step training will resume from (0: from scratch), chosen as training chooses it."""
@@ -160,8 +163,16 @@ class TrainWorker:
                 # the process alive (torch's default, 3, ends it), so the survivor keeps its state and its snapshots
                 # for the re-formed group. The driver's re-formation aborts them sooner (the join above).
                 os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-            dist.init_process_group("nccl" if self._uses_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            if rank == 0:  # the store serves on the socket rendezvous_port opened, and owns it from now on
+                listening, self._rendezvous = self._rendezvous, None
+                store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout,
+                                      wait_for_workers=False, master_listen_fd=listening.detach())
+            else:
+                store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+            # As init_method="tcp://..." would, under the prefix torch gives the default group's keys.
+            dist.init_process_group("nccl" if self._uses_gpu else "gloo", store=dist.PrefixStore("default_pg", store),
+                                    rank=rank, world_size=world_size, timeout=timeout)
 
     def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],
               resume_from_root: str | None = None, attempt: int = 1,
