@@ -26,12 +26,13 @@ MODEL_OPTIONS = {"n_layers": 4, "dim": 32, "n_heads": 4, "seq_len": 32, "max_cor
 
 
 def strategy_spec(name: str, strategy: str, workers: int, steps: int, micro_batch_size: int, *,
-                  precision: str = "fp32", grad_clip: float | None = None, **parallel: Any) -> dict[str, Any]:
+                  precision: str = "fp32", grad_clip: float | None = None, global_batch: int = GLOBAL_BATCH,
+                  **parallel: Any) -> dict[str, Any]:
     """A JobSpec document for ``strategy`` training the reference model on the reference batches."""
     return {
         "name": name, "model": "tiny-gpt", "model_options": MODEL_OPTIONS, "strategy": strategy, "parallel": parallel,
         "workers": {"min": workers, "max": workers, "cpus_per_worker": 1},
-        "train": {"steps": steps, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro_batch_size, "lr": LR,
+        "train": {"steps": steps, "global_batch_size": global_batch, "micro_batch_size": micro_batch_size, "lr": LR,
                   "warmup_steps": WARMUP_STEPS, "weight_decay": WEIGHT_DECAY, "seed": SEED, "precision": precision,
                   "grad_clip": grad_clip},
         "checkpoint": {"every_steps": 0, "keep": 1},
@@ -46,8 +47,9 @@ class ReferenceRun:
     state: dict[str, torch.Tensor]  # the model's weights after the last step
 
 
-def train_reference(steps: int, grad_clip: float | None = None) -> ReferenceRun:
-    spec = JobSpec.model_validate(strategy_spec("reference", "ddp", 1, steps, GLOBAL_BATCH, grad_clip=grad_clip))
+def train_reference(steps: int, grad_clip: float | None = None, global_batch: int = GLOBAL_BATCH) -> ReferenceRun:
+    spec = JobSpec.model_validate(strategy_spec("reference", "ddp", 1, steps, global_batch, grad_clip=grad_clip,
+                                                global_batch=global_batch))
     torch.manual_seed(SEED)  # run_training seeds torch with spec.train.seed right before building the bundle
     bundle = build_bundle(spec)
     model = bundle.model
@@ -56,7 +58,7 @@ def train_reference(steps: int, grad_clip: float | None = None) -> ReferenceRun:
     permutation = list(DistributedSampler(bundle.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=True))
     run = ReferenceRun([], [], [], {})
     for step in range(steps):
-        indices = permutation[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        indices = permutation[step * global_batch : (step + 1) * global_batch]
         loss = bundle.loss_fn(model, default_collate([bundle.train_dataset[i] for i in indices]))
         loss.backward()
         run.gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from harness.checkpoints import load_model_weights
 from harness.ray_cluster import wait_for_state
 from harness.simulated_cluster import served_cluster, wait_for_step
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.data.audit import read_effective_samples
 from ringmaster.workers.models import build_bundle
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
@@ -138,3 +140,75 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
         assert "across 2 node(s)" in running["message"], running["message"]
         assert all(entry["measured"]["parameters_bytes"] == pytest.approx(4 * parameter_count / 2, rel=0.02)
                    for entry in memory)
+
+
+SHRINK_BATCH = 24  # whole micro-batches of 2 at 4, 3 and 1 workers
+
+
+@pytest.fixture(scope="module")
+def reference_24() -> ReferenceRun:
+    return train_reference(STEPS, global_batch=SHRINK_BATCH)
+
+
+def _sharded_spec(name: str, workers: int, minimum: int) -> dict:
+    spec = strategy_spec(name, "fsdp", workers, STEPS, 2, shard="zero3", global_batch=SHRINK_BATCH)
+    return {**spec, "workers": {"min": minimum, "max": workers, "cpus_per_worker": CPUS_PER_NODE},
+            "train": {**spec["train"], "record_sample_ids": True},
+            "checkpoint": {"every_steps": 4, "keep": 2}, "max_failures": 2}
+
+
+def _worker_nodes(cluster) -> list:
+    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    return [cluster.node_by_id(node_id) for node_id in sorted({actor["node_id"] for actor in actors})]
+
+
+def test_a_sharded_group_shrinks_from_four_to_three_from_memory(cluster, reference_24):
+    """fsdp zero3 on four nodes, one lost and none to replace it: the three survivors reshard the four ranks' state
+    from memory and keep the global batch (4 micro-steps instead of 3)."""
+    cluster.ensure_nodes(4)  # every node taken by the job: nothing left to replace the lost one
+    client = cluster.client
+    job_id = client.submit(_sharded_spec("memory-shrink-4-to-3", 4, 1))["id"]
+    wait_for_step(client, job_id, KILL_AFTER_STEP)
+    cluster.kill_node(_worker_nodes(cluster)[-1])
+    done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
+    assert done["state"] == "SUCCEEDED", done["error"]
+
+    events = client.events(job_id)["items"]
+    regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
+    assert [(data["resumed_from"], data["world_size_before"], data["world_size"]) for data in regroups] == [("memory", 4, 3)]
+    restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
+    assert len(restores) == 1 and restores[0]["storage_reads"] == 0, restores
+    twice, formations = _steps_computed_twice(cluster.storage, job_id)
+    assert formations == 2 and twice <= 1, f"{twice} steps computed twice over {formations} formations"
+    rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
+    assert {row["world_size"] for row in rows} == {3, 4}
+    assert [row["loss"] for row in rows] == pytest.approx(reference_24.losses, abs=1e-4)
+    # Each step, as the formation that last ran it saw it, used a whole global batch of distinct samples.
+    effective = read_effective_samples(cluster.storage / job_id)
+    assert sorted(effective) == list(range(1, STEPS + 1))
+    used = [sample for _, samples in effective.values() for sample in samples]
+    assert all(len(samples) == SHRINK_BATCH for _, samples in effective.values()) and len(used) == len(set(used))
+
+
+def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_checkpoint(cluster, reference_24):
+    """Three ranks, each shard's one copy on the next rank round the ring: two nodes lost together take a shard
+    with its only copy. The survivor says which, and the job resumes from its durable checkpoint."""
+    cluster.ensure_nodes(3)
+    client = cluster.client
+    job_id = client.submit(_sharded_spec("memory-buddy-lost", 3, 1))["id"]
+    wait_for_step(client, job_id, 6)  # past the durable checkpoint of step 4
+    for node in _worker_nodes(cluster)[1:]:
+        cluster.kill_node(node)
+    done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
+    assert done["state"] == "SUCCEEDED", done["error"]
+
+    events = client.events(job_id)["items"]
+    [fallback] = [e for e in events if e["data"] and "memory_fallback" in e["data"]]
+    assert re.search(r"step \d+ lacks __\d_0\.distcp", fallback["data"]["memory_fallback"]), fallback
+    assert "resuming from the durable checkpoint of step" in fallback["message"]
+    regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
+    assert [(data["resumed_from"], data["world_size"]) for data in regroups] == [("storage", 1)]
+    assert regroups[0]["resumed_from_step"] in (4, 8) and regroups[0]["resumed_from_step"] == fallback["data"]["resumed_from_step"]
+    rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert [row["loss"] for row in rows] == pytest.approx(reference_24.losses, abs=1e-4)
