@@ -342,8 +342,13 @@ def measure_ray_train(
     )
     if first_step is None:
         detail["reason"] = "no training step completed after the kill" + (" (timed out)" if timed_out else "")
-        return {"scenario": scenario, "recovery_s": None, "detail": detail}
-    return {"scenario": scenario, "recovery_s": round(first_step["t"] - kill_time, 3), "detail": detail}
+        return {"scenario": scenario, "recovery_s": None, "steps_redone": None, "detail": detail}
+    # The newest step the old incarnation completed (one in flight at the kill may still have ended) minus the step
+    # its successor restored (0: no checkpoint yet).
+    last_before = max(r["step"] for r in records if r["inc"] <= kill_time and r["event"] == "step")
+    steps_redone = max(0, last_before - (detail["restored_step"] or 0))
+    return {"scenario": scenario, "recovery_s": round(first_step["t"] - kill_time, 3), "steps_redone": steps_redone,
+            "detail": detail}
 
 
 def _median_step_seconds(progress: list[dict]) -> float | None:
