@@ -136,8 +136,10 @@ def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, A
     assert [cost["rank"] for cost in costs] == [0, 1, 2]
     for cost in costs:
         buddy = costs[(cost["rank"] - 1) % 3]  # one replica, on the next rank round the ring
-        assert cost["own_bytes_per_snapshot"] > 0 and cost["sent_bytes_per_snapshot"] >= cost["own_bytes_per_snapshot"]
-        # Its own shard and its buddy's, of each of the KEPT snapshots it holds (and their metadata).
-        assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["own_bytes_per_snapshot"])
+        # zero3's shards are on one rank each: nearly all of a rank's state goes to its buddy (what every rank holds
+        # alike, as the step, stays home).
+        assert cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"] > 0.9 * cost["own_bytes_per_snapshot"]
+        # Its own shards and its buddy's copied one, of each of the KEPT snapshots it holds (and their metadata).
+        assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["copied_bytes_per_snapshot"])
         assert cost["full_saves"] == 1  # the second snapshot reused the first's layout
 

@@ -34,13 +34,15 @@ def _die_mid_copy(payload: torch.Tensor, to: int, source: int, group: dist.Proce
 def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(rank)
     store = SnapshotStore()
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # a few MB per shard: long on the wire
+    # A module of each rank's own (a name no other rank's state has), so no copy of it is elsewhere: it goes to the
+    # buddy, a few MB on the wire.
+    model = nn.ModuleDict({f"rank{rank}": nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))})
     optimizer = torch.optim.AdamW(model.parameters())
     snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
                               optimizers=[optimizer])
 
     def step(number: int) -> None:
-        model(torch.ones(4, 512)).sum().backward()
+        model[f"rank{rank}"](torch.ones(4, 512)).sum().backward()
         snapshots.before_state_changes()
         optimizer.step()
         optimizer.zero_grad()

@@ -3,10 +3,13 @@ the step a failure interrupted without reading storage (JobSpec checkpoint.in_me
 
 A snapshot is a DCP checkpoint held in the process's SnapshotStore, at ``{SNAPSHOT_ROOT}/{job}/g{generation:04d}-step-
 {step:08d}``, in a storage layout of its own (SnapshotWriter: each item's raw bytes, where DCP's file writers serialise
-every tensor with torch.save, most of a small model's snapshot time). Each rank holds there its own shard file
-(``__{rank}_0.distcp``), DCP's ``.metadata`` (rank 0 writes it; a broadcast gives every rank a copy) and the shard
-files of the ranks it is a buddy of: ranks one node (`shift` ranks) further round the ring, so a node's loss leaves a
-copy of each of its shards on the next node. The process keeps the two newest snapshots it has: a peer that finished
+every tensor with torch.save, most of a small model's snapshot time). Each rank holds there its own two shard files,
+DCP's ``.metadata`` (rank 0 writes it; a broadcast gives every rank a copy) and the copied shard files of the ranks it
+is a buddy of: ranks one node (`shift` ranks) further round the ring. A rank's ``__{rank}_0.distcp`` holds what no
+rank on another node holds (its FSDP, pipeline or tensor shards, its RNG) and goes to its buddies, so a node's loss
+leaves a copy of it on the next node; its ``__{rank}_1.distcp`` holds every item a rank on another node holds too (a
+replica: ddp's state, the replicated parts of zero1, hybrid and tensor parallel) and stays home, as the metadata names
+each item's copies and a restore reads whichever is at hand. The process keeps the two newest snapshots it has: a peer that finished
 one step fewer can still be met at the step before.
 
 Taking a snapshot overlaps the next step. The first one of a group is a full DCP save (its planning collectives, the
@@ -43,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
@@ -120,7 +123,7 @@ class SnapshotStore:
 
     def inventory(self, job_id: str) -> list[dict[str, Any]]:
         """What this process holds, for the driver's choice: per snapshot its files, and (where this process has the
-        metadata) every file the snapshot consists of."""
+        metadata) what the snapshot needs: groups of files, one of each group (an item's copies) at least."""
         held = []
         for ref in self.snapshots(job_id):
             location = snapshot_location(job_id, ref)
@@ -128,7 +131,8 @@ class SnapshotStore:
             required = None
             if METADATA_NAME in names:
                 metadata = self.read_object(location, METADATA_NAME)
-                required = sorted({info.relative_path for info in metadata.storage_data.values()} | {METADATA_NAME})
+                required = [list(files) for files in sorted({slot.files() for slot in metadata.storage_data.values()}
+                                                            | {(METADATA_NAME,)})]
             held.append({"generation": ref.generation, "step": ref.step, "files": sorted(names), "required": required})
         return held
 
@@ -162,10 +166,29 @@ class RawSlot:
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
     key: int | None = None
+    copies: tuple[RawSlot, ...] = ()  # the same item in other ranks' files (it is replicated across nodes)
+
+    def files(self) -> tuple[str, ...]:
+        """Every file that holds this item; any one of them will do."""
+        return tuple(sorted({self.relative_path, *(copy.relative_path for copy in self.copies)}))
 
 
-def _shard_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
+COPIED, KEPT_HERE = 0, 1  # a rank's two shard files: the one its buddies hold a copy of, and the one they need not
+
+
+def _shard_name(rank: int, part: int = COPIED) -> str:
+    return f"__{rank}_{part}.distcp"
+
+
+@dataclass(frozen=True)
+class _RankFiles:
+    """What one rank writes of a snapshot (the coordinator decides, SnapshotWriter.prepare_global_plan): into its
+    COPIED file the items DCP assigned it that no rank on another node holds; into its KEPT_HERE file every item it
+    holds that a rank on another node holds too (a replica: ddp's state, hybrid's and zero1's replicated parts), so
+    a node's loss leaves a copy of each without any buddy copy."""
+
+    copied: list[MetadataIndex]
+    kept: list[MetadataIndex]
 
 
 def _file_slots(items: list[WriteItem], tensors: dict[int, torch.Tensor], name: str) -> tuple[list[RawSlot], int]:
@@ -215,13 +238,16 @@ def _open_shard_file(content: torch.Tensor) -> tuple[torch.Tensor, dict[int, Any
 
 
 class SnapshotWriter(StorageWriter):
-    """DCP storage for a snapshot: each rank's shard file (_shard_file) in the process's store; the coordinator
-    writes the metadata. It keeps the rank's final plan, for the snapshots that reuse it (PeerSnapshots)."""
+    """DCP storage for a snapshot: each rank's two shard files (_RankFiles, each a _shard_file) in the process's
+    store; the coordinator writes the metadata, naming for each item its slot and the replicas' slots. It keeps the
+    items of each file this rank wrote, for the snapshots that reuse them (PeerSnapshots). `node_of`: each rank's
+    node."""
 
-    def __init__(self, store: SnapshotStore, location: str) -> None:
+    def __init__(self, store: SnapshotStore, location: str, node_of: list[int]) -> None:
         super().__init__()
-        self._store, self._location = store, location
-        self.final_plan: SavePlan | None = None
+        self._store, self._location, self._node_of = store, location, node_of
+        self._local_items: list[WriteItem] = []
+        self.files: list[tuple[str, list[WriteItem]]] = []
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -230,21 +256,41 @@ class SnapshotWriter(StorageWriter):
         pass
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # Every item this rank holds goes to the coordinator with the plan (DCP's dedup then keeps one holder each).
+        self._local_items = plan.items
+        return dataclasses.replace(plan, storage_data=[item.index for item in plan.items])
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(plan, storage_data=_shard_name(rank)) for rank, plan in enumerate(plans)]
+        holders: dict[MetadataIndex, set[int]] = {}
+        for rank, plan in enumerate(plans):
+            for index in plan.storage_data:
+                holders.setdefault(index, set()).add(self._node_of[rank])
+        replicated = {index for index, nodes in holders.items() if len(nodes) > 1}
+        return [dataclasses.replace(plan, storage_data=_RankFiles(
+                    copied=[item.index for item in plan.items if item.index not in replicated],
+                    kept=[index for index in plan.storage_data if index in replicated]))
+                for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
-        self.final_plan = plan
-        content, results = _shard_file(plan.items, planner, plan.storage_data)
-        self._store.write(self._location, plan.storage_data, content)
-        written: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-        written.set_result(results)
-        return written
+        rank, local = dist.get_rank(), {item.index: item for item in self._local_items}
+        self.files = [(_shard_name(rank, COPIED), [local[index] for index in plan.storage_data.copied]),
+                      (_shard_name(rank, KEPT_HERE), [local[index] for index in plan.storage_data.kept])]
+        results = []
+        for name, items in self.files:
+            content, written = _shard_file(items, planner, name)
+            self._store.write(self._location, name, content)
+            results += written
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        done.set_result(results)
+        return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {result.index: result.storage_data for rank_results in results for result in rank_results}
+        slots: dict[MetadataIndex, list[RawSlot]] = {}
+        for rank_results in results:
+            for result in rank_results:
+                slots.setdefault(result.index, []).append(result.storage_data)
+        metadata.storage_data = {index: dataclasses.replace(first, copies=tuple(rest))
+                                 for index, (first, *rest) in slots.items()}
         self._store.write(self._location, METADATA_NAME, pickle.dumps(metadata))
 
     @classmethod
@@ -278,8 +324,10 @@ class SnapshotReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         files: dict[str, tuple[torch.Tensor, dict[int, Any]]] = {}
+        held = self._store.names(self._location)
         for item in plan.items:
-            slot = self._slots[item.storage_index]
+            primary = self._slots[item.storage_index]
+            slot = next((copy for copy in (primary, *primary.copies) if copy.relative_path in held), primary)
             if slot.relative_path not in files:
                 files[slot.relative_path] = _open_shard_file(self._store.read(self._location, slot.relative_path))
             tensors, values = files[slot.relative_path]
@@ -303,27 +351,37 @@ class SnapshotReader(StorageReader):
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """What a group's snapshots share while the state keeps its structure: this rank's final plan (which items it
-    writes) and their slots in its file, the snapshots' metadata, and where each item's value comes from at a step.
+class _FileLayout:
+    """One of a rank's shard files while the state keeps its structure: its items and their slots, and where each
+    item's value comes from at a step. `live`: views of the live parameters, module buffers and optimizer state
+    (valid while the layout's fingerprint holds); `at_boundary`: the live items the next forward may change (module
+    buffers), copied before it starts, the rest only the optimizer changes; `fresh`: items the step's own values
+    give (progress, RNG states, metric points); `param_groups`: byte items that are an optimizer's hyperparameter
+    (the learning rate changes every step), as (optimizer, group, name). `reusable`: every item has a source here."""
 
-    `fingerprint` (_fingerprint) is the live state's structure and storage when the layout was made: while it holds,
-    the views in `live` still show the live parameters, module buffers and optimizer state. `at_boundary`: the live
-    items the next forward may change (module buffers), copied before it starts; the rest only the optimizer changes.
-    `fresh`: items the step's own values give (progress, RNG states, metric points). `param_groups`: byte items that are
-    an optimizer's hyperparameter (the learning rate changes every step), as (optimizer, group, name). `reusable`:
-    every item has a source here (else each snapshot is a full DCP save)."""
-
-    fingerprint: list[Any]
-    final_plan: SavePlan
+    name: str
+    items: list[WriteItem]
     slots: list[RawSlot]
     tensor_bytes: int
-    metadata: bytes
     live: dict[int, torch.Tensor]
     at_boundary: frozenset[int]
     fresh: tuple[int, ...]
     param_groups: dict[int, tuple[int, int, str]]
     reusable: bool
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a group's snapshots share while the state keeps its structure: this rank's files, the snapshots'
+    metadata, and `fingerprint` (_fingerprint), the live state's structure and storage when the layout was made."""
+
+    fingerprint: list[Any]
+    metadata: bytes
+    files: tuple[_FileLayout, ...]
+
+    @property
+    def reusable(self) -> bool:
+        return all(file.reusable for file in self.files)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -394,13 +452,10 @@ def _param_group_sources(optimizer_state: dict[str, Any], optimizers: list[Optim
     return sources
 
 
-def _make_layout(fingerprint: list[Any], final_plan: SavePlan, metadata: bytes, live_state: dict[str, Any],
-                 storages: dict[int, bool], param_group_sources: dict[str, tuple[int, int, str]]) -> _Layout:
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(live_state)
-    items = final_plan.items
+def _file_layout(name: str, items: list[WriteItem], planner: DefaultSavePlanner, storages: dict[int, bool],
+                 param_group_sources: dict[str, tuple[int, int, str]]) -> _FileLayout:
     tensors = {key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO}
-    slots, tensor_bytes = _file_slots(items, tensors, final_plan.storage_data)
+    slots, tensor_bytes = _file_slots(items, tensors, name)
     live, at_boundary, fresh, param_groups, reusable = {}, set(), [], {}, True
     for key, item in enumerate(items):
         if item.index.fqn.split(".", 1)[0] not in ("model", "optimizer"):
@@ -419,8 +474,16 @@ def _make_layout(fingerprint: list[Any], final_plan: SavePlan, metadata: bytes, 
             param_groups[key] = param_group_sources[item.index.fqn]
         else:
             reusable = False
-    return _Layout(fingerprint, final_plan, slots, tensor_bytes, metadata, live, frozenset(at_boundary), tuple(fresh),
-                   param_groups, reusable)
+    return _FileLayout(name, items, slots, tensor_bytes, live, frozenset(at_boundary), tuple(fresh), param_groups, reusable)
+
+
+def _make_layout(fingerprint: list[Any], files: list[tuple[str, list[WriteItem]]], metadata: bytes,
+                 live_state: dict[str, Any], storages: dict[int, bool],
+                 param_group_sources: dict[str, tuple[int, int, str]]) -> _Layout:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(live_state)
+    return _Layout(fingerprint, metadata, tuple(_file_layout(name, items, planner, storages, param_group_sources)
+                                                for name, items in files))
 
 
 class PeerSnapshots:
@@ -443,6 +506,8 @@ class PeerSnapshots:
         # Ranks are contiguous per node: a shift of the largest node's size lands on another node (when nodes are
         # of equal size); on one node, on the next rank.
         shift = max(ranks_per_node) if ranks_per_node and len(ranks_per_node) > 1 else 1
+        self._node_of = ([node for node, size in enumerate(ranks_per_node) for _ in range(size)] if ranks_per_node
+                         else [0] * self._world_size)
         self._shifts = sorted({(copy * shift) % self._world_size for copy in range(1, replicas + 1)} - {0})
         self._stager = checkpoint_stager(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
@@ -473,18 +538,21 @@ class PeerSnapshots:
                                                     sources)
             return
         assert layout is not None  # an unset layout is a change
-        items = layout.final_plan.items
-        table = {key: values.lookup_object(items[key].index) for key in layout.fresh
-                 if items[key].type == WriteItemType.BYTE_IO}
-        table.update((key, local_optimizer(self._optimizers[index]).param_groups[group][name])
-                     for key, (index, group, name) in layout.param_groups.items())
-        content = _new_file(layout.tensor_bytes, table)
-        for key in layout.fresh:
-            if items[key].type != WriteItemType.BYTE_IO:
-                _slot_view(content, layout.slots[key]).copy_(values.lookup_object(items[key].index))
-        for key in layout.at_boundary:
-            _slot_view(content, layout.slots[key]).copy_(layout.live[key])
-        self._in_flight = self._executor.submit(self._write_reusing, ref, layout, content)
+        contents = []
+        for file in layout.files:
+            items = file.items
+            table = {key: values.lookup_object(items[key].index) for key in file.fresh
+                     if items[key].type == WriteItemType.BYTE_IO}
+            table.update((key, local_optimizer(self._optimizers[index]).param_groups[group][name])
+                         for key, (index, group, name) in file.param_groups.items())
+            content = _new_file(file.tensor_bytes, table)
+            for key in file.fresh:
+                if items[key].type != WriteItemType.BYTE_IO:
+                    _slot_view(content, file.slots[key]).copy_(values.lookup_object(items[key].index))
+            for key in file.at_boundary:
+                _slot_view(content, file.slots[key]).copy_(file.live[key])
+            contents.append(content)
+        self._in_flight = self._executor.submit(self._write_reusing, ref, layout, contents)
 
     def before_state_changes(self) -> None:
         """Before the optimizer changes the state, the previous step's snapshot must be whole in peers' memory (not
@@ -507,30 +575,33 @@ class PeerSnapshots:
                           storages: dict[int, bool], param_group_sources: dict[str, tuple[int, int, str]]) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        writer = SnapshotWriter(self._store, location)
+        writer = SnapshotWriter(self._store, location, self._node_of)
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
-        assert writer.final_plan is not None
-        self._layout = _make_layout(fingerprint, writer.final_plan, metadata[0], live_state, storages, param_group_sources)
+        self._layout = _make_layout(fingerprint, writer.files, metadata[0], live_state, storages, param_group_sources)
         self.layouts_made += 1
-        self._share(ref, location, self._store.read(location, writer.final_plan.storage_data), metadata[0])
+        self._share(ref, location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
 
-    def _write_reusing(self, ref: SnapshotRef, layout: _Layout, content: torch.Tensor) -> None:
-        for key, view in layout.live.items():
-            if key not in layout.at_boundary:
-                _slot_view(content, layout.slots[key]).copy_(view)
-        self._share(ref, snapshot_location(self._job_id, ref), content, layout.metadata)
+    def _write_reusing(self, ref: SnapshotRef, layout: _Layout, contents: list[torch.Tensor]) -> None:
+        for file, content in zip(layout.files, contents, strict=True):
+            for key, view in file.live.items():
+                if key not in file.at_boundary:
+                    _slot_view(content, file.slots[key]).copy_(view)
+        self._share(ref, snapshot_location(self._job_id, ref), contents, layout.metadata)
 
-    def _share(self, ref: SnapshotRef, location: str, own: torch.Tensor, metadata: bytes) -> None:
-        """Hold this rank's shard file `own` and the metadata, and exchange shard files with the buddies."""
-        self._store.write(location, _shard_name(self._rank), own)
+    def _share(self, ref: SnapshotRef, location: str, own: list[torch.Tensor], metadata: bytes) -> None:
+        """Hold this rank's shard files `own` (COPIED, KEPT_HERE) and the metadata, and exchange COPIED files with
+        the buddies (what a KEPT_HERE file holds, a rank on another node holds too)."""
+        for part, content in enumerate(own):
+            self._store.write(location, _shard_name(self._rank, part), content)
         self._store.write(location, METADATA_NAME, metadata)
-        self.sent_bytes = own.numel() * len(self._shifts)
+        copied = own[COPIED]
+        self.sent_bytes = copied.numel() * len(self._shifts)
         for shift in self._shifts:
             source = (self._rank - shift) % self._world_size
-            self._store.write(location, _shard_name(source),
-                              _exchange(own, (self._rank + shift) % self._world_size, source, self.group))
+            self._store.write(location, _shard_name(source, COPIED),
+                              _exchange(copied, (self._rank + shift) % self._world_size, source, self.group))
         self._store.retain(self._job_id)
         self._written += 1
         if self._written == KEPT:
@@ -545,8 +616,10 @@ class PeerSnapshots:
         so far were full DCP saves (the rest reused their layout)."""
         held = sum(sum(self._store.names(snapshot_location(self._job_id, ref)).values())
                    for ref in self._store.snapshots(self._job_id))
-        own = self._store.names(latest).get(_shard_name(self._rank), 0)
+        names = self._store.names(latest)
+        own = sum(names.get(_shard_name(self._rank, part), 0) for part in (COPIED, KEPT_HERE))
         return {"rank": self._rank, "held_bytes": held, "own_bytes_per_snapshot": own,
+                "copied_bytes_per_snapshot": names.get(_shard_name(self._rank, COPIED), 0),
                 "sent_bytes_per_snapshot": self.sent_bytes, "full_saves": self.layouts_made}
 
 
@@ -566,9 +639,12 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
         store.write(location, METADATA_NAME, metadata_bytes[0])
     metadata: Metadata = pickle.loads(metadata_bytes[0])
     state = load_state_template(metadata.state_dict_metadata, model_parts, optimizers)
-    needed = _files_needed(state, metadata)
+    # Of an item's copies, one this rank holds; else the first some member holds (the reader takes what is here).
+    everywhere = set().union(*held)
+    fetch = {min(name for name in files if name in everywhere)
+             for files in _files_needed(state, metadata) if not set(files) & set(held[rank])}
     wanted: list[Any] = [None] * world_size
-    dist.all_gather_object(wanted, sorted(needed - set(held[rank])), group=group)
+    dist.all_gather_object(wanted, sorted(fetch), group=group)
     received = 0
     # One transfer at a time in an order every rank shares: each blocking send meets its receive.
     for name in sorted(set().union(*wanted)):
@@ -587,11 +663,11 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
     return progress, metrics, received
 
 
-def _files_needed(state: dict[str, Any], metadata: Metadata) -> set[str]:
-    """The shard files DCP's load planner will read for this rank's `state`."""
+def _files_needed(state: dict[str, Any], metadata: Metadata) -> set[tuple[str, ...]]:
+    """For each item DCP's load planner will read for this rank's `state`, the shard files that hold it."""
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state, metadata, is_coordinator=False)
-    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    return {metadata.storage_data[item.storage_index].files() for item in planner.create_local_plan().items}
 
 
 def _to_tensor(content: bytes) -> torch.Tensor:
