@@ -110,6 +110,12 @@ def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> Non
     assert regroups and {data["resumed_from"] for data in regroups} == {"memory"}, regroups
     restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
     assert len(restores) == len(regroups) and {data["storage_reads"] for data in restores} == {0}, restores
+    # ddp's state is on every rank alike: a node's loss leaves its copy on the other node, so only what is a rank's
+    # own (its RNG state, here a sixth of this small model's snapshot) goes to a buddy. (A group of one has no buddy.)
+    costs = [cost for e in events if e["data"] and "snapshot_host_memory" in e["data"]
+             for cost in e["data"]["snapshot_host_memory"] if len(e["data"]["snapshot_host_memory"]) > 1]
+    assert costs and all(0 < cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
+                         < 0.25 * cost["own_bytes_per_snapshot"] for cost in costs), costs
     steps_by_generation: dict[int, set[int]] = {}
     for record_file in (cluster.storage / job_id / "sample-ids").glob("*.jsonl"):
         for line in record_file.read_text().splitlines():
