@@ -49,12 +49,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ringmaster.workers.checkpoint import (TrainingProgress, checkpoint_stager, load_state_template, load_training_state,
                                            step_state, training_state)
 from ringmaster.workers.data.stream import DataPosition
+from ringmaster.workers.strategies.parallel_model import local_tensor
 from ringmaster.workers.strategies.zero1 import local_optimizer
 
 SNAPSHOT_ROOT = "ringmaster-snapshots"  # a name in SnapshotStore, not a filesystem path
@@ -384,20 +384,15 @@ class _Layout:
         return all(file.reusable for file in self.files)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer], fresh: dict[str, Any]) -> list[Any]:
     """The structure and storage of a rank's live state (`fresh`: the step's own values, flattened): equal at two
     steps when a snapshot's items come from the same places (it costs about a microsecond per tensor)."""
     entries: list[Any] = []
     for part in model_parts:
         for tensor in itertools.chain(part.parameters(), part.buffers()):
-            local = _local(tensor)
+            local = local_tensor(tensor)
             entries.append((local.data_ptr(), local.shape, local.dtype))
-    for optimizer in optimizers:
-        local_optim = local_optimizer(optimizer)
+    for local_optim in optimizers:
         for group in local_optim.param_groups:
             entries.append([len(group["params"])] + [
                 (name, (value.data_ptr(), value.shape) if isinstance(value, torch.Tensor) else value)
@@ -405,7 +400,7 @@ def _fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer], fres
             for parameter in group["params"]:
                 for name, value in local_optim.state.get(parameter, {}).items():
                     if isinstance(value, torch.Tensor):
-                        local = _local(value)
+                        local = local_tensor(value)
                         entries.append((name, local.data_ptr(), local.shape, local.dtype))
                     else:
                         entries.append((name, value))
@@ -418,11 +413,11 @@ def _live_storages(model_parts: list[nn.Module], optimizers: list[Optimizer]) ->
     """The storage of every live parameter, module buffer and optimizer state tensor -> whether it is a buffer."""
     storages: dict[int, bool] = {}
     for part in model_parts:
-        storages.update((_local(tensor).untyped_storage().data_ptr(), False) for tensor in part.parameters())
-        storages.update((_local(tensor).untyped_storage().data_ptr(), True) for tensor in part.buffers())
-    for optimizer in optimizers:
-        for state in local_optimizer(optimizer).state.values():
-            storages.update((_local(value).untyped_storage().data_ptr(), False)
+        storages.update((local_tensor(tensor).untyped_storage().data_ptr(), False) for tensor in part.parameters())
+        storages.update((local_tensor(tensor).untyped_storage().data_ptr(), True) for tensor in part.buffers())
+    for local_optim in optimizers:
+        for state in local_optim.state.values():
+            storages.update((local_tensor(value).untyped_storage().data_ptr(), False)
                             for value in state.values() if isinstance(value, torch.Tensor))
     return storages
 
@@ -432,8 +427,7 @@ def _param_group_sources(optimizer_state: dict[str, Any], optimizers: list[Optim
     "state.{fqn}.{name}" values are the optimizers' own tensors) -> (optimizer, group, name) it is read from. A
     parameter with no state tensor has no entry."""
     owners: dict[int, tuple[int, int, str]] = {}
-    for index, optimizer in enumerate(optimizers):
-        local_optim = local_optimizer(optimizer)
+    for index, local_optim in enumerate(optimizers):
         for group_index, group in enumerate(local_optim.param_groups):
             for parameter in group["params"]:
                 owners.update((id(value), (index, group_index, name))
@@ -498,6 +492,7 @@ class PeerSnapshots:
         snapshots reach their steady state (KEPT of them held)."""
         self._store, self._job_id, self._generation = store, job_id, generation
         self._model_parts, self._optimizers = model_parts, optimizers
+        self._local_optimizers = [local_optimizer(optimizer) for optimizer in optimizers]  # this rank's part (zero1)
         self._report, self._written = report, 0
         self.sent_bytes = 0  # what this rank sent its buddies for the latest snapshot
         self.layouts_made = 0  # full DCP saves: the first snapshot's, and one per change of the state's structure
@@ -525,14 +520,14 @@ class PeerSnapshots:
         ref = SnapshotRef(self._generation, step)
         values = DefaultSavePlanner()  # flattens the step's own values as DCP does the whole state
         values.set_up_planner(step_state(step, position, metrics))
-        fingerprint = _fingerprint(self._model_parts, self._optimizers, values.state_dict)
+        fingerprint = _fingerprint(self._model_parts, self._local_optimizers, values.state_dict)
         layout = self._layout
         changed = torch.tensor([int(layout is None or not layout.reusable or layout.fingerprint != fingerprint)])
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
         if changed.item():
             state = training_state(step, position, self._model_parts, self._optimizers, metrics=metrics)
-            storages = _live_storages(self._model_parts, self._optimizers)
-            sources = _param_group_sources(state["optimizer"], self._optimizers)
+            storages = _live_storages(self._model_parts, self._local_optimizers)
+            sources = _param_group_sources(state["optimizer"], self._local_optimizers)
             staged = self._stager.stage(state)
             self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprint, storages,
                                                     sources)
@@ -543,7 +538,7 @@ class PeerSnapshots:
             items = file.items
             table = {key: values.lookup_object(items[key].index) for key in file.fresh
                      if items[key].type == WriteItemType.BYTE_IO}
-            table.update((key, local_optimizer(self._optimizers[index]).param_groups[group][name])
+            table.update((key, self._local_optimizers[index].param_groups[group][name])
                          for key, (index, group, name) in file.param_groups.items())
             content = _new_file(file.tensor_bytes, table)
             for key in file.fresh:

@@ -4,11 +4,11 @@ the planner's predictions can be checked against what each strategy really keeps
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ringmaster.service.reports import RankMemory
 from ringmaster.workers.parallel_dims import ParallelDims
 from ringmaster.workers.strategies import ParallelModel
+from ringmaster.workers.strategies.parallel_model import local_tensor
 from ringmaster.workers.strategies.zero1 import local_optimizer
 
 
@@ -35,5 +35,5 @@ def measure_rank_memory(rank: int, parallel: ParallelModel, dims: ParallelDims, 
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.optim import Optimizer
 
@@ -73,3 +74,8 @@ class ParallelModel:
     stages: list[PipelineStage] = field(default_factory=list)
     # Pipeline only: parameters the unsplit model shares between stages (tied embeddings), a copy on each holder.
     tied: list = field(default_factory=list)  # of pipeline.TiedAcrossStages
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2, tensor parallel), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from ringmaster.workers.models.registry import ModelBundle
-from ringmaster.workers.strategies.parallel_model import ParallelSetup
+from ringmaster.workers.strategies.parallel_model import ParallelSetup, local_tensor
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 
@@ -84,7 +83,7 @@ class TiedAcrossStages:
     group: dist.ProcessGroup
 
     def sync_gradients(self) -> None:
-        grads = [_local(copy.grad) for copy in self.copies if copy.grad is not None]
+        grads = [local_tensor(copy.grad) for copy in self.copies if copy.grad is not None]
         total = torch.stack(grads).sum(0) if grads else torch.zeros(self.shape, device=self.device)
         dist.all_reduce(total, group=self.group)
         for grad in grads:
@@ -105,7 +104,7 @@ def tied_across_stages(shared: list[SharedParameter], parts: list[nn.Module], se
         if not copies and setup.dims.dp > 1 and setup.spec.strategy == "3d":
             raise ValueError(f"{names} are one parameter held by the first and last of {setup.dims.pp} pipeline stages, "
                              "which the stages between cannot relay while FSDP shards it; use parallel.pp = 2 or untie it")
-        shape = _local(copies[0]).shape if copies else parameter.shape
+        shape = local_tensor(copies[0]).shape if copies else parameter.shape
         tied.append(TiedAcrossStages(copies, [held[name] for name in names[1:] if name in held], shape, setup.device,
                                      setup.mesh["pp"].get_group()))
     return tied
@@ -116,5 +115,3 @@ def _named_parameters(part: nn.Module):
     return module.named_parameters(remove_duplicate=False)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
