@@ -36,7 +36,8 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(**HF_GPT2_OPTIONS))
+        # Without the generation cache, as ringmaster trains every transformers model (workers/models/hf.py).
+        return GPT2LMHeadModel(GPT2Config(**HF_GPT2_OPTIONS, use_cache=False))
     return TinyGPT(TinyGPTConfig())
 
 

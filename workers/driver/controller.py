@@ -38,7 +38,8 @@ from ringmaster.workers.reporter import Reporter
 
 log = logging.getLogger("ringmaster.driver")
 
-POLL_INTERVAL_S = 0.1
+# The longest the driver sleeps between looks at the group (a training call that ends wakes it at once).
+POLL_INTERVAL_S = 0.5
 # Rank 0's metrics are fetched, and reported, this often: each fetch takes the GIL from its training thread, and
 # each report is a database transaction, both on CPUs that training may share.
 DRAIN_INTERVAL_S = 1.0

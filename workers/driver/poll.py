@@ -39,6 +39,11 @@ class Heartbeats:
         self._outstanding: dict[Any, tuple[RankedWorker, float]] = {}
         self._last_sent = 0.0
 
+    @property
+    def next_due(self) -> float:
+        """When (time.monotonic) the next beats are sent."""
+        return self._last_sent + self.interval_s
+
     def check(self, workers: list[RankedWorker]) -> list[RankedWorker]:
         now = time.monotonic()
         if self._outstanding:
@@ -72,10 +77,19 @@ class GroupPoll:
         self.memory_pending = {worker.rank for worker in group.workers}  # ranks whose one memory report is still due
 
     def poll(self, metrics_acknowledged: int) -> PollResult:
-        """Wait up to one interval for training calls to return; check heartbeats; drain when due. A failed collective
-        is followed by a probe of every worker, so a lost peer is told apart from an error in the user's code."""
+        """Wait until a training call returns or ends (a dead actor's ends at once), at most until the heartbeats or
+        the drain are due and one interval; check heartbeats; drain when due. A failed collective is followed by a
+        probe of every worker, so a lost peer is told apart from an error in the user's code. (The driver shares
+        the training's CPUs: it wakes a few times a second, not on a fixed fast tick.)"""
         result = PollResult()
-        done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=self._interval_s)
+        now = time.monotonic()
+        timeout = min(self._interval_s, max(0.0, min(self._next_drain, self._heartbeats.next_due) - now))
+        done: list[Any] = []
+        if self._pending:
+            done, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
+        if done and self._pending:  # the others that ended meanwhile
+            more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            done += more
         for ref in done:
             try:
                 ray.get(ref)

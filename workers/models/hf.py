@@ -55,12 +55,21 @@ def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
 
 def hf_bundle(model: nn.Module, train_dataset, val_dataset) -> ModelBundle:
     """A transformers causal LM with the hooks every strategy needs."""
+    without_generation_cache(model)
     return ModelBundle(model, train_dataset, val_dataset, next_token_loss, tensor_parallel=config_tensor_parallel,
                        pipeline_stage=pipeline_stage, output_loss_fn=logits_loss)
 
 
 def is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model, "get_input_embeddings") and hasattr(model, "_no_split_modules")
+
+
+def without_generation_cache(model: nn.Module) -> None:
+    """Training never reads the key/value cache a transformers model fills for generation by default: building it in
+    every forward costs about 5% of a small GPT-2's step."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False
 
 
 def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

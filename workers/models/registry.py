@@ -125,12 +125,14 @@ def _job_code_first() -> None:
 
 def _with_hf_hooks(bundle: ModelBundle) -> None:
     """A transformers model a user's function returns gets the hooks transformers makes possible wherever the user
-    supplied none: its config's tensor-parallel plan, pipeline stages cut at its blocks, the logits' loss."""
+    supplied none: its config's tensor-parallel plan, pipeline stages cut at its blocks, the logits' loss; and no
+    generation cache."""
     if "transformers" not in sys.modules:
         return
     from ringmaster.workers.models import hf
 
     if hf.is_hf_model(bundle.model):
+        hf.without_generation_cache(bundle.model)
         bundle.tensor_parallel = bundle.tensor_parallel or hf.config_tensor_parallel
         bundle.pipeline_stage = bundle.pipeline_stage or hf.pipeline_stage
         bundle.output_loss_fn = bundle.output_loss_fn or hf.logits_loss
