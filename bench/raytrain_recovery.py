@@ -136,6 +136,91 @@ def _train_loop(config: dict) -> None:
     log.close()
 
 
+def _torchft_train_loop(config: dict) -> None:
+    """torchft's way (its Manager, process group, DDP and optimizer wrappers, sampler and step counter, as torchft's
+    Ray Train example writes it): every worker is a replica group of one; a lost replica's peers train on, and its
+    replacement heals from a live peer. Logs each committed step with the sample ids it trained on."""
+    import time as _time
+
+    incarnation = _time.time()
+    from datetime import timedelta
+
+    import ray
+    import ray.train
+    import torch
+    import torch.nn.functional as F
+    from torchft import DistributedDataParallel, DistributedSampler, Manager, Optimizer, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from ringmaster.workers.data.pysource import pysource_splits
+    from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
+
+    torch.set_num_threads(1)
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    node_id = ray.get_runtime_context().get_node_id()
+    log = open(config["step_log"], "a", buffering=1)
+
+    def emit(**record: Any) -> None:
+        record.update(rank=rank, world=world, node=node_id, pid=os.getpid(), inc=incarnation)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+    emit(event="start", t=incarnation)
+    torch.manual_seed(config["seed"])
+    model_config = TinyGPTConfig()
+    model = TinyGPT(model_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
+    corpus, _ = pysource_splits(seq_len=model_config.seq_len)
+    dataset = _WithIds(corpus, config["samples"])
+
+    process_group = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    manager = Manager(
+        pg=process_group, min_replica_size=1,
+        load_state_dict=lambda state: (model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        world_size=1, rank=0, replica_id=f"bench_{rank}", timeout=timedelta(seconds=60),
+        checkpoint_transport=PGTransport(process_group, timeout=timedelta(seconds=30), device=torch.device("cpu")),
+    )
+    ddp_model = DistributedDataParallel(manager, model)
+    ft_optimizer = Optimizer(manager, optimizer)
+    # Each replica reads its own shard of the epoch, as torchft's sampler gives it.
+    sampler = DistributedSampler(dataset, replica_rank=rank, num_replica_groups=world, group_rank=0, num_replicas=1,
+                                 shuffle=True, seed=config["seed"])
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=config["global_batch_size"] // world, sampler=sampler,
+                                               drop_last=True))
+    emit(event="ready", t=_time.time(), step=manager.current_step())
+    while manager.current_step() < config["steps"]:
+        try:
+            ids, inputs, targets = next(batches)
+        except StopIteration:
+            break  # this replica's shard of the epoch is used up
+        before, began = manager.current_step(), _time.monotonic()
+        ft_optimizer.zero_grad()
+        loss = F.cross_entropy(ddp_model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        ft_optimizer.step()
+        _time.sleep(max(0.0, config["min_step_s"] - (_time.monotonic() - began)))  # paced: the epoch outlasts a heal
+        if manager.current_step() > before:  # committed: every live replica applied it
+            emit(event="step", t=_time.time(), step=manager.current_step(), loss=loss.item(), ids=ids.tolist())
+    emit(event="end", t=_time.time(), step=manager.current_step())
+    manager.shutdown()
+    log.close()
+
+
+class _WithIds:
+    """The first `count` samples of a dataset, each with its index (the sample's id)."""
+
+    def __init__(self, dataset, count: int) -> None:
+        self.dataset, self.count = dataset, min(count, len(dataset))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        return (index, *self.dataset[index])
+
+
 # --------------------------------------------------------------------------- driver subprocess
 
 
@@ -165,8 +250,9 @@ def _fit_driver(config_path: str) -> None:
     outcome: dict[str, Any] = {"driver_node": ray.get_runtime_context().get_node_id()}
     workers = config["num_workers"]
     trainer = TorchTrainer(
-        _train_loop,
+        _torchft_train_loop if config["torchft"] else _train_loop,
         train_loop_config=config,
+        torch_config=_torchft_config() if config["torchft"] else None,
         scaling_config=ScalingConfig(num_workers=tuple(workers) if isinstance(workers, list) else workers,
                                      use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(
@@ -186,6 +272,29 @@ def _fit_driver(config_path: str) -> None:
     outcome["fit_s"] = time.time() - started
     Path(config["outcome"]).write_text(json.dumps(outcome, default=str))
     ray.shutdown()
+
+
+def _torchft_config():
+    """Ray Train's TorchftConfig, whose lighthouse actor asks for no CPU: Ray Train pins it to the driver's node, the
+    simulated cluster's head, which has none (on a real cluster it would take a CPU there)."""
+    import ray
+    from ray.train.v2.torch import torchft_config
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    class Backend(torchft_config._TorchftBackend):
+        def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+            if self.lighthouse_actor is None:
+                self.lighthouse_actor = torchft_config.LighthouseServerActor.options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+                ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+            return ray.get(self.lighthouse_actor.address.remote())
+
+    class Config(torchft_config.TorchftConfig):
+        @property
+        def backend_cls(self):
+            return Backend
+
+    return Config(lighthouse_kwargs={"min_replicas": 1}, backend="gloo")
 
 
 # --------------------------------------------------------------------------- harness (calling process)
@@ -228,8 +337,17 @@ def measure_ray_train(
     seed: int = 0,
     max_failures: int = 3,
     timeout_s: float = 420.0,
+    torchft: bool = False,
+    epoch_steps: int = 800,
+    min_step_s: float = 0.05,
 ) -> dict:
     """Kill a training worker's node mid-run and time Ray Train's recovery.
+
+    ``torchft``: Ray Train with TorchftConfig and torchft's loop (_torchft_train_loop) on 2 replica groups of one
+    worker, training exactly one epoch of ``epoch_steps`` global batches, each step paced to at least ``min_step_s`` (so
+    that the epoch outlasts the replacement's heal); besides the times, the samples of that epoch
+    its committed steps repeated or never used (from the ids every step logged). Measured in "replace" only: its
+    survivor's pause is what a shrink would cost, and its replacement's heal what a replace costs.
 
     ``cluster`` is a harness.simulated_cluster.SimulatedCluster with at least 2 one-CPU worker nodes
     (exactly 2 for "shrink", so that no spare capacity turns the shrink into a restart at full size).
@@ -244,6 +362,8 @@ def measure_ray_train(
     detail: dict[str, Any] = {"worker_nodes_before": nodes_before}
     if nodes_before < 2:
         return {"scenario": scenario, "recovery_s": None, "detail": {**detail, "reason": "needs 2 worker nodes"}}
+    if torchft and scenario != "replace":
+        return {"scenario": scenario, "recovery_s": None, "detail": {**detail, "reason": "torchft is measured in replace"}}
     if scenario == "shrink" and nodes_before != 2:
         return {"scenario": scenario, "recovery_s": None,
                 "detail": {**detail, "reason": "shrink needs exactly 2 worker nodes (no spare capacity)"}}
@@ -259,14 +379,15 @@ def measure_ray_train(
             return {"scenario": scenario, "recovery_s": None,
                     "detail": {**detail, "reason": f"elastic num_workers=(1, 2) unsupported: {error!r}"}}
 
-    run_name = f"raytrain-{scenario}-{time.strftime('%H%M%S')}-{os.getpid()}"
+    run_name = f"{'torchft' if torchft else 'raytrain'}-{scenario}-{time.strftime('%H%M%S')}-{os.getpid()}"
     run_dir = storage_dir / run_name
     run_dir.mkdir()
     step_log, controller_log = run_dir / "steps.jsonl", run_dir / "controller.jsonl"
     config = {
         "address": cluster.gcs_address, "run_name": run_name, "storage_path": str(storage_dir / "ray_results"),
-        "num_workers": 2 if scenario == "replace" else [1, 2], "max_failures": max_failures,
-        "steps": steps, "steps_after_restore": steps_after_restore, "checkpoint_every": checkpoint_every,
+        "num_workers": 2 if scenario == "replace" or torchft else [1, 2], "max_failures": max_failures,
+        "torchft": torchft, "samples": epoch_steps * global_batch_size, "min_step_s": min_step_s,
+        "steps": epoch_steps if torchft else steps, "steps_after_restore": steps_after_restore, "checkpoint_every": checkpoint_every,
         "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size, "lr": lr, "seed": seed,
         "step_log": str(step_log), "controller_log": str(controller_log), "outcome": str(run_dir / "outcome.json"),
     }
@@ -340,14 +461,38 @@ def measure_ray_train(
         controller_states=_state_changes(_read_jsonl(controller_log), kill_time),
         **_outcome(run_dir),
     )
-    if first_step is None:
+    if first_step is None and not torchft:
         detail["reason"] = "no training step completed after the kill" + (" (timed out)" if timed_out else "")
         return {"scenario": scenario, "recovery_s": None, "steps_redone": None, "detail": detail}
     # The newest step the old incarnation completed (one in flight at the kill may still have ended) minus the step
     # its successor restored (0: no checkpoint yet).
-    last_before = max(r["step"] for r in records if r["inc"] <= kill_time and r["event"] == "step")
-    steps_redone = max(0, last_before - (detail["restored_step"] or 0))
-    return {"scenario": scenario, "recovery_s": round(first_step["t"] - kill_time, 3), "steps_redone": steps_redone,
+    last_before = max(r["step"] for r in records if r["inc"] <= kill_time and r["event"] == "step" and r["t"] <= kill_time)
+    if not torchft:
+        steps_redone = max(0, last_before - (detail["restored_step"] or 0))
+        return {"scenario": scenario, "recovery_s": round(first_step["t"] - kill_time, 3), "steps_redone": steps_redone,
+                "detail": detail}
+    # torchft: the survivor trains on after a pause; the replacement heals from it (its first committed step). Steps are the replicas' shared count: a step numbered at or below the newest
+    # one committed before the kill, committed again after it, was redone.
+    committed = [r for r in records if r["event"] == "step"]
+    # The survivor's stall: the longest gap between its committed steps from its last one before the kill on (a step
+    # whose all-reduce had ended before the kill may still commit just after it); recovery_s is the kill to its end.
+    survivor = sorted(r["t"] for r in committed if r["inc"] <= kill_time and r["rank"] != victim_rank)
+    survivor = [t for t in survivor if t >= max([t for t in survivor if t <= kill_time], default=kill_time)]
+    gaps = [(later - earlier, later) for earlier, later in zip(survivor, survivor[1:])]
+    stall_end = max(gaps)[1] if gaps else None
+    resumed = next((r for r in committed if r["t"] == stall_end), None)
+    counts: dict[int, int] = {}
+    for record in committed:
+        for sample in record["ids"]:
+            counts[sample] = counts.get(sample, 0) + 1
+    detail["samples"] = {"of": config["samples"], "repeated": sum(count - 1 for count in counts.values()),
+                         "never_used": config["samples"] - len(counts),
+                         "last_step": max((r["step"] for r in committed), default=None)}
+    detail["survivor_longest_gap_s"] = round(max(gaps)[0], 3) if gaps else None
+    return {"scenario": scenario, "recovery_s": None if resumed is None else round(resumed["t"] - kill_time, 3),
+            "heal_s": None if first_step is None else round(first_step["t"] - kill_time, 3),
+            "steps_redone": None if resumed is None else max(0, last_before - resumed["step"] + 1),
+            "samples_repeated": detail["samples"]["repeated"], "samples_never_used": detail["samples"]["never_used"],
             "detail": detail}
 
 
@@ -392,6 +537,7 @@ def main() -> None:
     parser.add_argument("--steps-after-restore", type=int, default=20)
     parser.add_argument("--storage-dir", type=Path, default=None, help="default: a temporary directory, removed after")
     parser.add_argument("--keep", action="store_true", help="print the run directories and keep them")
+    parser.add_argument("--torchft", action="store_true", help="Ray Train with TorchftConfig and torchft's training loop")
     args = parser.parse_args()
 
     from harness.simulated_cluster import SimulatedCluster
@@ -407,7 +553,7 @@ def main() -> None:
                         cluster.add_node()
                     result = measure_ray_train(cluster, scenario, storage, kill_after_step=args.kill_after_step,
                                                checkpoint_every=args.checkpoint_every,
-                                               steps_after_restore=args.steps_after_restore)
+                                               steps_after_restore=args.steps_after_restore, torchft=args.torchft)
                     if not args.keep:
                         result["detail"].pop("run_dir", None)
                     print(json.dumps(result), flush=True)

@@ -1,4 +1,5 @@
-"""Time from a node's death to the first training step completed afterwards: ringmaster vs Ray Train.
+"""Time from a node's death to the first training step completed afterwards: ringmaster vs Ray Train, and vs Ray Train
+with TorchftConfig (torchft's Manager, DDP and sampler).
 
     python bench/recovery.py [--rounds 1]
 
@@ -16,7 +17,11 @@ On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 wor
 - shrink:  a worker's node is killed with no replacement (ringmaster workers {min: 1, max: 2},
            Ray Train ScalingConfig(num_workers=(1, 2)));
 - frozen:  a worker's node is SIGSTOPped; ringmaster's time to notice (its RECOVERING event).
-Ray Train runs through bench/raytrain_recovery.py. Beside each time, the steps redone per node loss: the newest step
+Ray Train runs through bench/raytrain_recovery.py; in replace, so does Ray Train with TorchftConfig (pip install
+torchft), whose surviving replica trains on (its pause compares with ringmaster's shrink, standby and replace-spare)
+while the replacement heals from it (compared with ringmaster's replace), and which trains one small epoch so that
+the samples it repeated or never used are counted from the ids its steps logged. Ringmaster's repeated samples come
+from the ids its ranks recorded (train.record_sample_ids). Beside each time, the steps redone per node loss: the newest step
 the old group completed (reported by the kill, or just after it) minus the step the new group resumed from (ringmaster:
 its RUNNING event; Ray Train: the checkpoint it restored). Prints each measurement and the ratios; goals: ringmaster
 ≤ 1/5 of Ray Train's time, shrink ≤ 5 s, frozen node noticed ≤ 5 s, ≤ 1 step redone.
@@ -42,6 +47,7 @@ from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from harness.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
+from ringmaster.workers.data.audit import read_effective_samples  # noqa: E402
 
 KILL_AFTER_STEP = 30
 
@@ -51,7 +57,8 @@ def job_spec(scenario: str) -> dict:
     return {
         "name": f"recovery-{scenario}", "model": "tiny-gpt",
         "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1, "standby": 1 if scenario == "standby" else 0},
-        "train": {"steps": 100_000, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.001, "seed": 0},
+        "train": {"steps": 100_000, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.001, "seed": 0,
+                  "record_sample_ids": True},
         "checkpoint": {"every_steps": 10, "keep": 2},
     }
 
@@ -128,7 +135,17 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
     raise SystemExit(f"job {job_id} did not train again within {timeout_s}s: {client.job(job_id)}")
 
 
-def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
+def _samples_repeated(storage: Path, job_id: str) -> int:
+    """Samples the job's effective steps (each step as the newest formation that ran it took it) used more than once
+    within an epoch, from the ids its ranks recorded."""
+    counts: dict[tuple[int, int], int] = {}
+    for epoch, ids in read_effective_samples(storage / job_id).values():
+        for sample in ids:
+            counts[(epoch, sample)] = counts.get((epoch, sample), 0) + 1
+    return sum(count - 1 for count in counts.values())
+
+
+def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str, storage: Path) -> dict:
     if scenario in ("standby", "replace-spare"):
         cluster.add_node()  # the idle capacity the standby starts on, or the warm spare node
     if scenario == "replace-spare":
@@ -164,6 +181,7 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
     resumed = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
     return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2), **full_size,
             "steps_redone": max(0, last_before - resumed["data"]["resumed_from_step"]),
+            "samples_repeated": _samples_repeated(storage, job["id"]),
             "resumed_from": resumed["data"].get("resumed_from"),
             "world_size_after": resumed["data"].get("world_size"), "regroup_s": resumed["data"].get("regroup_s"),
             "standby_workers_used": resumed["data"].get("standby_workers_used")}
@@ -173,25 +191,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-ray-train", action="store_true")
+    parser.add_argument("--skip-torchft", action="store_true", help="leave out Ray Train with TorchftConfig")
     parser.add_argument("--warm-workers-per-node", type=int, default=2, help="the cluster's warm pool (0: none)")
     parser.add_argument("--scenarios", nargs="+", choices=("replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"),
                         default=["replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"])
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
+    torchft_runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
         cluster = SimulatedCluster(nodes=2)
         try:
             with control_plane_on(cluster, Path(scratch) / "ringmaster", warm_workers_per_node=args.warm_workers_per_node) as server:
                 client = server.client()
+                storage = Path(server.plane.settings.resolved_storage_uri())
                 for _ in range(args.rounds):
                     for scenario in args.scenarios:
                         while len(cluster.cluster.worker_nodes) < 2:
                             cluster.add_node()
-                        measured = through_ringmaster(cluster, client, scenario)
+                        measured = through_ringmaster(cluster, client, scenario, storage)
                         print(json.dumps({"system": "ringmaster", "scenario": scenario, **measured}), flush=True)
                         results.setdefault(scenario, {}).setdefault("ringmaster", []).append(measured["recovery_s"])
                         results[scenario].setdefault("noticed", []).append(measured["noticed_s"])
                         results[scenario].setdefault("ringmaster_steps_redone", []).append(measured["steps_redone"])
+                        results[scenario].setdefault("ringmaster_samples_repeated", []).append(measured["samples_repeated"])
                         if "full_size_s" in measured:
                             results[scenario].setdefault("full_size", []).append(measured["full_size_s"])
                         if scenario == "frozen" or args.skip_ray_train:
@@ -209,16 +231,43 @@ def main() -> None:
                         if baseline["recovery_s"] is not None:
                             results[scenario].setdefault("ray_train", []).append(baseline["recovery_s"])
                             results[scenario].setdefault("ray_train_steps_redone", []).append(baseline["steps_redone"])
+                        if scenario == "replace" and not args.skip_torchft:
+                            while len(cluster.cluster.worker_nodes) < 2:
+                                cluster.add_node()
+                            torchft = measure_ray_train(cluster, "replace", Path(scratch) / "torchft", torchft=True)
+                            print(json.dumps({"system": "ray-train+torchft", "scenario": "replace",
+                                              **{key: value for key, value in torchft.items() if key != "detail"},
+                                              "reason": torchft["detail"].get("reason")}), flush=True)
+                            if torchft["recovery_s"] is not None:
+                                torchft_runs.append(torchft)
         finally:
             cluster.shutdown()
     summary = {}
     for scenario, measured in results.items():
-        line = {name if name.endswith("_steps_redone") else f"{name}_s": round(statistics.median(values), 2)
+        line = {name if name.endswith(("_steps_redone", "_samples_repeated")) else f"{name}_s": round(statistics.median(values), 2)
                 for name, values in measured.items() if values}
         if "ray_train_s" in line:
             line["ratio"] = round(line["ringmaster_s"] / line["ray_train_s"], 3)
         summary[scenario] = line
-    summary["goals"] = {"ratio": 0.2, "shrink_s": 5.0, "frozen_noticed_s": 5.0, "ringmaster_steps_redone": 1}
+    if torchft_runs:
+        # torchft's survivor never stops for a replacement, so its pause is what ringmaster's shrink, standby and
+        # replace-spare compare with; its replacement's heal is what ringmaster's replace compares with.
+        pause = statistics.median(run["recovery_s"] for run in torchft_runs)
+        heals = [run["heal_s"] for run in torchft_runs if run["heal_s"] is not None]
+        summary["torchft"] = {
+            "survivor_pause_s": round(pause, 2), "replacement_heal_s": round(statistics.median(heals), 2) if heals else None,
+            "steps_redone": max(run["steps_redone"] for run in torchft_runs),
+            "samples_repeated": statistics.median(run["samples_repeated"] for run in torchft_runs),
+            "samples_never_used": statistics.median(run["samples_never_used"] for run in torchft_runs),
+            "of_samples": torchft_runs[0]["detail"]["samples"]["of"]}
+        for scenario in ("shrink", "standby", "replace-spare", "replace"):
+            if "ringmaster_s" in summary.get(scenario, {}):
+                against = summary["torchft"]["replacement_heal_s"] if scenario == "replace" else pause
+                if against:
+                    summary[scenario]["ratio_to_torchft"] = round(summary[scenario]["ringmaster_s"] / against, 3)
+    summary["goals"] = {"ratio": 0.2, "shrink_s": 5.0, "frozen_noticed_s": 5.0, "ringmaster_steps_redone": 1,
+                        "shrink_standby_replace_spare_s": 1.0, "replace_ratio_to_torchft": 0.2,
+                        "ringmaster_samples_repeated": 0}
     print(json.dumps(summary))
 
 
