@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,27 @@ _FIT_FLAG = "--_fit-driver"
 
 
 # --------------------------------------------------------------------------- worker side
+
+
+class _StepLog:
+    """A worker's JSON-lines record of its steps, each line naming the worker, its node and its incarnation."""
+
+    def __init__(self, path: str, incarnation: float) -> None:
+        import ray
+        import ray.train
+
+        context = ray.train.get_context()
+        self.rank, self.world = context.get_world_rank(), context.get_world_size()
+        self._fields = {"rank": self.rank, "world": self.world, "node": ray.get_runtime_context().get_node_id(),
+                        "pid": os.getpid(), "inc": incarnation}
+        self._file = open(path, "a", buffering=1)
+
+    def emit(self, **record: Any) -> None:
+        self._file.write(json.dumps({**record, **self._fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _train_loop(config: dict) -> None:
@@ -72,16 +94,8 @@ def _train_loop(config: dict) -> None:
     from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
     torch.set_num_threads(1)
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    node_id = ray.get_runtime_context().get_node_id()
-    log = open(config["step_log"], "a", buffering=1)
-
-    def emit(**record: Any) -> None:
-        record.update(rank=rank, world=world, node=node_id, pid=os.getpid(), inc=incarnation)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
+    log = _StepLog(config["step_log"], incarnation)
+    rank, world, emit = log.rank, log.world, log.emit
     emit(event="start", t=incarnation)
     emit(event="imported", t=_time.time())
     torch.manual_seed(config["seed"])
@@ -145,8 +159,6 @@ def _torchft_train_loop(config: dict) -> None:
     incarnation = _time.time()
     from datetime import timedelta
 
-    import ray
-    import ray.train
     import torch
     import torch.nn.functional as F
     from torchft import DistributedDataParallel, DistributedSampler, Manager, Optimizer, ProcessGroupGloo
@@ -156,16 +168,8 @@ def _torchft_train_loop(config: dict) -> None:
     from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
     torch.set_num_threads(1)
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    node_id = ray.get_runtime_context().get_node_id()
-    log = open(config["step_log"], "a", buffering=1)
-
-    def emit(**record: Any) -> None:
-        record.update(rank=rank, world=world, node=node_id, pid=os.getpid(), inc=incarnation)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
+    log = _StepLog(config["step_log"], incarnation)
+    rank, world, emit = log.rank, log.world, log.emit
     emit(event="start", t=incarnation)
     torch.manual_seed(config["seed"])
     model_config = TinyGPTConfig()
@@ -481,12 +485,9 @@ def measure_ray_train(
     gaps = [(later - earlier, later) for earlier, later in zip(survivor, survivor[1:])]
     stall_end = max(gaps)[1] if gaps else None
     resumed = next((r for r in committed if r["t"] == stall_end), None)
-    counts: dict[int, int] = {}
-    for record in committed:
-        for sample in record["ids"]:
-            counts[sample] = counts.get(sample, 0) + 1
-    detail["samples"] = {"of": config["samples"], "repeated": sum(count - 1 for count in counts.values()),
-                         "never_used": config["samples"] - len(counts),
+    uses = Counter(sample for record in committed for sample in record["ids"])
+    detail["samples"] = {"of": config["samples"], "repeated": sum(uses.values()) - len(uses),
+                         "never_used": config["samples"] - len(uses),
                          "last_step": max((r["step"] for r in committed), default=None)}
     detail["survivor_longest_gap_s"] = round(max(gaps)[0], 3) if gaps else None
     return {"scenario": scenario, "recovery_s": None if resumed is None else round(resumed["t"] - kill_time, 3),

@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -138,11 +139,8 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
 def _samples_repeated(storage: Path, job_id: str) -> int:
     """Samples the job's effective steps (each step as the newest formation that ran it took it) used more than once
     within an epoch, from the ids its ranks recorded."""
-    counts: dict[tuple[int, int], int] = {}
-    for epoch, ids in read_effective_samples(storage / job_id).values():
-        for sample in ids:
-            counts[(epoch, sample)] = counts.get((epoch, sample), 0) + 1
-    return sum(count - 1 for count in counts.values())
+    uses = Counter((epoch, sample) for epoch, ids in read_effective_samples(storage / job_id).values() for sample in ids)
+    return sum(uses.values()) - len(uses)
 
 
 def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scenario: str, storage: Path) -> dict:
