@@ -47,6 +47,7 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
+from harness.ray_cluster import watch_cluster  # noqa: E402
 from harness.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
 from ringmaster.workers.data.audit import read_effective_samples  # noqa: E402
 
@@ -202,6 +203,7 @@ def main() -> None:
             with control_plane_on(cluster, Path(scratch) / "ringmaster", warm_workers_per_node=args.warm_workers_per_node) as server:
                 client = server.client()
                 storage = Path(server.plane.settings.resolved_storage_uri())
+                watch_cluster(cluster)  # this process sees the warm pool's named workers (the control plane's namespace)
                 for _ in range(args.rounds):
                     for scenario in args.scenarios:
                         while len(cluster.cluster.worker_nodes) < 2:
