@@ -475,15 +475,18 @@ def measure_ray_train(
         steps_redone = max(0, last_before - (detail["restored_step"] or 0))
         return {"scenario": scenario, "recovery_s": round(first_step["t"] - kill_time, 3), "steps_redone": steps_redone,
                 "detail": detail}
-    # torchft: the survivor trains on after a pause; the replacement heals from it (its first committed step). Steps are the replicas' shared count: a step numbered at or below the newest
-    # one committed before the kill, committed again after it, was redone.
+    # torchft: the survivor trains on after a pause; the replacement heals from it (its first committed step). Steps
+    # are the replicas' shared count: a step numbered at or below the newest one committed before the kill, committed
+    # again after it, was redone.
     committed = [r for r in records if r["event"] == "step"]
     # The survivor's stall: the longest gap between its committed steps from its last one before the kill on (a step
     # whose all-reduce had ended before the kill may still commit just after it); recovery_s is the kill to its end.
+    # A survivor that committed nothing after the kill was restarted too: then the first step anyone committed ends it.
     survivor = sorted(r["t"] for r in committed if r["inc"] <= kill_time and r["rank"] != victim_rank)
     survivor = [t for t in survivor if t >= max([t for t in survivor if t <= kill_time], default=kill_time)]
     gaps = [(later - earlier, later) for earlier, later in zip(survivor, survivor[1:])]
-    stall_end = max(gaps)[1] if gaps else None
+    detail["survivor_restarted"] = not gaps
+    stall_end = max(gaps)[1] if gaps else min((r["t"] for r in committed if r["t"] > kill_time), default=None)
     resumed = next((r for r in committed if r["t"] == stall_end), None)
     uses = Counter(sample for record in committed for sample in record["ids"])
     detail["samples"] = {"of": config["samples"], "repeated": sum(uses.values()) - len(uses),
@@ -494,7 +497,7 @@ def measure_ray_train(
             "heal_s": None if first_step is None else round(first_step["t"] - kill_time, 3),
             "steps_redone": None if resumed is None else max(0, last_before - resumed["step"] + 1),
             "samples_repeated": detail["samples"]["repeated"], "samples_never_used": detail["samples"]["never_used"],
-            "detail": detail}
+            "survivor_restarted": detail["survivor_restarted"], "detail": detail}
 
 
 def _median_step_seconds(progress: list[dict]) -> float | None:
