@@ -22,7 +22,7 @@ WORLD_SIZE, DYING = 3, 2
 JOB = "interrupted-copy"
 
 
-def _die_mid_copy(payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _die_mid_copy(payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup, allocate: object) -> torch.Tensor:
     size_out, size_in = torch.tensor([payload.numel()], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
     for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, to, group),
                                            dist.P2POp(dist.irecv, size_in, source, group)]):

@@ -15,8 +15,8 @@ one step fewer can still be met at the step before.
 Taking a snapshot overlaps the next step. The first one of a group is a full DCP save (its planning collectives, the
 state staged into host buffers in the background); it leaves a layout (_Layout): which items this rank writes, where
 each lies in its file, and views of the live tensors they come from. While the state keeps that structure, the next
-snapshots reuse it: no state dict, no planning, each rank copies the live tensors into a fresh shard file and sends
-it to its buddies, over a gloo group of the snapshots' own. The optimizer step waits for the snapshot before it; one
+snapshots reuse it: no state dict, no planning, each rank copies the live tensors into a shard file (in the memory
+of a snapshot it has let go) and sends it to its buddies, over a gloo group of the snapshots' own. The optimizer step waits for the snapshot before it; one
 is in flight at a time, so at any moment every member holds the snapshot of the last step or the one before: a
 failure costs at most one step.
 
@@ -206,12 +206,45 @@ def _file_slots(items: list[WriteItem], tensors: dict[int, torch.Tensor], name: 
     return slots, offset
 
 
-def _new_file(tensor_bytes: int, values: dict[int, Any]) -> torch.Tensor:
+def _new_file(tensor_bytes: int, values: dict[int, Any],
+              allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
     """A shard file with room for `tensor_bytes` of tensors, then the pickled table of byte items and its length."""
     table = pickle.dumps(values)
-    content = torch.empty(tensor_bytes + len(table) + 8, dtype=torch.uint8)
+    content = allocate(tensor_bytes + len(table) + 8)
     content[tensor_bytes:].copy_(_to_tensor(table + len(table).to_bytes(8, "little")))
     return content
+
+
+class _FileBuffers:
+    """The memory of the snapshot files this rank no longer keeps, reused for the next ones: a fresh buffer of a
+    model's size pays its page faults at every step, more than the copy into it costs. Files are views of a
+    buffer with room to spare (the table of byte items varies a little in size between steps)."""
+
+    SPARE = 64 * 1024
+
+    def __init__(self) -> None:
+        self._free: dict[str, list[torch.Tensor]] = {}
+        self._used: dict[str, list[tuple[str, torch.Tensor]]] = {}  # location -> (file name, buffer)
+
+    def allocator(self, location: str, name: str) -> Callable[[int], torch.Tensor]:
+        def allocate(size: int) -> torch.Tensor:
+            free = self._free.get(name, [])
+            buffer = free.pop() if free else None
+            if buffer is None or buffer.numel() < size:
+                buffer = torch.empty(size + self.SPARE, dtype=torch.uint8)
+            self._used.setdefault(location, []).append((name, buffer))
+            return buffer[:size]
+        return allocate
+
+    def release(self, kept: set[str]) -> None:
+        """Free the buffers of every snapshot location not in `kept` (the store no longer holds it)."""
+        for location in [location for location in self._used if location not in kept]:
+            for name, buffer in self._used.pop(location):
+                self._free.setdefault(name, []).append(buffer)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(buffer.numel() for buffers in self._free.values() for buffer in buffers)
 
 
 def _slot_view(content: torch.Tensor, slot: RawSlot) -> torch.Tensor:
@@ -508,6 +541,7 @@ class PeerSnapshots:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._in_flight: Future | None = None
         self._layout: _Layout | None = None
+        self._buffers = _FileBuffers()
 
     def take(self, step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None) -> None:
         """Snapshot the state after `step` in the background (the previous snapshot finishes first). Collective.
@@ -533,21 +567,21 @@ class PeerSnapshots:
                                                     sources)
             return
         assert layout is not None  # an unset layout is a change
-        contents = []
+        location, contents = snapshot_location(self._job_id, ref), []
         for file in layout.files:
             items = file.items
             table = {key: values.lookup_object(items[key].index) for key in file.fresh
                      if items[key].type == WriteItemType.BYTE_IO}
             table.update((key, self._local_optimizers[index].param_groups[group][name])
                          for key, (index, group, name) in file.param_groups.items())
-            content = _new_file(file.tensor_bytes, table)
+            content = _new_file(file.tensor_bytes, table, self._buffers.allocator(location, file.name))
             for key in file.fresh:
                 if items[key].type != WriteItemType.BYTE_IO:
                     _slot_view(content, file.slots[key]).copy_(values.lookup_object(items[key].index))
             for key in file.at_boundary:
                 _slot_view(content, file.slots[key]).copy_(file.live[key])
             contents.append(content)
-        self._in_flight = self._executor.submit(self._write_reusing, ref, layout, contents)
+        self._in_flight = self._executor.submit(self._write_reusing, location, layout, contents)
 
     def before_state_changes(self) -> None:
         """Before the optimizer changes the state, the previous step's snapshot must be whole in peers' memory (not
@@ -576,16 +610,16 @@ class PeerSnapshots:
         dist.broadcast_object_list(metadata, src=0, group=self.group)
         self._layout = _make_layout(fingerprint, writer.files, metadata[0], live_state, storages, param_group_sources)
         self.layouts_made += 1
-        self._share(ref, location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
+        self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
 
-    def _write_reusing(self, ref: SnapshotRef, layout: _Layout, contents: list[torch.Tensor]) -> None:
+    def _write_reusing(self, location: str, layout: _Layout, contents: list[torch.Tensor]) -> None:
         for file, content in zip(layout.files, contents, strict=True):
             for key, view in file.live.items():
                 if key not in file.at_boundary:
                     _slot_view(content, file.slots[key]).copy_(view)
-        self._share(ref, snapshot_location(self._job_id, ref), contents, layout.metadata)
+        self._share(location, contents, layout.metadata)
 
-    def _share(self, ref: SnapshotRef, location: str, own: list[torch.Tensor], metadata: bytes) -> None:
+    def _share(self, location: str, own: list[torch.Tensor], metadata: bytes) -> None:
         """Hold this rank's shard files `own` (COPIED, KEPT_HERE) and the metadata, and exchange COPIED files with
         the buddies (what a KEPT_HERE file holds, a rank on another node holds too)."""
         for part, content in enumerate(own):
@@ -595,9 +629,11 @@ class PeerSnapshots:
         self.sent_bytes = copied.numel() * len(self._shifts)
         for shift in self._shifts:
             source = (self._rank - shift) % self._world_size
-            self._store.write(location, _shard_name(source, COPIED),
-                              _exchange(copied, (self._rank + shift) % self._world_size, source, self.group))
+            name = _shard_name(source, COPIED)
+            self._store.write(location, name, _exchange(copied, (self._rank + shift) % self._world_size, source,
+                                                        self.group, self._buffers.allocator(location, name)))
         self._store.retain(self._job_id)
+        self._buffers.release({snapshot_location(self._job_id, ref) for ref in self._store.snapshots(self._job_id)})
         self._written += 1
         if self._written == KEPT:
             costs: list[Any] = [None] * self._world_size
@@ -607,11 +643,12 @@ class PeerSnapshots:
 
     def host_memory_cost(self, latest: str) -> dict[str, int]:
         """This rank's host memory for snapshots: every file it holds (its own and its buddies' shards, of each
-        snapshot kept), per snapshot what it wrote itself and what it sent to buddies, and how many of its snapshots
-        so far were full DCP saves (the rest reused their layout)."""
-        held = sum(sum(self._store.names(snapshot_location(self._job_id, ref)).values())
-                   for ref in self._store.snapshots(self._job_id))
+        snapshot kept) and, at steady state, the buffers of one more snapshot (_FileBuffers: the next one is written
+        before the oldest is let go); per snapshot what it wrote itself and what it sent to buddies, and how many of
+        its snapshots so far were full DCP saves (the rest reused their layout)."""
         names = self._store.names(latest)
+        held = sum(sum(self._store.names(snapshot_location(self._job_id, ref)).values())
+                   for ref in self._store.snapshots(self._job_id)) + sum(names.values())
         own = sum(names.get(_shard_name(self._rank, part), 0) for part in (COPIED, KEPT_HERE))
         return {"rank": self._rank, "held_bytes": held, "own_bytes_per_snapshot": own,
                 "copied_bytes_per_snapshot": names.get(_shard_name(self._rank, COPIED), 0),
@@ -669,13 +706,15 @@ def _to_tensor(content: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(content), dtype=torch.uint8) if content else torch.empty(0, dtype=torch.uint8)
 
 
-def _exchange(payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Send `payload` to rank `to` while receiving one from rank `source` (every rank does so at once: a ring)."""
+def _exchange(payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup,
+              allocate: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """Send `payload` to rank `to` while receiving one from rank `source` (every rank does so at once: a ring), into
+    memory from `allocate`."""
     size_out, size_in = torch.tensor([payload.numel()], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
     for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, to, group),
                                            dist.P2POp(dist.irecv, size_in, source, group)]):
         request.wait()
-    received = torch.empty(int(size_in.item()), dtype=torch.uint8)
+    received = allocate(int(size_in.item()))
     for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, to, group),
                                            dist.P2POp(dist.irecv, received, source, group)]):
         request.wait()
