@@ -16,9 +16,9 @@ Taking a snapshot overlaps the next step. The first one of a group is a full DCP
 state staged into host buffers in the background); it leaves a layout (_Layout): which items this rank writes, where
 each lies in its file, and views of the live tensors they come from. While the state keeps that structure, the next
 snapshots reuse it: no state dict, no planning, each rank copies the live tensors into a shard file (in the memory
-of a snapshot it has let go) and sends it to its buddies, over a gloo group of the snapshots' own. The optimizer step waits for the snapshot before it; one
-is in flight at a time, so at any moment every member holds the snapshot of the last step or the one before: a
-failure costs at most one step.
+of a snapshot it has let go) and sends it to its buddies, over a gloo group of the snapshots' own. The optimizer
+step waits for the snapshot before it; one is in flight at a time, so at any moment every member holds the
+snapshot of the last step or the one before: a failure costs at most one step.
 
 After a failure the driver asks every member of the new group what it holds (`SnapshotStore.inventory`) and names
 the newest snapshot they cover between them (workers/driver/snapshot_choice.py); `restore_from_peers` then moves to
@@ -241,10 +241,6 @@ class _FileBuffers:
         for location in [location for location in self._used if location not in kept]:
             for name, buffer in self._used.pop(location):
                 self._free.setdefault(name, []).append(buffer)
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(buffer.numel() for buffers in self._free.values() for buffer in buffers)
 
 
 def _slot_view(content: torch.Tensor, slot: RawSlot) -> torch.Tensor:
