@@ -21,6 +21,7 @@ from ringmaster.workers.reporter import Reporter
 log = logging.getLogger("ringmaster.driver")
 
 FINAL_REPORT_WAIT_S = 600.0  # the control plane may be restarting when the job ends
+METRICS_EXPORT_WAIT_CAP_S = 12.0  # Ray's default export interval is 10 s
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -78,7 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         delivered = reporter.close(timeout_s=FINAL_REPORT_WAIT_S)
     log.info("job %s attempt %d ended with code %d after %.1fs (reports delivered: %s)",
              args.job_id, args.attempt, code, time.monotonic() - started, delivered)
+    _outlive_one_metrics_export()
     return code
+
+
+def _outlive_one_metrics_export() -> None:
+    """Ray exports a process's metrics every metrics_report_interval_ms: the training series' last values (the final
+    step) reach the metrics endpoint only if the driver lives through one more export. The job's state is reported
+    and its placement groups are released by now: waiting holds nothing but this process."""
+    try:
+        from ray._raylet import Config  # the interval the cluster was started with
+
+        interval_s = Config.metrics_report_interval_ms() / 1000
+    except Exception:  # noqa: BLE001 — a Ray without it: metrics are an aid, the job is done
+        return
+    time.sleep(min(interval_s + 0.5, METRICS_EXPORT_WAIT_CAP_S))
 
 
 if __name__ == "__main__":
