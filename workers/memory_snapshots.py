@@ -16,7 +16,9 @@ Taking a snapshot overlaps the next step. The first one of a group is a full DCP
 state staged into host buffers in the background); it leaves a layout (_Layout): which items this rank writes, where
 each lies in its file, and views of the live tensors they come from. While the state keeps that structure, the next
 snapshots reuse it: no state dict, no planning, each rank copies the live tensors into a shard file (in the memory
-of a snapshot it has let go) and sends it to its buddies, over a gloo group of the snapshots' own. The optimizer
+of a snapshot it has let go) and sends it to its buddies, over a gloo group of the snapshots' own. Whether the state
+kept its structure on every rank is a vote the trainer carries in its own per-step all-reduce (no collective of its
+own per step). The optimizer
 step waits for the snapshot before it; one is in flight at a time, so at any moment every member holds the
 snapshot of the last step or the one before: a failure costs at most one step.
 
@@ -402,9 +404,11 @@ class _FileLayout:
 @dataclass(frozen=True)
 class _Layout:
     """What a group's snapshots share while the state keeps its structure: this rank's files, the snapshots'
-    metadata, and `fingerprint` (_fingerprint), the live state's structure and storage when the layout was made."""
+    metadata, and the fingerprints of the live state (_state_fingerprint) and of the step's own values
+    (_fresh_fingerprint) when the layout was made."""
 
     fingerprint: list[Any]
+    fresh_fingerprint: list[Any]
     metadata: bytes
     files: tuple[_FileLayout, ...]
 
@@ -413,9 +417,9 @@ class _Layout:
         return all(file.reusable for file in self.files)
 
 
-def _fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer], fresh: dict[str, Any]) -> list[Any]:
-    """The structure and storage of a rank's live state (`fresh`: the step's own values, flattened): equal at two
-    steps when a snapshot's items come from the same places (it costs about a microsecond per tensor)."""
+def _state_fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> list[Any]:
+    """The structure and storage of a rank's live parameters, buffers and optimizer state: equal at two steps when
+    a snapshot's items come from the same places (it costs about a microsecond per tensor)."""
     entries: list[Any] = []
     for part in model_parts:
         for tensor in itertools.chain(part.parameters(), part.buffers()):
@@ -433,9 +437,13 @@ def _fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer], fres
                         entries.append((name, local.data_ptr(), local.shape, local.dtype))
                     else:
                         entries.append((name, value))
-    entries.append([(key, value.shape, value.dtype) if isinstance(value, torch.Tensor) else key
-                    for key, value in fresh.items()])
     return entries
+
+
+def _fresh_fingerprint(fresh: dict[str, Any]) -> list[Any]:
+    """The structure of the step's own values (flattened): fixed for a rank within a group (its RNG states, the
+    progress, rank 0's metric points as one value)."""
+    return [(key, value.shape, value.dtype) if isinstance(value, torch.Tensor) else key for key, value in fresh.items()]
 
 
 def _live_storages(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[int, bool]:
@@ -500,12 +508,12 @@ def _file_layout(name: str, items: list[WriteItem], planner: DefaultSavePlanner,
     return _FileLayout(name, items, slots, tensor_bytes, live, frozenset(at_boundary), tuple(fresh), param_groups, reusable)
 
 
-def _make_layout(fingerprint: list[Any], files: list[tuple[str, list[WriteItem]]], metadata: bytes,
+def _make_layout(fingerprints: tuple[list[Any], list[Any]], files: list[tuple[str, list[WriteItem]]], metadata: bytes,
                  live_state: dict[str, Any], storages: dict[int, bool],
                  param_group_sources: dict[str, tuple[int, int, str]]) -> _Layout:
     planner = DefaultSavePlanner()
     planner.set_up_planner(live_state)
-    return _Layout(fingerprint, metadata, tuple(_file_layout(name, items, planner, storages, param_group_sources)
+    return _Layout(*fingerprints, metadata, tuple(_file_layout(name, items, planner, storages, param_group_sources)
                                                 for name, items in files))
 
 
@@ -539,30 +547,47 @@ class PeerSnapshots:
         self._layout: _Layout | None = None
         self._buffers = _FileBuffers()
 
-    def take(self, step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None) -> None:
+    def structure_changed(self) -> bool:
+        """Whether this rank's live state has left the structure of the group's layout (or there is none yet), as the
+        optimizer step left it: this rank's vote on the next snapshot being a full save. Local; the previous
+        snapshot finishes first (it may be the full save that makes the layout)."""
+        self.wait()
+        layout = self._layout
+        return (layout is None or not layout.reusable
+                or layout.fingerprint != _state_fingerprint(self._model_parts, self._local_optimizers))
+
+    def take(self, step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None, *,
+             changed_anywhere: bool | None = None) -> None:
         """Snapshot the state after `step` in the background (the previous snapshot finishes first). Collective.
 
-        While the state keeps its structure (every rank's _fingerprint as at the last full save: one all-reduce says),
-        a snapshot reuses the group's layout: each rank fills its shard file from the live state's views (the part the
-        next forward may change now, the rest in the background) and no DCP planning runs. Else a full DCP save makes
-        a new layout."""
+        While the state keeps its structure on every rank (`changed_anywhere`: the group's vote of structure_changed,
+        which the trainer carries in its own per-step all-reduce; None: one all-reduce here asks), a snapshot reuses
+        the group's layout: each rank fills its shard file from the live state's views (the part the next forward may
+        change now, the rest in the background) and no DCP planning runs. Else a full DCP save makes a new layout."""
+        if changed_anywhere is None:
+            vote = torch.tensor([int(self.structure_changed())])
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
+            changed_anywhere = bool(vote.item())
         self.wait()
         ref = SnapshotRef(self._generation, step)
         values = DefaultSavePlanner()  # flattens the step's own values as DCP does the whole state
         values.set_up_planner(step_state(step, position, metrics))
-        fingerprint = _fingerprint(self._model_parts, self._local_optimizers, values.state_dict)
+        fresh_fingerprint = _fresh_fingerprint(values.state_dict)
         layout = self._layout
-        changed = torch.tensor([int(layout is None or not layout.reusable or layout.fingerprint != fingerprint)])
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
-        if changed.item():
+        if changed_anywhere:
             state = training_state(step, position, self._model_parts, self._optimizers, metrics=metrics)
             storages = _live_storages(self._model_parts, self._local_optimizers)
             sources = _param_group_sources(state["optimizer"], self._local_optimizers)
             staged = self._stager.stage(state)
-            self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprint, storages,
+            fingerprints = (_state_fingerprint(self._model_parts, self._local_optimizers), fresh_fingerprint)
+            self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprints, storages,
                                                     sources)
             return
-        assert layout is not None  # an unset layout is a change
+        if layout is None or layout.fresh_fingerprint != fresh_fingerprint:
+            # A rank without a layout votes for a full save, and a rank's own values keep their structure within a
+            # group: a change the group did not vote on cannot be met with a full save on this rank alone.
+            raise RuntimeError(f"snapshot of step {step}: this rank's progress, RNG or metric items changed structure "
+                               "without the group's vote")
         location, contents = snapshot_location(self._job_id, ref), []
         for file in layout.files:
             items = file.items
@@ -596,7 +621,8 @@ class PeerSnapshots:
         self._stager.close()
         dist.destroy_process_group(self.group)
 
-    def _write_new_layout(self, ref: SnapshotRef, staged: Any, live_state: dict[str, Any], fingerprint: list[Any],
+    def _write_new_layout(self, ref: SnapshotRef, staged: Any, live_state: dict[str, Any],
+                          fingerprints: tuple[list[Any], list[Any]],
                           storages: dict[int, bool], param_group_sources: dict[str, tuple[int, int, str]]) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
@@ -604,7 +630,7 @@ class PeerSnapshots:
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
-        self._layout = _make_layout(fingerprint, writer.files, metadata[0], live_state, storages, param_group_sources)
+        self._layout = _make_layout(fingerprints, writer.files, metadata[0], live_state, storages, param_group_sources)
         self.layouts_made += 1
         self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
 

@@ -80,9 +80,10 @@ class Trainer:
         self._validator = None if bundle.val_dataset is None else Validator(
             self.parallel, bundle.loss_fn, bundle.val_dataset, ctx.device, self._autocast,
             dp_rank=self._dp_rank, dp=dims.dp, pipeline_batch_size=self._batch_size, num_workers=_data_workers(spec))
-        # [sum of this rank's micro-step losses, stop votes]: one all-reduce per step carries both. Only loss-holding
-        # ranks (last pipeline stage, first tp rank) add losses, so each counts once.
-        self._step_stats = torch.zeros(2, device=ctx.device)
+        # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot]: one all-reduce per step carries
+        # them. Only loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.
+        self._step_stats = torch.zeros(3 if self._snapshots is not None else 2, device=ctx.device)
+        self._snapshot_structure_changed = True
         self._memory_reported = False
         self.step = 0
         self.loss: float | None = None
@@ -121,7 +122,8 @@ class Trainer:
             stopped = self.train_step()
             if self._snapshots is not None and self.step < spec.train.steps:
                 self._snapshots.take(self.step, self._stream.position,
-                                     metrics=self._metrics.for_checkpoint() if self.ctx.rank == 0 else None)
+                                     metrics=self._metrics.for_checkpoint() if self.ctx.rank == 0 else None,
+                                     changed_anywhere=self._snapshot_structure_changed)
             if self._evaluation_due():
                 self._validate()
             if stopped or self._checkpointer.due(self.step):
@@ -165,14 +167,18 @@ class Trainer:
             tied.sync_gradients()
         if self.ctx.sink.stop_requested():
             stop_votes.fill_(1.0)
-        reduction = dist.all_reduce(self._step_stats, async_op=True)
-        lr = self._optimizer.step(self.step)
-        if not self._memory_reported:
-            self.ctx.sink.memory(measure_rank_memory(self.ctx.rank, self.parallel, self._dims, self._parameter_count))
-            self._memory_reported = True
-        self._optimizer.zero_grad()
-        reduction.wait()
-        summed_loss, votes = self._step_stats.tolist()
+        if self._snapshots is None:
+            reduction = dist.all_reduce(self._step_stats, async_op=True)  # overlaps the optimizer step
+            lr = self._update()
+            reduction.wait()
+        else:
+            # The snapshot after this step needs the group's vote on whether the state left its structure, which the
+            # optimizer step settles: the step's one all-reduce carries the vote, after the step.
+            lr = self._update()
+            self._step_stats[2] = float(self._snapshots.structure_changed())
+            dist.all_reduce(self._step_stats)
+        summed_loss, votes, *structure_votes = self._step_stats.tolist()
+        self._snapshot_structure_changed = bool(structure_votes and structure_votes[0])
         step_time = time.perf_counter() - started
         self.step += 1
         self.loss = summed_loss / (self._accumulation * self._dims.dp)
@@ -184,6 +190,15 @@ class Trainer:
                 step_time_s=step_time, wall_time=time.time(), lr=lr, grad_norm=self._optimizer.grad_norm.item(),
                 world_size=self.ctx.world_size))
         return votes > 0 and self.step < self.spec.train.steps
+
+    def _update(self) -> float:
+        """The optimizer step (this rank's memory reported after its first); returns the learning rate."""
+        lr = self._optimizer.step(self.step)
+        if not self._memory_reported:
+            self.ctx.sink.memory(measure_rank_memory(self.ctx.rank, self.parallel, self._dims, self._parameter_count))
+            self._memory_reported = True
+        self._optimizer.zero_grad()
+        return lr
 
     def _report_snapshot_cost(self, costs: list[dict[str, int]]) -> None:
         most = max(costs, key=lambda cost: cost["held_bytes"])
