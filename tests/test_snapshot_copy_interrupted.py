@@ -1,11 +1,16 @@
 """A rank that dies while its buddy copy is on the wire: the survivors never hold a half-received shard file, and the
 snapshot the driver then chooses is the last one every copy of which arrived whole (three local gloo ranks, each
-taken for a node; the dying one starts sending its shard of the third snapshot and exits)."""
+taken for a node; the dying one starts sending its shard of the third snapshot and exits).
+
+The shard is ~100 MB: gloo writes what the socket takes at once inside the send call, and a few MB would be gone
+whole before the process exits. Gloo does not always report the broken connection to the receiver: its wait ends at
+the snapshots' group timeout."""
 
 from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -19,6 +24,8 @@ from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.memory_snapshots import PeerSnapshots, SnapshotRef, SnapshotStore, snapshot_location
 
 WORLD_SIZE, DYING = 3, 2
+WIDTH = 2048  # two square layers and their AdamW state: ~100 MB of shard per rank
+TIMEOUT = timedelta(seconds=15)  # a whole transfer here takes well under a second
 JOB = "interrupted-copy"
 
 
@@ -35,14 +42,14 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(rank)
     store = SnapshotStore()
     # A module of each rank's own (a name no other rank's state has), so no copy of it is elsewhere: it goes to the
-    # buddy, a few MB on the wire.
-    model = nn.ModuleDict({f"rank{rank}": nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))})
+    # buddy, ~100 MB on the wire.
+    model = nn.ModuleDict({f"rank{rank}": nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))})
     optimizer = torch.optim.AdamW(model.parameters())
     snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
-                              optimizers=[optimizer])
+                              optimizers=[optimizer], timeout=TIMEOUT)
 
     def step(number: int) -> None:
-        model[f"rank{rank}"](torch.ones(4, 512)).sum().backward()
+        model[f"rank{rank}"](torch.ones(4, WIDTH)).sum().backward()
         snapshots.before_state_changes()
         optimizer.step()
         optimizer.zero_grad()

@@ -38,6 +38,7 @@ import pickle
 import re
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -524,16 +525,18 @@ class PeerSnapshots:
     def __init__(self, store: SnapshotStore, job_id: str, generation: int, replicas: int,
                  ranks_per_node: tuple[int, ...] | None, device: torch.device, *,
                  model_parts: list[nn.Module], optimizers: list[Optimizer],
-                 report: Callable[[list[dict[str, int]]], None] | None = None) -> None:
+                 report: Callable[[list[dict[str, int]]], None] | None = None, timeout: timedelta | None = None) -> None:
         """`report`: given on rank 0, called once with every rank's host-memory cost (host_memory_cost) when the
-        snapshots reach their steady state (KEPT of them held)."""
+        snapshots reach their steady state (KEPT of them held). `timeout`: how long the snapshots' own group waits on
+        a peer (None: as long as the default group does); gloo does not always report a peer that died mid-transfer,
+        and a new group would otherwise wait torch's default half hour."""
         self._store, self._job_id, self._generation = store, job_id, generation
         self._model_parts, self._optimizers = model_parts, optimizers
         self._local_optimizers = [local_optimizer(optimizer) for optimizer in optimizers]  # this rank's part (zero1)
         self._report, self._written = report, 0
         self.sent_bytes = 0  # what this rank sent its buddies for the latest snapshot
         self.layouts_made = 0  # full DCP saves: the first snapshot's, and one per change of the state's structure
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timeout or _default_group_timeout(device))
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         # Ranks are contiguous per node: a shift of the largest node's size lands on another node (when nodes are
         # of equal size); on one node, on the next rank.
@@ -675,6 +678,15 @@ class PeerSnapshots:
         return {"rank": self._rank, "held_bytes": held, "own_bytes_per_snapshot": own,
                 "copied_bytes_per_snapshot": names.get(_shard_name(self._rank, COPIED), 0),
                 "sent_bytes_per_snapshot": self.sent_bytes, "full_saves": self.layouts_made}
+
+
+def _default_group_timeout(device: torch.device) -> timedelta | None:
+    """The default group's collective timeout (the worker sets it when the group forms); None where its backend does
+    not say."""
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, group: dist.ProcessGroup, *,
