@@ -38,9 +38,9 @@ import pickle
 import re
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
