@@ -18,9 +18,8 @@ each lies in its file, and views of the live tensors they come from. While the s
 snapshots reuse it: no state dict, no planning, each rank copies the live tensors into a shard file (in the memory
 of a snapshot it has let go) and sends it to its buddies, over a gloo group of the snapshots' own. Whether the state
 kept its structure on every rank is a vote the trainer carries in its own per-step all-reduce (no collective of its
-own per step). The optimizer
-step waits for the snapshot before it; one is in flight at a time, so at any moment every member holds the
-snapshot of the last step or the one before: a failure costs at most one step.
+own per step). The optimizer step waits for the snapshot before it; one is in flight at a time, so at any moment
+every member holds the snapshot of the last step or the one before: a failure costs at most one step.
 
 After a failure the driver asks every member of the new group what it holds (`SnapshotStore.inventory`) and names
 the newest snapshot they cover between them (workers/driver/snapshot_choice.py); `restore_from_peers` then moves to
@@ -509,13 +508,13 @@ def _file_layout(name: str, items: list[WriteItem], planner: DefaultSavePlanner,
     return _FileLayout(name, items, slots, tensor_bytes, live, frozenset(at_boundary), tuple(fresh), param_groups, reusable)
 
 
-def _make_layout(fingerprints: tuple[list[Any], list[Any]], files: list[tuple[str, list[WriteItem]]], metadata: bytes,
-                 live_state: dict[str, Any], storages: dict[int, bool],
+def _make_layout(fingerprint: list[Any], fresh_fingerprint: list[Any], files: list[tuple[str, list[WriteItem]]],
+                 metadata: bytes, live_state: dict[str, Any], storages: dict[int, bool],
                  param_group_sources: dict[str, tuple[int, int, str]]) -> _Layout:
     planner = DefaultSavePlanner()
     planner.set_up_planner(live_state)
-    return _Layout(*fingerprints, metadata, tuple(_file_layout(name, items, planner, storages, param_group_sources)
-                                                for name, items in files))
+    files_layout = tuple(_file_layout(name, items, planner, storages, param_group_sources) for name, items in files)
+    return _Layout(fingerprint, fresh_fingerprint, metadata, files_layout)
 
 
 class PeerSnapshots:
@@ -582,9 +581,9 @@ class PeerSnapshots:
             storages = _live_storages(self._model_parts, self._local_optimizers)
             sources = _param_group_sources(state["optimizer"], self._local_optimizers)
             staged = self._stager.stage(state)
-            fingerprints = (_state_fingerprint(self._model_parts, self._local_optimizers), fresh_fingerprint)
-            self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprints, storages,
-                                                    sources)
+            fingerprint = _state_fingerprint(self._model_parts, self._local_optimizers)
+            self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprint,
+                                                    fresh_fingerprint, storages, sources)
             return
         if layout is None or layout.fresh_fingerprint != fresh_fingerprint:
             # A rank without a layout votes for a full save, and a rank's own values keep their structure within a
@@ -624,16 +623,17 @@ class PeerSnapshots:
         self._stager.close()
         dist.destroy_process_group(self.group)
 
-    def _write_new_layout(self, ref: SnapshotRef, staged: Any, live_state: dict[str, Any],
-                          fingerprints: tuple[list[Any], list[Any]],
-                          storages: dict[int, bool], param_group_sources: dict[str, tuple[int, int, str]]) -> None:
+    def _write_new_layout(self, ref: SnapshotRef, staged: Any, live_state: dict[str, Any], fingerprint: list[Any],
+                          fresh_fingerprint: list[Any], storages: dict[int, bool],
+                          param_group_sources: dict[str, tuple[int, int, str]]) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
         writer = SnapshotWriter(self._store, location, self._node_of)
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
-        self._layout = _make_layout(fingerprints, writer.files, metadata[0], live_state, storages, param_group_sources)
+        self._layout = _make_layout(fingerprint, fresh_fingerprint, writer.files, metadata[0], live_state, storages,
+                                    param_group_sources)
         self.layouts_made += 1
         self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
 

@@ -83,7 +83,7 @@ class Trainer:
         # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot]: one all-reduce per step carries
         # them. Only loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.
         self._step_stats = torch.zeros(3 if self._snapshots is not None else 2, device=ctx.device)
-        self._snapshot_structure_changed = True
+        self._snapshot_structure_changed = True  # the group's vote of the last step (the first snapshot is a full save)
         self._memory_reported = False
         self.step = 0
         self.loss: float | None = None
