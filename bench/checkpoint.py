@@ -31,6 +31,7 @@ durable checkpoint of the same step, and their restore throughputs are compared.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.ports import free_port  # noqa: E402
 
 WORLD_SIZE = 2
+METRICS_ACKNOWLEDGED_AFTER_S = 1.0
 
 
 def _spec(args: argparse.Namespace, steps: int):
@@ -167,11 +169,19 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
 
     def train(job: str, spec, stop_after: int | None = None, resume: SnapshotRef | None = None, generation: int = 1,
               storage: str | None = None):
-        walls, events = [], []
+        walls, events, recorded = [], [], []
         calls = iter(range(1, 10**9))
-        sink = CallbackSink(on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None,
-                            on_event=lambda message, details: events.append(details),
-                            should_stop=(lambda: next(calls) >= stop_after) if stop_after else (lambda: False))
+
+        def on_metric(point) -> None:
+            recorded.append(time.perf_counter())
+            if point.loss is not None:
+                walls.append(recorded[-1])
+
+        # As the driver does: rank 0's points are acknowledged about a second after they are recorded (it drains
+        # them every second), so a snapshot keeps the last second's points, not all of them.
+        sink = CallbackSink(on_metric=on_metric, on_event=lambda message, details: events.append(details),
+                            should_stop=(lambda: next(calls) >= stop_after) if stop_after else (lambda: False),
+                            metrics_confirmed=lambda: bisect.bisect(recorded, time.perf_counter() - METRICS_ACKNOWLEDGED_AFTER_S))
         run_training(spec, TrainContext(rank, WORLD_SIZE, torch.device("cpu"), job, f"{root}/{storage or job}", sink=sink,
                                         ranks_per_node=two_nodes, generation=generation, snapshot_store=store,
                                         memory_resume=resume))

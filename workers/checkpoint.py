@@ -262,21 +262,22 @@ def commit_save(pending: PendingSave) -> CommittedSave:
 
 
 def training_state(step: int, position: DataPosition, model_parts: list[nn.Module], optimizers: list[Optimizer],
-                   metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                   metrics: str | None = None) -> dict[str, Any]:
     """What a checkpoint (durable or in memory) holds of this rank: its model and optimizer shards, the step, the data
-    position and its RNG states; `metrics` (rank 0): the metric points it keeps for a resumed run to replay."""
+    position and its RNG states; `metrics` (rank 0): the metric points it keeps for a resumed run to replay, as a
+    JSON array (RankMetrics.for_checkpoint_json)."""
     model_state, optimizer_state = _merged_state(model_parts, optimizers)
     return {"model": model_state, "optimizer": optimizer_state, **step_state(step, position, metrics)}
 
 
-def step_state(step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def step_state(step: int, position: DataPosition, metrics: str | None = None) -> dict[str, Any]:
     """The part of ``training_state`` that is not the model's or optimizer's: progress, RNG states, metric points."""
     state = {
         "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
         "rng": {f"rank{dist.get_rank()}": _rng_state()},
     }
     if metrics is not None:
-        state["metrics"] = json.dumps(metrics)
+        state["metrics"] = metrics
     return state
 
 

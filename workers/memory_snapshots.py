@@ -558,7 +558,7 @@ class PeerSnapshots:
         return (layout is None or not layout.reusable
                 or layout.fingerprint != _state_fingerprint(self._model_parts, self._local_optimizers))
 
-    def take(self, step: int, position: DataPosition, metrics: list[dict[str, Any]] | None = None, *,
+    def take(self, step: int, position: DataPosition, metrics: str | None = None, *,
              changed_anywhere: bool | None = None) -> None:
         """Snapshot the state after `step` in the background (the previous snapshot finishes first). Collective.
 

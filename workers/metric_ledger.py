@@ -17,6 +17,7 @@ worker that joins a new group starts a new call, which resumes from a checkpoint
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -36,13 +37,16 @@ class RankMetrics:
         self._acknowledged = acknowledged
         self._keep = keep_for_checkpoints
         self._sent = 0
-        self._unacknowledged: list[tuple[int, dict[str, Any]]] = []  # (position in send order, point as stored)
+        # (position in send order, point as stored, its JSON): encoded once, as in-memory snapshots keep the
+        # unacknowledged points at every step
+        self._unacknowledged: deque[tuple[int, dict[str, Any], str]] = deque()
 
     def record(self, point: MetricPoint) -> None:
         self._send(point)
         position, self._sent = self._sent, self._sent + 1
         if self._keep:  # a replayed point keeps the attempt that ran it
-            self._unacknowledged.append((position, {"attempt": self._attempt} | point.model_dump(exclude_none=True)))
+            stored = {"attempt": self._attempt} | point.model_dump(exclude_none=True)
+            self._unacknowledged.append((position, stored, json.dumps(stored)))
 
     def replay(self, points: list[dict[str, Any]]) -> None:
         """Points a resumed checkpoint kept: sent again, and kept again until acknowledged."""
@@ -51,9 +55,17 @@ class RankMetrics:
 
     def for_checkpoint(self) -> list[dict[str, Any]]:
         """The points a checkpoint saved now must keep: every one not yet acknowledged, in order."""
+        return [point for _, point, _ in self._kept()]
+
+    def for_checkpoint_json(self) -> str:
+        """``for_checkpoint`` as one JSON array, joined from each point's encoding."""
+        return "[" + ", ".join(encoded for _, _, encoded in self._kept()) + "]"
+
+    def _kept(self) -> deque[tuple[int, dict[str, Any], str]]:
         acknowledged = self._acknowledged()
-        self._unacknowledged = [(position, point) for position, point in self._unacknowledged if position >= acknowledged]
-        return [point for _, point in self._unacknowledged]
+        while self._unacknowledged and self._unacknowledged[0][0] < acknowledged:  # positions rise in send order
+            self._unacknowledged.popleft()
+        return self._unacknowledged
 
 
 class DrainedMetrics:

@@ -122,7 +122,7 @@ class Trainer:
             stopped = self.train_step()
             if self._snapshots is not None and self.step < spec.train.steps:
                 self._snapshots.take(self.step, self._stream.position,
-                                     metrics=self._metrics.for_checkpoint() if self.ctx.rank == 0 else None,
+                                     metrics=self._metrics.for_checkpoint_json() if self.ctx.rank == 0 else None,
                                      changed_anywhere=self._snapshot_structure_changed)
             if self._evaluation_due():
                 self._validate()

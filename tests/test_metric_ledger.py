@@ -1,0 +1,35 @@
+"""Rank 0's metric points kept for checkpoints until the control plane acknowledges them."""
+
+from __future__ import annotations
+
+import json
+
+from ringmaster.service.reports import MetricPoint
+from ringmaster.workers.metric_ledger import RankMetrics
+
+
+def test_a_checkpoint_keeps_the_unacknowledged_points_in_order_as_a_list_and_as_json() -> None:
+    sent: list[MetricPoint] = []
+    acknowledged = [0]
+    metrics = RankMetrics(3, sent.append, lambda: acknowledged[0], keep_for_checkpoints=True)
+    for step in range(1, 6):
+        metrics.record(MetricPoint(step=step, loss=1.0 / step))
+    metrics.replay([{"step": 6, "loss": 0.5, "attempt": 2}])
+    assert [point.step for point in sent] == [1, 2, 3, 4, 5, 6]
+
+    acknowledged[0] = 2  # the first two points sent are stored
+    kept = metrics.for_checkpoint()
+    assert [(point["step"], point["attempt"]) for point in kept] == [(3, 3), (4, 3), (5, 3), (6, 2)]
+    assert kept[0] == {"attempt": 3, "step": 3, "loss": 1.0 / 3}
+    assert json.loads(metrics.for_checkpoint_json()) == kept
+
+    acknowledged[0] = 6
+    assert metrics.for_checkpoint() == [] and json.loads(metrics.for_checkpoint_json()) == []
+    metrics.record(MetricPoint(step=7, loss=0.25))
+    assert json.loads(metrics.for_checkpoint_json()) == [{"attempt": 3, "step": 7, "loss": 0.25}]
+
+
+def test_nothing_is_kept_without_checkpoints_to_keep_it() -> None:
+    metrics = RankMetrics(1, lambda point: None, lambda: 0, keep_for_checkpoints=False)
+    metrics.record(MetricPoint(step=1, loss=1.0))
+    assert metrics.for_checkpoint() == [] and metrics.for_checkpoint_json() == "[]"
