@@ -38,7 +38,7 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -399,6 +399,28 @@ class _FileLayout:
     fresh: tuple[int, ...]
     param_groups: dict[int, tuple[int, int, str]]
     reusable: bool
+    # Views of the slots in each file buffer this layout has filled, by the buffer's address: the buffers are reused
+    # (_FileBuffers), and making a hundred views costs more than copying a small model's state into them. A cached
+    # view keeps its buffer alive, so no other buffer can take its address; the oldest entry goes when a buffer
+    # beyond the KEPT + 1 in use comes (one _FileBuffers replaced with a larger one).
+    _views: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
+
+    def slot_views(self, content: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Item position -> a view of its slot in file `content`, for every tensor item."""
+        views = self._views.get(content.data_ptr())
+        if views is None:
+            views = {key: _slot_view(content, slot) for key, slot in enumerate(self.slots) if slot.key is None}
+            if len(self._views) > KEPT:  # the buffers in use: KEPT snapshots' and the one being written
+                del self._views[next(iter(self._views))]
+            self._views[content.data_ptr()] = views
+        return views
+
+    def copy_live(self, content: torch.Tensor, *, at_boundary: bool) -> None:
+        """Copy the live items that change at the boundary (module buffers), or the rest, into file `content`."""
+        views = self.slot_views(content)
+        keys = [key for key in self.live if (key in self.at_boundary) == at_boundary]
+        if keys:
+            torch._foreach_copy_([views[key] for key in keys], [self.live[key] for key in keys])
 
 
 @dataclass(frozen=True)
@@ -598,11 +620,11 @@ class PeerSnapshots:
             table.update((key, self._local_optimizers[index].param_groups[group][name])
                          for key, (index, group, name) in file.param_groups.items())
             content = _new_file(file.tensor_bytes, table, self._buffers.allocator(location, file.name))
+            views = file.slot_views(content)
             for key in file.fresh:
                 if items[key].type != WriteItemType.BYTE_IO:
-                    _slot_view(content, file.slots[key]).copy_(values.lookup_object(items[key].index))
-            for key in file.at_boundary:
-                _slot_view(content, file.slots[key]).copy_(file.live[key])
+                    views[key].copy_(values.lookup_object(items[key].index))
+            file.copy_live(content, at_boundary=True)
             contents.append(content)
         self._in_flight = self._executor.submit(self._write_reusing, location, layout, contents)
 
@@ -639,9 +661,7 @@ class PeerSnapshots:
 
     def _write_reusing(self, location: str, layout: _Layout, contents: list[torch.Tensor]) -> None:
         for file, content in zip(layout.files, contents, strict=True):
-            for key, view in file.live.items():
-                if key not in file.at_boundary:
-                    _slot_view(content, file.slots[key]).copy_(view)
+            file.copy_live(content, at_boundary=False)
         self._share(location, contents, layout.metadata)
 
     def _share(self, location: str, own: list[torch.Tensor], metadata: bytes) -> None:
