@@ -1,6 +1,7 @@
 """In-memory snapshots on three local gloo ranks (one per "node"): after a rank is lost, a group re-formed from the
 survivors (smaller, or with an empty replacement) continues from the snapshot the others hold in memory, with no
-storage read, and trains on as the uninterrupted run does; a shard lost with every copy of it is named.
+storage read, and trains on as the uninterrupted run does; a shard lost with every copy of it is named. For sharded
+state (FSDP zero3) and for replicated state (ddp, whose every item three ranks hold and two keep).
 
 Losing a rank is dropping everything its process held (its own shard, its metadata, the copies it kept for a buddy).
 """
@@ -22,12 +23,13 @@ from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.memory_snapshots import KEPT, SnapshotRef, SnapshotStore
+from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
 from strategy_reference import strategy_spec
 
 STEPS, STOP_AFTER, LOST_RANK = 8, 4, 2
-# FSDP zero3: every rank holds a different third of every parameter and its optimizer state (the Ray test covers ddp).
-STRATEGIES = {"fsdp": {"shard": "zero3"}}
+# FSDP zero3: every rank holds a different third of every parameter and its optimizer state; ddp: every rank all of it.
+STRATEGIES = {"fsdp": {"shard": "zero3"}, "ddp": {}}
 
 
 def _spec(strategy: str) -> JobSpec:
@@ -136,10 +138,22 @@ def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, A
     assert [cost["rank"] for cost in costs] == [0, 1, 2]
     for cost in costs:
         buddy = costs[(cost["rank"] - 1) % 3]  # one replica, on the next rank round the ring
-        # zero3's shards are on one rank each: nearly all of a rank's state goes to its buddy (what every rank holds
-        # alike, as the step, stays home).
-        assert cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"] > 0.9 * cost["own_bytes_per_snapshot"]
+        assert cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
         # Its own shards and its buddy's copied one, of each of the KEPT snapshots it holds (and their metadata).
         assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["copied_bytes_per_snapshot"])
         assert cost["full_saves"] == 1  # the second snapshot reused the first's layout
+    # The parameters and Adam's two moments, in fp32.
+    state_bytes = 3 * 4 * sum(p.numel() for p in build_bundle(_spec(strategy)).model.parameters())
+    kept_home = [cost["own_bytes_per_snapshot"] - cost["copied_bytes_per_snapshot"] for cost in costs]
+    if strategy == "fsdp":
+        # zero3's shards are on one rank each: nearly all of a rank's state goes to its buddy (what every rank holds
+        # alike, as the step, stays home).
+        assert all(cost["copied_bytes_per_snapshot"] > 0.9 * cost["own_bytes_per_snapshot"] for cost in costs)
+    else:
+        # ddp's state is on every rank: two of the three keep each item (the node a buddy copy would be on, and one
+        # more), so the replicated state is copied twice per step, not three times, two thirds of it on each rank;
+        # only the rank's own values (its RNG, the progress) go to its buddy.
+        assert sum(kept_home) == pytest.approx(2 * state_bytes, rel=0.02)
+        assert all(kept == pytest.approx(2 / 3 * state_bytes, rel=0.1) for kept in kept_home), (kept_home, state_bytes)
+        assert all(cost["copied_bytes_per_snapshot"] < 0.03 * state_bytes for cost in costs)
 

@@ -7,10 +7,12 @@ every tensor with torch.save, most of a small model's snapshot time). Each rank 
 DCP's ``.metadata`` (rank 0 writes it; a broadcast gives every rank a copy) and the copied shard files of the ranks it
 is a buddy of: ranks one node (`shift` ranks) further round the ring. A rank's ``__{rank}_0.distcp`` holds what no
 rank on another node holds (its FSDP, pipeline or tensor shards, its RNG) and goes to its buddies, so a node's loss
-leaves a copy of it on the next node; its ``__{rank}_1.distcp`` holds every item a rank on another node holds too (a
-replica: ddp's state, the replicated parts of zero1, hybrid and tensor parallel) and stays home, as the metadata names
-each item's copies and a restore reads whichever is at hand. The process keeps the two newest snapshots it has: a peer that finished
-one step fewer can still be met at the step before.
+leaves a copy of it on the next node; its ``__{rank}_1.distcp`` holds its share of the items ranks on other nodes
+hold too (replicas: ddp's state, the replicated parts of zero1, hybrid and tensor parallel) and stays home. Each such
+item is kept on as many nodes as a copied shard is (its replicas + 1), by one rank each, the bytes spread evenly: on
+many nodes, a rank copies a fraction of the replicated state, not all of it. The metadata names each item's copies,
+and a restore reads whichever is at hand. The process keeps the two newest snapshots it has: a peer that finished one
+step fewer can still be met at the step before.
 
 Taking a snapshot overlaps the next step. The first one of a group is a full DCP save (its planning collectives, the
 state staged into host buffers in the background); it leaves a layout (_Layout): which items this rank writes, where
@@ -33,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import math
 import pickle
 import re
 import threading
@@ -185,12 +188,38 @@ def _shard_name(rank: int, part: int = COPIED) -> str:
 @dataclass(frozen=True)
 class _RankFiles:
     """What one rank writes of a snapshot (the coordinator decides, SnapshotWriter.prepare_global_plan): into its
-    COPIED file the items DCP assigned it that no rank on another node holds; into its KEPT_HERE file every item it
-    holds that a rank on another node holds too (a replica: ddp's state, hybrid's and zero1's replicated parts), so
-    a node's loss leaves a copy of each without any buddy copy."""
+    COPIED file the items DCP assigned it that no rank on another node holds; into its KEPT_HERE file its share of the
+    items ranks on other nodes hold too (replicas: ddp's state, hybrid's and zero1's replicated parts). Each of those
+    is kept by one rank on each of `copies` nodes (the buddy copies and the own one), so a node's loss leaves a copy
+    of it without any buddy copy, and a group on many nodes does not copy its replicated state on every rank."""
 
     copied: list[MetadataIndex]
     kept: list[MetadataIndex]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _spread_replicas(holders: dict[MetadataIndex, list[int]], sizes: dict[MetadataIndex, int], node_of: list[int],
+                     copies: int) -> dict[int, list[MetadataIndex]]:
+    """Rank -> the replicated items it keeps: each item (held by `holders`, ranks on more than one node) by one
+    holder on each of `copies` nodes (or every node that holds it, if fewer), the bytes spread evenly over the
+    holders, largest items first."""
+    load = dict.fromkeys(range(len(node_of)), 0)
+    kept: dict[int, list[MetadataIndex]] = {rank: [] for rank in load}
+    for index in sorted(holders, key=lambda index: -sizes[index]):
+        least_loaded_per_node: dict[int, int] = {}
+        for rank in holders[index]:
+            node = node_of[rank]
+            if node not in least_loaded_per_node or load[rank] < load[least_loaded_per_node[node]]:
+                least_loaded_per_node[node] = rank
+        for rank in sorted(least_loaded_per_node.values(), key=lambda rank: (load[rank], rank))[:copies]:
+            kept[rank].append(index)
+            load[rank] += sizes[index] + 1  # byte items count too, so they spread as well
+    return kept
 
 
 def _file_slots(items: list[WriteItem], tensors: dict[int, torch.Tensor], name: str) -> tuple[list[RawSlot], int]:
@@ -272,11 +301,11 @@ class SnapshotWriter(StorageWriter):
     """DCP storage for a snapshot: each rank's two shard files (_RankFiles, each a _shard_file) in the process's
     store; the coordinator writes the metadata, naming for each item its slot and the replicas' slots. It keeps the
     items of each file this rank wrote, for the snapshots that reuse them (PeerSnapshots). `node_of`: each rank's
-    node."""
+    node; `copies`: on how many nodes a replicated item is kept (the buddy copies and the own one)."""
 
-    def __init__(self, store: SnapshotStore, location: str, node_of: list[int]) -> None:
+    def __init__(self, store: SnapshotStore, location: str, node_of: list[int], copies: int) -> None:
         super().__init__()
-        self._store, self._location, self._node_of = store, location, node_of
+        self._store, self._location, self._node_of, self._copies = store, location, node_of, copies
         self._local_items: list[WriteItem] = []
         self.files: list[tuple[str, list[WriteItem]]] = []
 
@@ -287,20 +316,23 @@ class SnapshotWriter(StorageWriter):
         pass
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Every item this rank holds goes to the coordinator with the plan (DCP's dedup then keeps one holder each).
+        # Every item this rank holds, and its size, goes to the coordinator with the plan (DCP's dedup then keeps one
+        # holder each).
         self._local_items = plan.items
-        return dataclasses.replace(plan, storage_data=[item.index for item in plan.items])
+        return dataclasses.replace(plan, storage_data={item.index: _item_bytes(item) for item in plan.items})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        holders: dict[MetadataIndex, set[int]] = {}
+        holders: dict[MetadataIndex, list[int]] = {}
+        sizes: dict[MetadataIndex, int] = {}
         for rank, plan in enumerate(plans):
-            for index in plan.storage_data:
-                holders.setdefault(index, set()).add(self._node_of[rank])
-        replicated = {index for index, nodes in holders.items() if len(nodes) > 1}
+            for index, size in plan.storage_data.items():
+                holders.setdefault(index, []).append(rank)
+                sizes[index] = size
+        replicated = {index: ranks for index, ranks in holders.items() if len({self._node_of[rank] for rank in ranks}) > 1}
+        kept = _spread_replicas(replicated, sizes, self._node_of, self._copies)
         return [dataclasses.replace(plan, storage_data=_RankFiles(
-                    copied=[item.index for item in plan.items if item.index not in replicated],
-                    kept=[index for index in plan.storage_data if index in replicated]))
-                for plan in plans]
+                    copied=[item.index for item in plan.items if item.index not in replicated], kept=kept[rank]))
+                for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
         rank, local = dist.get_rank(), {item.index: item for item in self._local_items}
@@ -650,7 +682,7 @@ class PeerSnapshots:
                           param_group_sources: dict[str, tuple[int, int, str]]) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        writer = SnapshotWriter(self._store, location, self._node_of)
+        writer = SnapshotWriter(self._store, location, self._node_of, copies=len(self._shifts) + 1)
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
