@@ -20,7 +20,8 @@ before; "cold": the same code with an environment variable no job had (a new run
 cold in the cached package. The warm-up before the rounds has uploaded the package and unpacked it on the node.
 --code-only measures just these two.
 
-The script asks for the job's state every --poll-s seconds while it trains, as a user's `ringmaster
+The Ray head is configured as `ringmaster serve` starts one (Ray's default interval between metrics exports), not
+as the tests start theirs. The script asks for the job's state every --poll-s seconds while it trains, as a user's `ringmaster
 watch` would (each request takes CPU on the same two cores).
 
 Wall clock swings between rounds on a shared machine (0.78-1.21 for the same pair here), so each round also
@@ -48,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -57,7 +60,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.bare_torchrun import HF_GPT2_OPTIONS, SEQ_LEN  # noqa: E402
 from bench.cpu_time import BusySampler, Cpu  # noqa: E402
-from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
+from harness.ray_cluster import CLUSTER_CPUS, running_control_plane, stop_test_head, wait_for_state  # noqa: E402
+from ringmaster.service.embedded_ray import RayHead, start_head  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
 from ringmaster.service.spec import SHARED_POOL, JobSpec  # noqa: E402
@@ -226,6 +230,17 @@ def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], idle: list[C
     return summary
 
 
+@contextmanager
+def production_head(data_dir: Path) -> Iterator[RayHead]:
+    """A head configured as `ringmaster serve` starts one: Ray's own interval between metrics exports (10 s), not the
+    tests' 1 s (start_test_head), which has every process of the job export its metrics ten times as often."""
+    head = start_head(data_dir / "ray", num_cpus=CLUSTER_CPUS)
+    try:
+        yield head
+    finally:
+        stop_test_head(head)
+
+
 def main() -> None:
     args = parse_args()
     if args.code_only and not args.code:
@@ -234,8 +249,8 @@ def main() -> None:
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
     idle: list[Cpu] = []
-    with tempfile.TemporaryDirectory() as data_dir, BusySampler() as sampler:
-        for server in running_control_plane(Path(data_dir)):
+    with tempfile.TemporaryDirectory() as data_dir, BusySampler() as sampler, production_head(Path(data_dir)) as head:
+        for server in running_control_plane(Path(data_dir), head=head):
             client = server.client()
             through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
             code_pool = None
