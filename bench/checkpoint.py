@@ -19,13 +19,13 @@ consecutive step metrics; a save happens between two metrics, so:
     .venv/bin/python bench/checkpoint.py [--dim 256 --layers 6 --steps 24 --every 6]
 Prints one JSON object.
 
-With ``--snapshots``, the cost of in-memory snapshots (checkpoint.in_memory) instead, on the same 2 ranks taken
-for 2 nodes: rounds alternate between snapshots off and on (one buddy copy), side by side, and compare their
-median step time (steady state: the first 3 steps left out); the bytes each rank sends its buddy per step come
-from the trainer's own report. Then a run stopped mid-way is resumed twice, from peers' memory and from its
+With ``--snapshots``, the cost of in-memory snapshots (checkpoint.in_memory) instead, on the same ranks, each taken
+for a node (``--world-size``, 2 by default): rounds alternate between snapshots off and on (one buddy copy), side by
+side, and compare their median step time (steady state: the first 3 steps left out); the bytes each rank copies
+into its own snapshot files and sends its buddy per step come from the trainer's own report. Then a run stopped mid-way is resumed twice, from peers' memory and from its
 durable checkpoint of the same step, and their restore throughputs are compared.
 
-    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40]
+    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40 --world-size 2]
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.ports import free_port  # noqa: E402
 
-WORLD_SIZE = 2
 METRICS_ACKNOWLEDGED_AFTER_S = 1.0
+GLOBAL_BATCH = 16
 
 
 def _spec(args: argparse.Namespace, steps: int):
@@ -58,15 +58,16 @@ def _spec(args: argparse.Namespace, steps: int):
         name="bench-checkpoint",
         model="tiny-gpt",
         model_options={"n_layers": args.layers, "dim": args.dim, "n_heads": 8, "seq_len": 64, "max_corpus_bytes": 262_144},
-        workers={"min": WORLD_SIZE, "max": WORLD_SIZE},
-        train={"steps": steps, "global_batch_size": 16, "micro_batch_size": 8, "warmup_steps": 2, "seed": 1},
+        workers={"min": args.world_size, "max": args.world_size},
+        train={"steps": steps, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // args.world_size,
+               "warmup_steps": 2, "seed": 1},
         checkpoint={"every_steps": args.every, "keep": 2},
     )
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     import ringmaster.workers.checkpoint as checkpoint_module
     import ringmaster.workers.trainer.checkpointer as training
     from harness.sinks import CallbackSink
@@ -98,7 +99,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
         begin_times = []
         training.begin_save = lambda *a, **kw: timed_begin(*a, synchronous=mode == "sync", **kw)
         walls: list[float] = []
-        run_training(_spec(args, args.steps), TrainContext(rank, WORLD_SIZE, torch.device("cpu"), mode, f"{root}/{mode}", sink=CallbackSink(on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None)))
+        run_training(_spec(args, args.steps), TrainContext(rank, args.world_size, torch.device("cpu"), mode, f"{root}/{mode}", sink=CallbackSink(on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None)))
         results[mode] = walls
         results[f"{mode}_begin_s"] = begin_times[:-1]  # periodic saves only (the last is the final, synchronous one)
     training.begin_save = original_begin
@@ -115,7 +116,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
 
     training.load_checkpoint = timed_load
     # Resumes from the final checkpoint and trains one more step, then saves it (sync: final).
-    run_training(_spec(args, args.steps + 1), TrainContext(rank, WORLD_SIZE, torch.device("cpu"), "restore", f"{root}/async"))
+    run_training(_spec(args, args.steps + 1), TrainContext(rank, args.world_size, torch.device("cpu"), "restore", f"{root}/async"))
     if rank == 0:
         Path(root, "raw.json").write_text(json.dumps({**results, "load_s": load_times}))
     dist.destroy_process_group()
@@ -124,7 +125,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
 def _summarise(raw: dict, args: argparse.Namespace, root: Path) -> dict:
     every, steps = args.every, args.steps
     saves_after = [s for s in range(every, steps, every)]  # steps followed by a periodic save (1-based)
-    summary: dict = {"model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": WORLD_SIZE, "steps": steps, "every": every}
+    summary: dict = {"model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": args.world_size, "steps": steps, "every": every}
     for mode in ("sync", "async"):
         walls = raw[mode]
         intervals = {step: walls[step] - walls[step - 1] for step in range(2, len(walls))}  # interval ending at metric step+1
@@ -159,13 +160,13 @@ def _snapshot_spec(args: argparse.Namespace, steps: int, snapshots: bool, every_
 
 def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     from harness.sinks import CallbackSink
     from ringmaster.workers.memory_snapshots import SnapshotRef, SnapshotStore
     from ringmaster.workers.trainer import TrainContext, run_training
 
     store = SnapshotStore()
-    two_nodes = (1, 1)  # one rank per node, as the trainer is told: snapshots go to the other "node"
+    one_per_node = (1,) * args.world_size  # as the trainer is told: snapshots go to the next "node"
 
     def train(job: str, spec, stop_after: int | None = None, resume: SnapshotRef | None = None, generation: int = 1,
               storage: str | None = None):
@@ -182,8 +183,8 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
         sink = CallbackSink(on_metric=on_metric, on_event=lambda message, details: events.append(details),
                             should_stop=(lambda: next(calls) >= stop_after) if stop_after else (lambda: False),
                             metrics_confirmed=lambda: bisect.bisect(recorded, time.perf_counter() - METRICS_ACKNOWLEDGED_AFTER_S))
-        run_training(spec, TrainContext(rank, WORLD_SIZE, torch.device("cpu"), job, f"{root}/{storage or job}", sink=sink,
-                                        ranks_per_node=two_nodes, generation=generation, snapshot_store=store,
+        run_training(spec, TrainContext(rank, args.world_size, torch.device("cpu"), job, f"{root}/{storage or job}", sink=sink,
+                                        ranks_per_node=one_per_node, generation=generation, snapshot_store=store,
                                         memory_resume=resume))
         return walls, events
 
@@ -215,12 +216,13 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
     storage = raw["restore_storage"][0]
     snapshot_bytes = sum(cost["own_bytes_per_snapshot"] for cost in costs)
     return {
-        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": WORLD_SIZE, "rounds": args.rounds,
+        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": args.world_size, "rounds": args.rounds,
         "step_s_snapshots_off": [round(value, 4) for value in raw["off"]],
         "step_s_snapshots_on": [round(value, 4) for value in raw["on"]],
         "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
         # each round's on over the off run just before it (the machine's load drifts between rounds)
         "round_ratios": [round(b / a, 3) for a, b in zip(raw["off"], raw["on"], strict=True)],
+        "bytes_copied_per_step": {cost["rank"]: cost["own_bytes_per_snapshot"] for cost in costs},
         "bytes_sent_to_buddies_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
         "host_bytes_held_per_rank": {cost["rank"]: cost["held_bytes"] for cost in costs},
         "full_dcp_saves_in_first_two_snapshots": {cost["rank"]: cost["full_saves"] for cost in costs},
@@ -241,10 +243,12 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--snapshots", action="store_true", help="measure in-memory snapshots instead")
     parser.add_argument("--rounds", type=int, default=3, help="--snapshots: rounds of off and on")
+    parser.add_argument("--world-size", type=int, default=2, choices=(2, 4, 8, 16),
+                        help="ranks (local gloo processes; with --snapshots, one per node)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         rank_main = _snapshot_rank if args.snapshots else _rank
-        mp.spawn(rank_main, args=(free_port(), args, root), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(rank_main, args=(free_port(), args, root), nprocs=args.world_size, join=True)
         raw = json.loads(Path(root, "raw.json").read_text())
         summary = _summarise_snapshots(raw, args) if args.snapshots else _summarise(raw, args, Path(root))
         print(json.dumps(summary, indent=2))
