@@ -82,15 +82,7 @@ def _steps_computed_twice(storage: Path, job_id: str) -> tuple[int, int]:
     return sum(1 for times in computed.values() if times > 1), len(steps_by_generation)
 
 
-# A known bug, not yet found: once in six runs here the 2x2 fsdp x tp layout restored step 4 from memory (no
-# storage read, one re-formation, no step computed twice) and then trained 0.13 off the one-process losses from
-# step 5 on; the other layouts matched in every run. Until it is found, a pass shows as XPASS and a failure as XFAIL.
-KNOWN_BUG = {"3d-fsdp-tp-2x2": "after a restore from memory the 2x2 fsdp x tp layout sometimes leaves the "
-                               "one-process trajectory (seen once in six runs; issue 15)"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_BUG[name], strict=False))
-                                  if name in KNOWN_BUG else name for name in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, cluster, reference):
     cluster.ensure_nodes(3)  # the job's two, and the replacement, idle from the start
     client = cluster.client
