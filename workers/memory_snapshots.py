@@ -43,6 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -198,6 +199,7 @@ class _RankFiles:
 
 
 def _item_bytes(item: WriteItem) -> int:
+    """The bytes of the chunk `item` writes (WriteItem.tensor_storage_size counts the whole tensor it is a chunk of)."""
     if item.tensor_data is None:
         return 0
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
@@ -449,10 +451,20 @@ class _FileLayout:
 
     def copy_live(self, content: torch.Tensor, *, at_boundary: bool) -> None:
         """Copy the live items that change at the boundary (module buffers), or the rest, into file `content`."""
-        views = self.slot_views(content)
-        keys = [key for key in self.live if (key in self.at_boundary) == at_boundary]
+        keys, sources = self._live_by_boundary[at_boundary]
         if keys:
-            torch._foreach_copy_([views[key] for key in keys], [self.live[key] for key in keys])
+            views = self.slot_views(content)
+            torch._foreach_copy_([views[key] for key in keys], sources)
+
+    @cached_property
+    def _live_by_boundary(self) -> dict[bool, tuple[list[int], list[torch.Tensor]]]:
+        """Whether copied at the boundary -> those live items' positions and views (fixed for the layout)."""
+        split: dict[bool, tuple[list[int], list[torch.Tensor]]] = {True: ([], []), False: ([], [])}
+        for key, view in self.live.items():
+            keys, sources = split[key in self.at_boundary]
+            keys.append(key)
+            sources.append(view)
+        return split
 
 
 @dataclass(frozen=True)
