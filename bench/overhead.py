@@ -4,8 +4,11 @@
 
 (a) trains tiny-gpt (--model hf-gpt2: `model: hf:GPT2LMHeadModel`, a 2-block GPT-2) through ringmaster: REST submit → queue → Ray job → worker actors;
 (b) trains it with bench/bare_torchrun.py under torchrun, beside the same idle Ray cluster and
-control plane. Each round runs b then a, back to back, so the machine's slow spells (which move
-either by ±15% here) hit a pair alike. Prints steady-state steps/s of each (wall clock between
+control plane;
+(c) runs the same bare_torchrun.py loop inside plain Ray actors (threaded, as ringmaster's workers are) on that
+cluster: what hosting the ranks in Ray worker processes costs by itself, with no ringmaster code in the way.
+Each round runs b, c, then a, back to back, so the machine's slow spells (which move either by ±15% here) hit
+them alike. Prints steady-state steps/s of each (wall clock between
 step ends, first --skip-steps left out), each round's ratio a/b and their median (goal ≥ 0.97),
 and submit-to-first-step time on a warm cluster (goal ≤ 5 s): one whose warm pool
 (RINGMASTER_WARM_WORKERS_PER_NODE, default 2) has refilled since the last job. With
@@ -43,7 +46,10 @@ each round's ratio ringmaster/bare.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -60,6 +66,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.bare_torchrun import HF_GPT2_OPTIONS, SEQ_LEN  # noqa: E402
 from bench.cpu_time import BusySampler, Cpu  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 from harness.ray_cluster import CLUSTER_CPUS, running_control_plane, stop_test_head, wait_for_state  # noqa: E402
 from ringmaster.service.embedded_ray import RayHead, start_head  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
@@ -112,6 +119,43 @@ def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float
         raise SystemExit(f"bare torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
     return report["steps_per_s_steady"], CpuPerStep.measure(sampler, args, (started, ended), tuple(report["steady_wall"]))
+
+
+def _bare_rank_class():
+    """A plain threaded Ray actor that runs bare_torchrun.py's loop as one rank (made on first use: this module is
+    imported where Ray is not connected)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=2)  # holds no CPU: the ringmaster job's bundles must still fit
+    class BareRank:
+        def __init__(self) -> None:
+            os.environ["OMP_NUM_THREADS"] = "1"
+            sys.path.insert(0, str(REPO))
+            import bench.bare_torchrun  # noqa: F401 — torch and transformers imported before the first round
+
+        def run(self, argv: list[str], env: dict[str, str]) -> str:
+            from bench import bare_torchrun
+
+            os.environ.update(env)
+            sys.argv = ["bare_torchrun.py", *argv]
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                bare_torchrun.main()
+            return out.getvalue()
+
+    return BareRank
+
+
+def bare_in_ray_actors(args: argparse.Namespace, ranks: list) -> float:
+    """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker)."""
+    import ray
+
+    argv = ["--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
+            "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    meeting = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(ranks))}
+    outputs = ray.get([rank.run.remote(argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)})
+                       for index, rank in enumerate(ranks)])
+    return json.loads(outputs[0].strip().splitlines()[-1])["steps_per_s_steady"]
 
 
 def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
@@ -246,6 +290,7 @@ def main() -> None:
     if args.code_only and not args.code:
         raise SystemExit("--code-only needs --code DIR")
     bare, managed, ratios, first_step, code_pooled, code_cold = [], [], [], [], [], []
+    in_ray, in_ray_ratios = [], []  # bare_torchrun.py's loop in plain Ray actors, and ringmaster over it
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
     idle: list[Cpu] = []
@@ -253,6 +298,10 @@ def main() -> None:
         for server in running_control_plane(Path(data_dir), head=head):
             client = server.client()
             through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
+            import ray
+
+            bare_ranks = [] if args.code_only else [_bare_rank_class().remote() for _ in range(args.workers)]
+            ray.get([rank.__ray_ready__.remote() for rank in bare_ranks])
             code_pool = None
             if args.code:  # the package is uploaded and unpacked once; its env's pool fills after it
                 _, _, job = code_job_first_step(client, args, "warm-up-code")
@@ -266,13 +315,17 @@ def main() -> None:
                     bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
                     bare.append(bare_rate)
                     bare_cpu.append(bare_cpu_now)
+                    in_ray.append(bare_in_ray_actors(args, bare_ranks))
                     steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
                     managed.append(steady)
                     managed_cpu.append(cpu)
                     ratios.append(steady / bare[-1])
+                    in_ray_ratios.append(steady / in_ray[-1])
                     first_step.append(to_first_step)
                     print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
                           f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
+                    print(f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
+                          f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {in_ray_ratios[-1]:.3f}", flush=True)
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
                 if code_pool is not None:
                     pooled, cold = code_round(client, args, round_index, code_pool)
@@ -286,6 +339,9 @@ def main() -> None:
             "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
             "ratio": round(statistics.median(ratios), 3), "ratio_goal": 0.97,
             "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
+            "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
+            "bare_in_ray_actors_over_torchrun": round(statistics.median(x / y for x, y in zip(in_ray, bare)), 3),
+            "ringmaster_over_bare_in_ray_actors": round(statistics.median(in_ray_ratios), 3),
             "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
             **_cpu_summary(bare_cpu, managed_cpu, idle)})
     if code_pooled:
