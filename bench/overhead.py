@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import ray
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -121,35 +123,28 @@ def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float
     return report["steps_per_s_steady"], CpuPerStep.measure(sampler, args, (started, ended), tuple(report["steady_wall"]))
 
 
-def _bare_rank_class():
-    """A plain threaded Ray actor that runs bare_torchrun.py's loop as one rank (made on first use: this module is
-    imported where Ray is not connected)."""
-    import ray
+@ray.remote(num_cpus=0, max_concurrency=2)  # holds no CPU: the ringmaster job's bundles must still fit
+class BareRank:
+    """A plain threaded Ray actor that runs bare_torchrun.py's loop as one rank."""
 
-    @ray.remote(num_cpus=0, max_concurrency=2)  # holds no CPU: the ringmaster job's bundles must still fit
-    class BareRank:
-        def __init__(self) -> None:
-            os.environ["OMP_NUM_THREADS"] = "1"
-            sys.path.insert(0, str(REPO))
-            import bench.bare_torchrun  # noqa: F401 — torch and transformers imported before the first round
+    def __init__(self) -> None:
+        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it
+        sys.path.insert(0, str(REPO))
+        import bench.bare_torchrun  # noqa: F401 — torch and transformers imported before the first round
 
-        def run(self, argv: list[str], env: dict[str, str]) -> str:
-            from bench import bare_torchrun
+    def run(self, argv: list[str], env: dict[str, str]) -> str:
+        from bench import bare_torchrun
 
-            os.environ.update(env)
-            sys.argv = ["bare_torchrun.py", *argv]
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                bare_torchrun.main()
-            return out.getvalue()
-
-    return BareRank
+        os.environ.update(env)
+        sys.argv = ["bare_torchrun.py", *argv]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            bare_torchrun.main()
+        return out.getvalue()
 
 
 def bare_in_ray_actors(args: argparse.Namespace, ranks: list) -> float:
     """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker)."""
-    import ray
-
     argv = ["--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
             "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
     meeting = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(ranks))}
@@ -290,7 +285,7 @@ def main() -> None:
     if args.code_only and not args.code:
         raise SystemExit("--code-only needs --code DIR")
     bare, managed, ratios, first_step, code_pooled, code_cold = [], [], [], [], [], []
-    in_ray, in_ray_ratios = [], []  # bare_torchrun.py's loop in plain Ray actors, and ringmaster over it
+    in_ray: list[float] = []  # bare_torchrun.py's loop in plain Ray actors
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
     idle: list[Cpu] = []
@@ -298,9 +293,7 @@ def main() -> None:
         for server in running_control_plane(Path(data_dir), head=head):
             client = server.client()
             through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
-            import ray
-
-            bare_ranks = [] if args.code_only else [_bare_rank_class().remote() for _ in range(args.workers)]
+            bare_ranks = [] if args.code_only else [BareRank.remote() for _ in range(args.workers)]
             ray.get([rank.__ray_ready__.remote() for rank in bare_ranks])
             code_pool = None
             if args.code:  # the package is uploaded and unpacked once; its env's pool fills after it
@@ -320,12 +313,11 @@ def main() -> None:
                     managed.append(steady)
                     managed_cpu.append(cpu)
                     ratios.append(steady / bare[-1])
-                    in_ray_ratios.append(steady / in_ray[-1])
                     first_step.append(to_first_step)
                     print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
                           f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
                     print(f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
-                          f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {in_ray_ratios[-1]:.3f}", flush=True)
+                          f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}", flush=True)
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
                 if code_pool is not None:
                     pooled, cold = code_round(client, args, round_index, code_pool)
@@ -341,7 +333,7 @@ def main() -> None:
             "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
             "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
             "bare_in_ray_actors_over_torchrun": round(statistics.median(x / y for x, y in zip(in_ray, bare)), 3),
-            "ringmaster_over_bare_in_ray_actors": round(statistics.median(in_ray_ratios), 3),
+            "ringmaster_over_bare_in_ray_actors": round(statistics.median(x / y for x, y in zip(managed, in_ray)), 3),
             "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
             **_cpu_summary(bare_cpu, managed_cpu, idle)})
     if code_pooled:
