@@ -21,9 +21,11 @@ Prints one JSON object.
 
 With ``--snapshots``, the cost of in-memory snapshots (checkpoint.in_memory) instead, on the same ranks, each taken
 for a node (``--world-size``, 2 by default): rounds alternate between snapshots off and on (one buddy copy), side by
-side, and compare their median step time (steady state: the first 3 steps left out); the bytes each rank copies
-into its own snapshot files and sends its buddy per step come from the trainer's own report. Then a run stopped mid-way is resumed twice, from peers' memory and from its
-durable checkpoint of the same step, and their restore throughputs are compared.
+side, and compare their median step time (steady state: the first 3 steps left out). The bytes each rank copies into
+its own snapshot files per step, those its snapshot takes from the live state instead (ddp's replicated state: read
+only after a failure) and those it sends its peers come from the trainer's own report. Then a run stopped mid-way is
+resumed twice, from peers' memory and from its durable checkpoint of the same step, and their restore throughputs
+are compared.
 
     .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40 --world-size 2]
 """
@@ -222,8 +224,11 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
         "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
         # each round's on over the off run just before it (the machine's load drifts between rounds)
         "round_ratios": [round(b / a, 3) for a, b in zip(raw["off"], raw["on"], strict=True)],
-        "bytes_copied_per_step": {cost["rank"]: cost["own_bytes_per_snapshot"] for cost in costs},
-        "bytes_sent_to_buddies_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
+        # ddp's snapshot of its replicated state is the live state itself (made into a file only when read)
+        "bytes_copied_per_step": {cost["rank"]: cost["own_bytes_per_snapshot"] - cost["live_bytes_per_snapshot"]
+                                  for cost in costs},
+        "bytes_kept_live_per_step": {cost["rank"]: cost["live_bytes_per_snapshot"] for cost in costs},
+        "bytes_sent_to_peers_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
         "host_bytes_held_per_rank": {cost["rank"]: cost["held_bytes"] for cost in costs},
         "full_dcp_saves_in_first_two_snapshots": {cost["rank"]: cost["full_saves"] for cost in costs},
         "restore_from_memory_s": memory["restore_s"], "memory_storage_reads": memory["storage_reads"],

@@ -1,7 +1,8 @@
 """In-memory snapshots on three local gloo ranks (one per "node"): after a rank is lost, a group re-formed from the
 survivors (smaller, or with an empty replacement) continues from the snapshot the others hold in memory, with no
 storage read, and trains on as the uninterrupted run does; a shard lost with every copy of it is named. For sharded
-state (FSDP zero3) and for replicated state (ddp, whose every item three ranks hold and two keep).
+state (FSDP zero3) and for replicated state (ddp, whose every item every rank holds live: its snapshot copies only each
+rank's own values).
 
 Losing a rank is dropping everything its process held (its own shard, its metadata, the copies it kept for a buddy).
 """
@@ -113,8 +114,12 @@ def test_a_regrouped_run_continues_from_peers_memory_as_the_uninterrupted_one(
     assert runs[strategy][f"{job}-choice"] == {"chosen": {"generation": 1, "step": STOP_AFTER}, "why_not": None}
     [restored] = runs[strategy][f"{job}-restored"]
     assert (restored["source"], restored["restored_step"], restored["storage_reads"]) == ("memory", STOP_AFTER, 0)
-    # The lost rank's shard came from its buddy; with a replacement it moved again, to the new rank.
-    assert restored["bytes_moved"] > 0
+    if strategy == "ddp" and ending == "shrink":
+        # Every survivor held every rank's own values (the seal sends them to all) and the rest is its live state.
+        assert restored["bytes_moved"] == 0
+    else:
+        # The lost rank's shard came from its buddy; with a replacement it moved again, to the new rank.
+        assert restored["bytes_moved"] > 0
     # The metric points the control plane never confirmed (here: none was) come back with the snapshot, then the
     # steps trained after it.
     resumed = runs[strategy][f"{job}-resumed"]
@@ -124,36 +129,53 @@ def test_a_regrouped_run_continues_from_peers_memory_as_the_uninterrupted_one(
     assert abs(straight[-1][1] - straight[STOP_AFTER][1]) > 1e-2  # matching is not trivial
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_a_shard_lost_with_its_only_copy_is_named(runs: dict[str, Any], strategy: str) -> None:
-    choice = runs[strategy][f"{strategy}-buddy-lost-choice"]
+def test_a_shard_lost_with_its_only_copy_is_named(runs: dict[str, Any]) -> None:
+    choice = runs["fsdp"]["fsdp-buddy-lost-choice"]
     assert choice["chosen"] is None
     # Rank 1's copy lived on rank 2: both are gone.
     assert f"step {STOP_AFTER} lacks __1_0.distcp" in choice["why_not"]
+
+
+def test_one_survivor_of_a_replicated_state_holds_the_whole_snapshot(runs: dict[str, Any]) -> None:
+    """ddp, two ranks of three lost: the survivor's live state and every rank's own values, which it holds, are the
+    whole snapshot; the two new ranks receive it and train on as the uninterrupted run does."""
+    assert runs["ddp"]["ddp-buddy-lost-choice"] == {"chosen": {"generation": 1, "step": STOP_AFTER}, "why_not": None}
+    [restored] = runs["ddp"]["ddp-buddy-lost-restored"]
+    assert (restored["source"], restored["restored_step"], restored["storage_reads"]) == ("memory", STOP_AFTER, 0)
+    assert restored["bytes_moved"] > 0
+    straight, resumed = runs["ddp"]["straight"], runs["ddp"]["ddp-buddy-lost-resumed"]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in straight], abs=1e-6)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, Any], strategy: str) -> None:
     [costs] = runs[strategy]["snapshot-cost"]
     assert [cost["rank"] for cost in costs] == [0, 1, 2]
-    for cost in costs:
-        buddy = costs[(cost["rank"] - 1) % 3]  # one replica, on the next rank round the ring
-        assert cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
-        # Its own shards and its buddy's copied one, of each of the KEPT snapshots it holds (and their metadata).
-        assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["copied_bytes_per_snapshot"])
-        assert cost["full_saves"] == 1  # the second snapshot reused the first's layout
     # The parameters and Adam's two moments, in fp32.
     state_bytes = 3 * 4 * sum(p.numel() for p in build_bundle(_spec(strategy)).model.parameters())
-    kept_home = [cost["own_bytes_per_snapshot"] - cost["copied_bytes_per_snapshot"] for cost in costs]
+    for cost in costs:
+        assert cost["full_saves"] == 1  # the later snapshots reused the first's layout
     if strategy == "fsdp":
+        for cost in costs:
+            buddy = costs[(cost["rank"] - 1) % 3]  # one replica, on the next rank round the ring
+            assert cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
+            # Its own shards and its buddy's copied one, of each of the KEPT snapshots it holds (and their metadata).
+            assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["copied_bytes_per_snapshot"])
+            assert cost["live_bytes_per_snapshot"] == 0
         # zero3's shards are on one rank each: nearly all of a rank's state goes to its buddy (what every rank holds
         # alike, as the step, stays home).
         assert all(cost["copied_bytes_per_snapshot"] > 0.9 * cost["own_bytes_per_snapshot"] for cost in costs)
     else:
-        # ddp's state is on every rank: two of the three keep each item (the node a buddy copy would be on, and one
-        # more), so the replicated state is copied twice per step, not three times, two thirds of it on each rank;
-        # only the rank's own values (its RNG, the progress) go to its buddy.
-        assert sum(kept_home) == pytest.approx(2 * state_bytes, rel=0.02)
-        assert all(kept == pytest.approx(2 / 3 * state_bytes, rel=0.1) for kept in kept_home), (kept_home, state_bytes)
-        assert all(cost["copied_bytes_per_snapshot"] < 0.03 * state_bytes for cost in costs)
+        # ddp's state is on every rank alike: its snapshot is the live state, not a copy; only each rank's own
+        # values (its RNG, rank 0's metric points) are copied, and sent to both other ranks.
+        for cost in costs:
+            assert cost["live_bytes_per_snapshot"] == pytest.approx(state_bytes, rel=0.02)
+            assert cost["own_bytes_per_snapshot"] == cost["live_bytes_per_snapshot"] + cost["copied_bytes_per_snapshot"]
+            assert cost["sent_bytes_per_snapshot"] == 2 * cost["copied_bytes_per_snapshot"]
+            assert 0 < cost["copied_bytes_per_snapshot"] < 0.03 * state_bytes
+        # Each rank holds every rank's own values and the metadata of the KEPT snapshots, alike, and less than one
+        # copy of the state (keeping copies would take KEPT of them).
+        own_values = sum(cost["copied_bytes_per_snapshot"] for cost in costs)
+        assert len({cost["held_bytes"] for cost in costs}) == 1, costs
+        assert KEPT * own_values < costs[0]["held_bytes"] < state_bytes
 

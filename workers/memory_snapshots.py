@@ -23,6 +23,13 @@ kept its structure on every rank is a vote the trainer carries in its own per-st
 own per step). The optimizer step waits for the snapshot before it; one is in flight at a time, so at any moment
 every member holds the snapshot of the last step or the one before: a failure costs at most one step.
 
+Where every rank holds the whole model and optimizer state and the optimizer step runs no collective (ddp), nothing
+of that state is copied (PeerSnapshots' `live_state`): a rank's live state is its snapshot of the step it last
+completed, a file made only when read (_LiveFile). Before each optimizer step every rank's own items of the coming
+step's snapshot (its RNG states, rank 0's metric points) go to every rank in one all-gather (`seal`); a rank that
+completes the step then holds the whole snapshot of its new state, and one that a failure stopped before it still
+holds the one before, so the group continues from the newer step and redoes none.
+
 After a failure the driver asks every member of the new group what it holds (`SnapshotStore.inventory`) and names
 the newest snapshot they cover between them (workers/driver/snapshot_choice.py); `restore_from_peers` then moves to
 each rank, over the new group, the shard files its part of the state needs (DCP's own load planner says which), and
@@ -88,30 +95,61 @@ def snapshot_location(job_id: str, ref: SnapshotRef) -> str:
 
 class SnapshotStore:
     """The snapshots in this process, across every group it joins (a worker actor keeps one for its life): per
-    snapshot location, its files as byte tensors (a buddy's copy is kept as it was received, with no further copy).
+    snapshot location, its files as byte tensors (a buddy's copy is kept as it was received, with no further copy)
+    or as a _LiveFile, made from the live state when read, and held only while that state is still the snapshot's.
     The training thread's snapshot writer and the actor's inventory calls share it: a lock guards it."""
 
     def __init__(self) -> None:
-        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._files: dict[str, dict[str, torch.Tensor | _LiveFile]] = {}
         self._lock = threading.Lock()
 
     def names(self, location: str) -> dict[str, int]:
         """File name -> size of what this process holds of one snapshot."""
         with self._lock:
-            return {name: content.numel() for name, content in self._files.get(location, {}).items()}
+            files = dict(self._files.get(location, {}))
+        return {name: content.numel() for name, content in files.items()
+                if not isinstance(content, _LiveFile) or content.valid()}
+
+    def hold_copies_of_live(self, owner: PeerSnapshots) -> None:
+        """Make `owner`'s live files copies held here (those still valid; the rest go): its group's training ended,
+        and the next group builds a model of its own, so the old one's memory (a GPU's above all) can be let go."""
+        with self._lock:
+            live = [(location, name, content) for location, files in self._files.items()
+                    for name, content in files.items() if isinstance(content, _LiveFile) and content.owner is owner]
+        for location, name, file in live:
+            content = file.materialize() if file.valid() else None
+            with self._lock:
+                files = self._files.get(location, {})
+                if files.get(name) is not file:
+                    continue
+                if content is not None and file.valid():
+                    files[name] = content
+                else:
+                    del files[name]
+
+    def live_names(self, location: str) -> dict[str, int]:
+        """Of `names`, the files made from the live state when read (_LiveFile), not held as copies."""
+        with self._lock:
+            files = dict(self._files.get(location, {}))
+        return {name: content.numel() for name, content in files.items()
+                if isinstance(content, _LiveFile) and content.valid()}
 
     def read(self, location: str, name: str) -> torch.Tensor:
         with self._lock:
-            files = self._files.get(location, {})
-            if name not in files:
-                raise FileNotFoundError(f"{location}/{name}")
-            return files[name]
+            content = self._files.get(location, {}).get(name)
+        if isinstance(content, _LiveFile):
+            live, content = content, content.materialize()
+            if not live.valid():  # the state moved on while it was copied (or before)
+                content = None
+        if content is None:
+            raise FileNotFoundError(f"{location}/{name}")
+        return content
 
     def read_object(self, location: str, name: str) -> Any:
         return pickle.loads(self.read(location, name).numpy())
 
-    def write(self, location: str, name: str, content: torch.Tensor | bytes) -> None:
-        tensor = content if isinstance(content, torch.Tensor) else _to_tensor(content)
+    def write(self, location: str, name: str, content: torch.Tensor | _LiveFile | bytes) -> None:
+        tensor = _to_tensor(content) if isinstance(content, bytes) else content
         with self._lock:
             self._files.setdefault(location, {})[name] = tensor
 
@@ -242,7 +280,11 @@ def _file_slots(items: list[WriteItem], tensors: dict[int, torch.Tensor], name: 
 def _new_file(tensor_bytes: int, values: dict[int, Any],
               allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
     """A shard file with room for `tensor_bytes` of tensors, then the pickled table of byte items and its length."""
-    table = pickle.dumps(values)
+    return _file_with_table(tensor_bytes, pickle.dumps(values), allocate)
+
+
+def _file_with_table(tensor_bytes: int, table: bytes,
+                     allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
     content = allocate(tensor_bytes + len(table) + 8)
     content[tensor_bytes:].copy_(_to_tensor(table + len(table).to_bytes(8, "little")))
     return content
@@ -303,9 +345,10 @@ class SnapshotWriter(StorageWriter):
     """DCP storage for a snapshot: each rank's two shard files (_RankFiles, each a _shard_file) in the process's
     store; the coordinator writes the metadata, naming for each item its slot and the replicas' slots. It keeps the
     items of each file this rank wrote, for the snapshots that reuse them (PeerSnapshots). `node_of`: each rank's
-    node; `copies`: on how many nodes a replicated item is kept (the buddy copies and the own one)."""
+    node; `copies`: on how many nodes a replicated item is kept (the buddy copies and the own one); None: an item
+    every rank holds is kept by every rank (its live state, PeerSnapshots' `live_state`), the rest is copied."""
 
-    def __init__(self, store: SnapshotStore, location: str, node_of: list[int], copies: int) -> None:
+    def __init__(self, store: SnapshotStore, location: str, node_of: list[int], copies: int | None) -> None:
         super().__init__()
         self._store, self._location, self._node_of, self._copies = store, location, node_of, copies
         self._local_items: list[WriteItem] = []
@@ -330,8 +373,13 @@ class SnapshotWriter(StorageWriter):
             for index, size in plan.storage_data.items():
                 holders.setdefault(index, []).append(rank)
                 sizes[index] = size
-        replicated = {index: ranks for index, ranks in holders.items() if len({self._node_of[rank] for rank in ranks}) > 1}
-        kept = _spread_replicas(replicated, sizes, self._node_of, self._copies)
+        if self._copies is None:
+            replicated = {index: ranks for index, ranks in holders.items() if len(ranks) == len(plans)}
+            kept = {rank: [index for index, ranks in replicated.items() if rank in ranks] for rank in range(len(plans))}
+        else:
+            replicated = {index: ranks for index, ranks in holders.items()
+                          if len({self._node_of[rank] for rank in ranks}) > 1}
+            kept = _spread_replicas(replicated, sizes, self._node_of, self._copies)
         return [dataclasses.replace(plan, storage_data=_RankFiles(
                     copied=[item.index for item in plan.items if item.index not in replicated], kept=kept[rank]))
                 for rank, plan in enumerate(plans)]
@@ -451,13 +499,13 @@ class _FileLayout:
 
     def copy_live(self, content: torch.Tensor, *, at_boundary: bool) -> None:
         """Copy the live items that change at the boundary (module buffers), or the rest, into file `content`."""
-        keys, sources = self._live_by_boundary[at_boundary]
+        keys, sources = self.live_by_boundary[at_boundary]
         if keys:
             views = self.slot_views(content)
             torch._foreach_copy_([views[key] for key in keys], sources)
 
     @cached_property
-    def _live_by_boundary(self) -> dict[bool, tuple[list[int], list[torch.Tensor]]]:
+    def live_by_boundary(self) -> dict[bool, tuple[list[int], list[torch.Tensor]]]:
         """Whether copied at the boundary -> those live items' positions and views (fixed for the layout)."""
         split: dict[bool, tuple[list[int], list[torch.Tensor]]] = {True: ([], []), False: ([], [])}
         for key, view in self.live.items():
@@ -481,6 +529,39 @@ class _Layout:
     @property
     def reusable(self) -> bool:
         return all(file.reusable for file in self.files)
+
+
+class _LiveFile:
+    """A rank's KEPT_HERE shard file of a snapshot whose items every rank holds live (PeerSnapshots' `live_state`):
+    not copied at its step but made from the live tensors when read, valid while they still hold the snapshot's step
+    (`owner.live_step`; the next optimizer step ends it). What the live tensors do not keep is taken at the step: the
+    byte items (the progress, the optimizer's hyperparameters), the step's own tensors, and the module buffers the
+    next forward may change."""
+
+    def __init__(self, owner: PeerSnapshots, step: int, file: _FileLayout, table: dict[int, Any],
+                 fresh: dict[int, torch.Tensor]) -> None:
+        self.owner, self._step, self._file, self._fresh = owner, step, file, fresh
+        self._table = pickle.dumps(table)
+        self._buffers = [source.clone() for source in file.live_by_boundary[True][1]]
+
+    def valid(self) -> bool:
+        return self.owner.live_step == self._step
+
+    def numel(self) -> int:
+        """The size of the file it makes, as SnapshotStore.names reports a held file's."""
+        return self._file.tensor_bytes + len(self._table) + 8
+
+    def materialize(self) -> torch.Tensor:
+        file = self._file
+        content = _file_with_table(file.tensor_bytes, self._table)
+        views = {key: _slot_view(content, slot) for key, slot in enumerate(file.slots) if slot.key is None}
+        for key, tensor in self._fresh.items():
+            views[key].copy_(tensor)
+        for at_boundary, sources in ((True, self._buffers), (False, file.live_by_boundary[False][1])):
+            keys = file.live_by_boundary[at_boundary][0]
+            if keys:
+                torch._foreach_copy_([views[key] for key in keys], sources)
+        return content
 
 
 def _state_fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> list[Any]:
@@ -585,16 +666,27 @@ def _make_layout(fingerprint: list[Any], fresh_fingerprint: list[Any], files: li
 
 class PeerSnapshots:
     """One group's snapshots: taken after every step, copied to `replicas` buddies. Collective to construct (it makes
-    the snapshots' gloo group)."""
+    the snapshots' gloo group).
+
+    With `live_state` (every rank holds the whole model and optimizer state, and the optimizer step runs no
+    collective: ddp), nothing of that state is copied at a step: a rank's live state is its snapshot of the step it
+    last completed. Before the optimizer step, `seal` sends every rank's own items of the coming step's snapshot (its
+    RNG states, rank 0's metric points) to every rank; after it, `after_update` names the live state the rest of that
+    snapshot. Whichever peer fails when, a survivor that completed the step holds the whole snapshot of its state,
+    and one that did not still holds the one before; the driver's choice then takes the newest (a step no one redoes).
+    A full DCP save (`take`) makes the layout after a change of structure, as without `live_state`."""
 
     def __init__(self, store: SnapshotStore, job_id: str, generation: int, replicas: int,
                  ranks_per_node: tuple[int, ...] | None, device: torch.device, *,
-                 model_parts: list[nn.Module], optimizers: list[Optimizer],
+                 model_parts: list[nn.Module], optimizers: list[Optimizer], live_state: bool = False,
                  report: Callable[[list[dict[str, int]]], None] | None = None, timeout: timedelta | None = None) -> None:
         """`report`: given on rank 0, called once with every rank's host-memory cost (host_memory_cost) when the
         snapshots reach their steady state (KEPT of them held). `timeout`: how long the snapshots' own group waits on
         a peer (None: as long as the default group does); gloo does not always report a peer that died mid-transfer,
         and a new group would otherwise wait torch's default half hour."""
+        self.live_state = live_state
+        self.live_step: int | None = None  # live_state: the step the live state is the snapshot of, if any
+        self._sealed: tuple[int, DefaultSavePlanner] | None = None  # live_state: the step sealed, its own values
         self._store, self._job_id, self._generation = store, job_id, generation
         self._model_parts, self._optimizers = model_parts, optimizers
         self._local_optimizers = [local_optimizer(optimizer) for optimizer in optimizers]  # this rank's part (zero1)
@@ -614,6 +706,7 @@ class PeerSnapshots:
         self._in_flight: Future | None = None
         self._layout: _Layout | None = None
         self._buffers = _FileBuffers()
+        self._gather = _FileGather(self.group)
 
     def structure_changed(self) -> bool:
         """Whether this rank's live state has left the structure of the group's layout (or there is none yet), as the
@@ -638,11 +731,13 @@ class PeerSnapshots:
             changed_anywhere = bool(vote.item())
         self.wait()
         ref = SnapshotRef(self._generation, step)
-        values = DefaultSavePlanner()  # flattens the step's own values as DCP does the whole state
-        values.set_up_planner(step_state(step, position, metrics))
-        fresh_fingerprint = _fresh_fingerprint(values.state_dict)
-        layout = self._layout
+        if self.live_state and not changed_anywhere:
+            raise RuntimeError(f"snapshot of step {step}: with live_state, only a change of structure takes a snapshot "
+                               "after the step (seal and after_update take the others)")
         if changed_anywhere:
+            own_values = DefaultSavePlanner()  # flattens the step's own values as DCP does the whole state
+            own_values.set_up_planner(step_state(step, position, metrics))
+            fresh_fingerprint = _fresh_fingerprint(own_values.state_dict)
             state = training_state(step, position, self._model_parts, self._optimizers, metrics=metrics)
             storages = _live_storages(self._model_parts, self._local_optimizers)
             sources = _param_group_sources(state["optimizer"], self._local_optimizers)
@@ -651,26 +746,75 @@ class PeerSnapshots:
             self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprint,
                                                     fresh_fingerprint, storages, sources)
             return
-        if layout is None or layout.fresh_fingerprint != fresh_fingerprint:
+        values, layout = self._step_values(step, position, metrics), self._layout
+        location, contents = snapshot_location(self._job_id, ref), []
+        for file in layout.files:
+            content = self._file_of_step(file, values, self._buffers.allocator(location, file.name))
+            file.copy_live(content, at_boundary=True)
+            contents.append(content)
+        self._in_flight = self._executor.submit(self._write_reusing, location, layout, contents)
+
+    def seal(self, step: int, position: DataPosition, metrics: str | None = None, *, changed_anywhere: bool) -> None:
+        """live_state, before the optimizer step that completes step `step` (collective): every rank's COPIED file
+        of snapshot `step` (its RNG states, rank 0's metric points) goes to every rank, in one all-gather; from here
+        the live state is no longer the last snapshot's. After a change of structure (`changed_anywhere`: the group's
+        vote of structure_changed before the step), nothing is gathered: a full save (`take`) follows the step."""
+        self.wait()
+        self._sealed = None
+        if not changed_anywhere:
+            values = self._step_values(step, position, metrics)
+            own = self._layout.files[COPIED]
+            location = snapshot_location(self._job_id, SnapshotRef(self._generation, step))
+            gathered = self._gather(self._file_of_step(own, values))
+            for rank, content in enumerate(gathered):
+                self._store.write(location, _shard_name(rank, COPIED), content)
+            self._store.write(location, METADATA_NAME, self._layout.metadata)
+            self._store.retain(self._job_id)
+            self._sealed = (step, values)
+            # The newest whole snapshot is the last step's (reported with what its seal sent), while the live state
+            # is still its.
+            self._count_written(snapshot_location(self._job_id, SnapshotRef(self._generation, self.live_step))
+                                if self.live_step is not None else location)
+            self.sent_bytes = gathered[self._rank].numel() * (self._world_size - 1)
+        self.live_step = None
+
+    def after_update(self, step: int) -> None:
+        """live_state, after the optimizer step that completed step `step` (local): the live state is the rest of
+        the snapshot `seal` began, while its structure is the layout's (else this rank holds no whole snapshot of
+        the step, and its vote makes the next one a full save)."""
+        sealed, self._sealed = self._sealed, None
+        if sealed is None or sealed[0] != step or self.structure_changed():
+            return
+        kept = self._layout.files[KEPT_HERE]
+        table, tensors = _items_of_step(kept, sealed[1], self._local_optimizers)
+        self._store.write(snapshot_location(self._job_id, SnapshotRef(self._generation, step)), kept.name,
+                          _LiveFile(self, step, kept, table, tensors))
+        self.live_step = step
+
+    def _step_values(self, step: int, position: DataPosition, metrics: str | None) -> DefaultSavePlanner:
+        """The step's own values (progress, RNG states, metric points), flattened as DCP does the whole state; they
+        must keep the layout's structure."""
+        values = DefaultSavePlanner()
+        values.set_up_planner(step_state(step, position, metrics))
+        layout = self._layout
+        if layout is None or layout.fresh_fingerprint != _fresh_fingerprint(values.state_dict):
             # A rank without a layout votes for a full save, and a rank's own values keep their structure within a
             # group: a change the group did not vote on cannot be met with a full save on this rank alone.
             raise RuntimeError(f"snapshot of step {step}: this rank's progress, RNG or metric items changed structure "
                                "without the group's vote")
-        location, contents = snapshot_location(self._job_id, ref), []
-        for file in layout.files:
-            items = file.items
-            table = {key: values.lookup_object(items[key].index) for key in file.fresh
-                     if items[key].type == WriteItemType.BYTE_IO}
-            table.update((key, self._local_optimizers[index].param_groups[group][name])
-                         for key, (index, group, name) in file.param_groups.items())
-            content = _new_file(file.tensor_bytes, table, self._buffers.allocator(location, file.name))
+        return values
+
+    def _file_of_step(self, file: _FileLayout, values: DefaultSavePlanner,
+                      allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
+        """Shard file `file` of a step with its byte items and the step's own tensors filled in (not yet the live
+        state's)."""
+        table, tensors = _items_of_step(file, values, self._local_optimizers)
+        content = _new_file(file.tensor_bytes, table, allocate)
+        if tensors:
             views = file.slot_views(content)
-            for key in file.fresh:
-                if items[key].type != WriteItemType.BYTE_IO:
-                    views[key].copy_(values.lookup_object(items[key].index))
-            file.copy_live(content, at_boundary=True)
-            contents.append(content)
-        self._in_flight = self._executor.submit(self._write_reusing, location, layout, contents)
+            for key, tensor in tensors.items():
+                views[key].copy_(tensor)
+        return content
 
     def before_state_changes(self) -> None:
         """Before the optimizer changes the state, the previous step's snapshot must be whole in peers' memory (not
@@ -683,6 +827,11 @@ class PeerSnapshots:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()
 
+    def hold_copies_of_live(self) -> None:
+        """live_state, once this group's training ended (a stop, a failure): its snapshots' live files become copies
+        in host memory, independent of this group's model (SnapshotStore.hold_copies_of_live)."""
+        self._store.hold_copies_of_live(self)
+
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
@@ -694,12 +843,17 @@ class PeerSnapshots:
                           param_group_sources: dict[str, tuple[int, int, str]]) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        writer = SnapshotWriter(self._store, location, self._node_of, copies=len(self._shifts) + 1)
+        writer = SnapshotWriter(self._store, location, self._node_of,
+                                copies=None if self.live_state else len(self._shifts) + 1)
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
-        self._layout = _make_layout(fingerprint, fresh_fingerprint, writer.files, metadata[0], live_state, storages,
-                                    param_group_sources)
+        layout = _make_layout(fingerprint, fresh_fingerprint, writer.files, metadata[0], live_state, storages,
+                              param_group_sources)
+        if self.live_state and (layout.files[COPIED].live or layout.files[COPIED].param_groups):
+            raise RuntimeError("in-memory snapshots of live state: this rank alone holds part of the model or optimizer "
+                               "state, which only copies protect (the strategy's state is not replicated)")
+        self._layout = layout
         self.layouts_made += 1
         self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
 
@@ -723,25 +877,78 @@ class PeerSnapshots:
                                                         self.group, self._buffers.allocator(location, name)))
         self._store.retain(self._job_id)
         self._buffers.release({snapshot_location(self._job_id, ref) for ref in self._store.snapshots(self._job_id)})
+        if not self.live_state:  # with live_state, the steady state's snapshots are the sealed ones (seal counts them)
+            self._count_written(location)
+
+    def _count_written(self, latest: str) -> None:
+        """One more snapshot complete, the newest at `latest`; the KEPT-th gathers every rank's cost for `report`
+        (collective: every rank writes the same snapshots)."""
         self._written += 1
         if self._written == KEPT:
             costs: list[Any] = [None] * self._world_size
-            dist.all_gather_object(costs, self.host_memory_cost(location), group=self.group)
+            dist.all_gather_object(costs, self.host_memory_cost(latest), group=self.group)
             if self._report is not None:
                 self._report(costs)
 
     def host_memory_cost(self, latest: str) -> dict[str, int]:
         """This rank's host memory for snapshots: every file it holds (its own and its buddies' shards, of each
         snapshot kept) and, at steady state, the buffers of one more snapshot (_FileBuffers: the next one is written
-        before the oldest is let go); per snapshot what it wrote itself and what it sent to buddies, and how many of
-        its snapshots so far were full DCP saves (the rest reused their layout)."""
-        names = self._store.names(latest)
-        held = sum(sum(self._store.names(snapshot_location(self._job_id, ref)).values())
-                   for ref in self._store.snapshots(self._job_id)) + sum(names.values())
-        own = sum(names.get(_shard_name(self._rank, part), 0) for part in (COPIED, KEPT_HERE))
-        return {"rank": self._rank, "held_bytes": held, "own_bytes_per_snapshot": own,
+        before the oldest is let go); per snapshot the size of its own files (`live_bytes_per_snapshot` of them made
+        from the live state when read, not copied at the step: live_state), what of them it copied for peers and
+        what it sent them, and how many of its snapshots so far were full DCP saves (the rest reused their layout)."""
+        names, live = self._store.names(latest), self._store.live_names(latest)
+        copies = [{name: size for name, size in self._store.names(location).items()
+                   if name not in self._store.live_names(location)}
+                  for location in [snapshot_location(self._job_id, ref) for ref in self._store.snapshots(self._job_id)]]
+        spare_buffers = 0 if self.live_state else sum(names.values())
+        own = [_shard_name(self._rank, part) for part in (COPIED, KEPT_HERE)]
+        return {"rank": self._rank, "held_bytes": sum(sum(held.values()) for held in copies) + spare_buffers,
+                "own_bytes_per_snapshot": sum(names.get(name, 0) for name in own),
+                "live_bytes_per_snapshot": sum(live.get(name, 0) for name in own),
                 "copied_bytes_per_snapshot": names.get(_shard_name(self._rank, COPIED), 0),
                 "sent_bytes_per_snapshot": self.sent_bytes, "full_saves": self.layouts_made}
+
+
+def _items_of_step(file: _FileLayout, values: DefaultSavePlanner,
+                   optimizers: list[Optimizer]) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+    """What of shard file `file` a step gives besides the live tensors: its byte items (the step's own values and the
+    optimizers' hyperparameters), by position, and the step's own tensors (RNG states), by position."""
+    items = file.items
+    table = {key: values.lookup_object(items[key].index) for key in file.fresh if items[key].type == WriteItemType.BYTE_IO}
+    table.update((key, optimizers[index].param_groups[group][name])
+                 for key, (index, group, name) in file.param_groups.items())
+    tensors = {key: values.lookup_object(items[key].index) for key in file.fresh
+               if items[key].type != WriteItemType.BYTE_IO}
+    return table, tensors
+
+
+class _FileGather:
+    """Every rank's byte tensor (a shard file of a few KB, of a size that varies a little between steps), on every
+    rank, in one all-gather: each sends its size and its content in a slot of a capacity the group agreed on. A
+    content that does not fit is sent again, by every rank, in a slot grown to fit (with room to spare)."""
+
+    HEADER, SPARE, ROUND = 8, 1.25, 4096
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self._capacity = 0  # the same on every rank: it follows from what every rank gathered
+
+    def __call__(self, content: torch.Tensor) -> list[torch.Tensor]:
+        gathered = self._gather(content)
+        sizes = [int.from_bytes(slot[:self.HEADER].numpy().tobytes(), "little") for slot in gathered]
+        if max(sizes) > self._capacity:
+            self._capacity = math.ceil(max(sizes) * self.SPARE / self.ROUND) * self.ROUND
+            gathered = self._gather(content)
+        return [slot[self.HEADER:self.HEADER + size] for slot, size in zip(gathered, sizes, strict=True)]
+
+    def _gather(self, content: torch.Tensor) -> list[torch.Tensor]:
+        slot = torch.zeros(self.HEADER + self._capacity, dtype=torch.uint8)
+        slot[:self.HEADER] = _to_tensor(content.numel().to_bytes(self.HEADER, "little"))
+        if content.numel() <= self._capacity:
+            slot[self.HEADER:self.HEADER + content.numel()] = content
+        gathered = [torch.empty_like(slot) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(gathered, slot, group=self._group)
+        return gathered
 
 
 def _default_group_timeout(device: torch.device) -> timedelta | None:

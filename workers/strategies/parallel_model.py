@@ -74,6 +74,9 @@ class ParallelModel:
     stages: list[PipelineStage] = field(default_factory=list)
     # Pipeline only: parameters the unsplit model shares between stages (tied embeddings), a copy on each holder.
     tied: list = field(default_factory=list)  # of pipeline.TiedAcrossStages
+    # Every rank holds the whole model and optimizer state, and the optimizer step runs no collective (ddp): a rank's
+    # live state is a copy of every peer's, which in-memory snapshots need not copy again (PeerSnapshots.live_state).
+    state_replicated: bool = False
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

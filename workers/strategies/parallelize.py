@@ -51,8 +51,9 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
                   for part in parts]
     first_tp_rank = setup.mesh.get_local_rank("tp") == 0
     if not pipelined:
+        replicated = entry.data_parallel == "ddp" and not entry.shards_optimizer and dims.tp == 1
         return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=first_tp_rank,
-                             accumulate_locally=local_accumulation(parts[0]))
+                             accumulate_locally=local_accumulation(parts[0]), state_replicated=replicated)
     # The schedule runs a step's micro-batches itself; each of its backward passes syncs.
     schedule, stages = build_schedule(parts, indices, bundle, setup)
     return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=stages[-1].is_last and first_tp_rank,

@@ -99,12 +99,19 @@ class OptimizerStep:
         self._counted_here = [parameter for parameter in self._parameters if id(parameter) not in elsewhere]
         self.grad_norm: torch.Tensor | None = None  # of the last step, before clipping
 
-    def step(self, completed_steps: int) -> float:
-        """Update the parameters from their gradients for step ``completed_steps + 1``; returns the learning rate."""
+    def clip(self) -> None:
+        """The step's first half: the gradients' global norm (``grad_norm``), and clipping to it."""
         self.grad_norm = global_grad_norm(self._counted_here, self._pipeline_group)
         if self._grad_clip is not None:
             clip_gradients(self._parameters, self._grad_clip, self.grad_norm)
-        lr = self._base_lr * self._lr_factor(completed_steps)
+
+    def lr(self, completed_steps: int) -> float:
+        return self._base_lr * self._lr_factor(completed_steps)
+
+    def update(self, completed_steps: int) -> float:
+        """The step's second half, after ``clip``: the optimizers' update for step ``completed_steps + 1`` at the
+        schedule's learning rate, which it returns."""
+        lr = self.lr(completed_steps)
         for optimizer in self._optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr

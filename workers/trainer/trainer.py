@@ -67,7 +67,7 @@ class Trainer:
         replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
         self._snapshots = None if replicas is None or ctx.snapshot_store is None else PeerSnapshots(
             ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device,
-            model_parts=self.parallel.parts, optimizers=self.parallel.optimizers,
+            model_parts=self.parallel.parts, optimizers=self.parallel.optimizers, live_state=self.parallel.state_replicated,
             report=self._report_snapshot_cost if ctx.rank == 0 else None)
         self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
                                     keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None)
@@ -103,12 +103,18 @@ class Trainer:
             pin_memory=ctx.device.type == "cuda", num_workers=_data_workers(spec))
         try:
             result = self._train_from_restored()
+        except BaseException:
+            if self._snapshots is not None and self._snapshots.live_state:
+                self._snapshots.hold_copies_of_live()  # the next group restores from them, with a model of its own
+            raise
         finally:
             self._stream.close()
         if self._snapshots is not None:
             self._snapshots.close()  # the last snapshot (of a stop's step) is complete for the next group to use
             if not result.stopped:
                 self.ctx.snapshot_store.drop(self.ctx.job_id)
+            elif self._snapshots.live_state:
+                self._snapshots.hold_copies_of_live()
         return result
 
     def _train_from_restored(self) -> TrainResult:
@@ -120,9 +126,9 @@ class Trainer:
         while self.step < spec.train.steps and not stopped:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
-            if self._snapshots is not None and self.step < spec.train.steps:
+            if self._snapshot_due():
                 self._snapshots.take(self.step, self._stream.position,
-                                     metrics=self._metrics.for_checkpoint_json() if self.ctx.rank == 0 else None,
+                                     metrics=self._metrics_for_snapshot(),
                                      changed_anywhere=self._snapshot_structure_changed)
             if self._evaluation_due():
                 self._validate()
@@ -167,16 +173,38 @@ class Trainer:
             tied.sync_gradients()
         if self.ctx.sink.stop_requested():
             stop_votes.fill_(1.0)
+        self._optimizer.clip()
         if self._snapshots is None:
             reduction = dist.all_reduce(self._step_stats, async_op=True)  # overlaps the optimizer step
-            lr = self._update()
+            lr = self._update(self.step)
             reduction.wait()
+        elif self._snapshots.live_state:
+            return self._update_into_live_snapshot(started, sample_ids)
         else:
             # The snapshot after this step needs the group's vote on whether the state left its structure, which the
             # optimizer step settles: the step's one all-reduce carries the vote, after the step.
-            lr = self._update()
+            lr = self._update(self.step)
             self._step_stats[2] = float(self._snapshots.structure_changed())
             dist.all_reduce(self._step_stats)
+        return self._close_step(started, lr, sample_ids)
+
+    def _update_into_live_snapshot(self, started: float, sample_ids: list[int]) -> bool:
+        """The step's end when snapshots take the live state (PeerSnapshots.live_state): the step's all-reduce comes
+        before the update, with the vote on the state's structure as the last update left it, so rank 0's metric
+        point of this step is in what `seal` sends every rank; the update then makes the live state the rest of
+        this step's snapshot. The step time of the point so ends before the update."""
+        self._step_stats[2] = float(self._snapshots.structure_changed())
+        dist.all_reduce(self._step_stats)
+        stop = self._close_step(started, self._optimizer.lr(self.step), sample_ids)
+        self._snapshots.seal(self.step, self._stream.position, self._metrics_for_snapshot(),
+                             changed_anywhere=self._snapshot_structure_changed)
+        self._update(self.step - 1)
+        self._snapshots.after_update(self.step)
+        return stop
+
+    def _close_step(self, started: float, lr: float, sample_ids: list[int]) -> bool:
+        """Count the step: its loss and votes from the step's all-reduce, its samples in the audit, rank 0's metric
+        point. True: the driver asked the group to stop after it (and it was not the last step)."""
         summed_loss, votes, *structure_votes = self._step_stats.tolist()
         self._snapshot_structure_changed = bool(structure_votes and structure_votes[0])
         step_time = time.perf_counter() - started
@@ -191,14 +219,26 @@ class Trainer:
                 world_size=self.ctx.world_size))
         return votes > 0 and self.step < self.spec.train.steps
 
-    def _update(self) -> float:
-        """The optimizer step (this rank's memory reported after its first); returns the learning rate."""
-        lr = self._optimizer.step(self.step)
+    def _update(self, completed_steps: int) -> float:
+        """The optimizer update after the gradients' clipping (this rank's memory reported after its first); returns
+        the learning rate."""
+        lr = self._optimizer.update(completed_steps)
         if not self._memory_reported:
             self.ctx.sink.memory(measure_rank_memory(self.ctx.rank, self.parallel, self._dims, self._parameter_count))
             self._memory_reported = True
         self._optimizer.zero_grad()
         return lr
+
+    def _snapshot_due(self) -> bool:
+        """Whether a snapshot is taken after the step just done: after every step but the last, or with snapshots of
+        live state only after a change of structure (a full save; seal and after_update took the others)."""
+        snapshots = self._snapshots
+        if snapshots is None or self.step >= self.spec.train.steps:
+            return False
+        return not snapshots.live_state or self._snapshot_structure_changed
+
+    def _metrics_for_snapshot(self) -> str | None:
+        return self._metrics.for_checkpoint_json() if self.ctx.rank == 0 else None
 
     def _report_snapshot_cost(self, costs: list[dict[str, int]]) -> None:
         most = max(costs, key=lambda cost: cost["held_bytes"])
