@@ -1,7 +1,7 @@
 """Checkpoint cost (issue 4's benchmark; not a timed test): training stall of an asynchronous save vs
 the time of a synchronous save of the same state, and restore throughput.
 
-tiny-gpt (dim 256, 6 layers by default) trained with DDP on 2 local gloo ranks (one intra-op thread
+tiny-gpt (dim 256, 6 layers by default) trained with DDP (``--strategy``) on 2 local gloo ranks (one intra-op thread
 each), a checkpoint every ``--every`` steps. Each run's rank 0 records the wall time between
 consecutive step metrics; a save happens between two metrics, so:
 
@@ -27,7 +27,7 @@ only after a failure) and those it sends its peers come from the trainer's own r
 resumed twice, from peers' memory and from its durable checkpoint of the same step, and their restore throughputs
 are compared.
 
-    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40 --world-size 2]
+    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40 --world-size 2 --strategy ddp]
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def _spec(args: argparse.Namespace, steps: int):
     return JobSpec(
         name="bench-checkpoint",
         model="tiny-gpt",
+        strategy=args.strategy,
+        parallel={"shard": "zero3"} if args.strategy == "fsdp" else {},
         model_options={"n_layers": args.layers, "dim": args.dim, "n_heads": 8, "seq_len": 64, "max_corpus_bytes": 262_144},
         workers={"min": args.world_size, "max": args.world_size},
         train={"steps": steps, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // args.world_size,
@@ -218,7 +220,8 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
     storage = raw["restore_storage"][0]
     snapshot_bytes = sum(cost["own_bytes_per_snapshot"] for cost in costs)
     return {
-        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": args.world_size, "rounds": args.rounds,
+        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "strategy": args.strategy,
+        "world_size": args.world_size, "rounds": args.rounds,
         "step_s_snapshots_off": [round(value, 4) for value in raw["off"]],
         "step_s_snapshots_on": [round(value, 4) for value in raw["on"]],
         "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
@@ -248,6 +251,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--snapshots", action="store_true", help="measure in-memory snapshots instead")
     parser.add_argument("--rounds", type=int, default=3, help="--snapshots: rounds of off and on")
+    parser.add_argument("--strategy", choices=("ddp", "zero1", "fsdp"), default="ddp",
+                        help="ddp (its replicated state is snapshotted live), zero1 or fsdp zero3 (shards copied to a buddy)")
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 4, 8, 16),
                         help="ranks (local gloo processes; with --snapshots, one per node)")
     args = parser.parse_args()
