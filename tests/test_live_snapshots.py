@@ -5,18 +5,21 @@ taken for a node, following the trainer's order: vote, seal, optimizer step, aft
 At step 4 every rank seals; rank 0 completes the optimizer step; rank 1 is left as a rank whose all-gather broke off
 when its peer died (its store without step 4's files, its live state still step 3's); rank 2 dies. Between the seal
 and the end of the update, a rank's live state is no snapshot at all: it holds none of it. Once a group's training
-ends, its live files become copies held in host memory."""
+ends, its live files become copies held in host memory. A rank lost during the seal's all-gather leaves the others
+nothing of the new step and their last step whole."""
 
 from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import ringmaster.workers.memory_snapshots as memory_snapshots
 from harness.ports import free_port
 from harness.process_group import run_on_ranks
 from ringmaster.workers.data.stream import DataPosition
@@ -126,3 +129,51 @@ def test_survivors_a_step_apart_continue_from_the_newer_step(tmp_path: Path) -> 
     # Each rank's own RNG state of step 4 came back to it (rank 1's from rank 0, which the seal sent it).
     assert first["rng_restored"] == first["rng_at_split"]
     assert second["rng_restored"] == second["rng_at_split"]
+
+
+def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(0)
+    model, optimizer = _model()
+    store = SnapshotStore()
+    snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
+                              optimizers=[optimizer], live_state=True, timeout=timedelta(seconds=15))
+
+    def step(number: int) -> None:
+        model(torch.ones(4, 8)).sum().backward()
+        changed = snapshots.structure_changed()  # alike on every rank here: no vote needed
+        snapshots.seal(number, DataPosition(0, 4 * number), changed_anywhere=changed)
+        optimizer.step()
+        optimizer.zero_grad()
+        snapshots.after_update(number)
+        if changed:
+            snapshots.take(number, DataPosition(0, 4 * number), changed_anywhere=True)
+
+    for number in range(1, SPLIT_AT):
+        step(number)
+    snapshots.wait()
+    if rank == DEAD:
+        memory_snapshots._FileGather.__call__ = lambda gather, content: os._exit(0)
+    try:
+        step(SPLIT_AT)
+        outcome = "completed"
+    except Exception as error:  # the all-gather broke off with its peer
+        outcome = type(error).__name__
+    held = {str(number): store.names(snapshot_location(JOB, SnapshotRef(1, number))) for number in (SPLIT_AT - 1, SPLIT_AT)}
+    Path(root, f"survivor-{rank}.json").write_text(json.dumps(
+        {"outcome": outcome, "held": held, "live_step": snapshots.live_step, "inventory": store.inventory(JOB)}))
+    os._exit(0)  # the group has a dead member: leave without its teardown
+
+
+def test_a_rank_lost_in_the_seal_leaves_the_last_step_whole(tmp_path: Path) -> None:
+    """A rank dies as the others gather step 4's own values: they hold nothing of step 4 and never update, and their
+    live state is still step 3's whole snapshot, the one chosen."""
+    run_on_ranks(_die_in_the_gather, 3, str(tmp_path))
+    survivors = [json.loads((tmp_path / f"survivor-{rank}.json").read_text()) for rank in (0, 1)]
+    assert not (tmp_path / f"survivor-{DEAD}.json").exists()
+    for rank, survivor in enumerate(survivors):
+        assert survivor["outcome"] != "completed"
+        assert survivor["held"][str(SPLIT_AT)] == {}
+        assert survivor["live_step"] == SPLIT_AT - 1
+        assert f"__{rank}_1.distcp" in survivor["held"][str(SPLIT_AT - 1)]
+    choice = choose_snapshot([survivor["inventory"] for survivor in survivors])
+    assert (choice.chosen, choice.why_not) == ({"generation": 1, "step": SPLIT_AT - 1}, None)
