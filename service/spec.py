@@ -158,7 +158,9 @@ class InMemorySpec(_Strict):
 
     enabled: bool = Field(default=True, description="false: recover from the newest durable checkpoint only.")
     replicas: int = Field(default=1, ge=0, le=3, description="Copies of each rank's state held by ranks on other "
-                          "nodes (0: only the rank's own, which covers the loss of other ranks only).")
+                          "nodes (0: only the rank's own, which covers the loss of other ranks only). ddp copies "
+                          "none: every rank's live state is the whole of it, and each rank's own few values (RNG, "
+                          "metric points) go to every rank.")
 
 
 class CheckpointSpec(_Strict):
