@@ -40,6 +40,29 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[floa
     return [tensor.flatten().tolist() for tensor in tensors]
 
 
+def _seal(snapshots: PeerSnapshots, model: nn.Module, step: int, rank: int, world_size: int) -> bool:
+    """A step up to its update, in the trainer's order: gradients averaged as DDP does, the group's vote on the
+    state's structure, the seal. Returns the vote."""
+    torch.manual_seed(100 * step + rank)  # each rank's own RNG stream: its state is the rank's own value
+    model(torch.randn(4, 8)).square().sum().backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+        parameter.grad /= world_size
+    vote = torch.tensor([float(snapshots.structure_changed())])
+    dist.all_reduce(vote)
+    changed = bool(vote.item())
+    snapshots.seal(step, DataPosition(0, 4 * step), changed_anywhere=changed)
+    return changed
+
+
+def _update(snapshots: PeerSnapshots, optimizer: torch.optim.Optimizer, step: int, changed: bool) -> None:
+    optimizer.step()
+    optimizer.zero_grad()
+    snapshots.after_update(step)
+    if changed:
+        snapshots.take(step, DataPosition(0, 4 * step), changed_anywhere=True)
+
+
 def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> None:
     torch.manual_seed(0)
     model, optimizer = _model()
@@ -48,35 +71,16 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
                               optimizers=[optimizer], live_state=True)
     result: dict = {}
 
-    def gradients(step: int) -> bool:
-        torch.manual_seed(100 * step + rank)  # each rank's own RNG stream: its state is the rank's own value
-        model(torch.randn(4, 8)).square().sum().backward()
-        for parameter in model.parameters():  # as DDP does
-            dist.all_reduce(parameter.grad)
-            parameter.grad /= world_size
-        vote = torch.tensor([float(snapshots.structure_changed())])
-        dist.all_reduce(vote)
-        changed = bool(vote.item())
-        snapshots.seal(step, DataPosition(0, 4 * step), changed_anywhere=changed)
-        return changed
-
-    def update(step: int, changed: bool) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
-        snapshots.after_update(step)
-        if changed:
-            snapshots.take(step, DataPosition(0, 4 * step), changed_anywhere=True)
-
     for step in range(1, SPLIT_AT):
-        update(step, gradients(step))
+        _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
     snapshots.wait()
     before = snapshot_location(JOB, SnapshotRef(1, SPLIT_AT - 1))
     result["held_before_seal"] = sorted(store.names(before))
-    changed = gradients(SPLIT_AT)
+    changed = _seal(snapshots, model, SPLIT_AT, rank, world_size)
     result["rng_at_split"] = torch.get_rng_state().tolist()
     result["held_after_seal"] = sorted(store.names(before))
     if rank == 0:
-        update(SPLIT_AT, changed)
+        _update(snapshots, optimizer, SPLIT_AT, changed)
         result["live_at_split"] = _state(model, optimizer)
     elif rank == 1:
         # The all-gather broke off here: nothing of step 4 arrived and the live state is still step 3's.
@@ -138,27 +142,17 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
     snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
                               optimizers=[optimizer], live_state=True, timeout=timedelta(seconds=15))
 
-    def step(number: int) -> None:
-        model(torch.ones(4, 8)).sum().backward()
-        changed = snapshots.structure_changed()  # alike on every rank here: no vote needed
-        snapshots.seal(number, DataPosition(0, 4 * number), changed_anywhere=changed)
-        optimizer.step()
-        optimizer.zero_grad()
-        snapshots.after_update(number)
-        if changed:
-            snapshots.take(number, DataPosition(0, 4 * number), changed_anywhere=True)
-
-    for number in range(1, SPLIT_AT):
-        step(number)
+    for step in range(1, SPLIT_AT):
+        _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
     snapshots.wait()
     if rank == DEAD:
         memory_snapshots._FileGather.__call__ = lambda gather, content: os._exit(0)
     try:
-        step(SPLIT_AT)
+        _update(snapshots, optimizer, SPLIT_AT, _seal(snapshots, model, SPLIT_AT, rank, world_size))
         outcome = "completed"
     except Exception as error:  # the all-gather broke off with its peer
         outcome = type(error).__name__
-    held = {str(number): store.names(snapshot_location(JOB, SnapshotRef(1, number))) for number in (SPLIT_AT - 1, SPLIT_AT)}
+    held = {str(step): store.names(snapshot_location(JOB, SnapshotRef(1, step))) for step in (SPLIT_AT - 1, SPLIT_AT)}
     Path(root, f"survivor-{rank}.json").write_text(json.dumps(
         {"outcome": outcome, "held": held, "live_step": snapshots.live_step, "inventory": store.inventory(JOB)}))
     os._exit(0)  # the group has a dead member: leave without its teardown

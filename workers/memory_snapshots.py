@@ -105,10 +105,13 @@ class SnapshotStore:
 
     def names(self, location: str) -> dict[str, int]:
         """File name -> size of what this process holds of one snapshot."""
+        return {name: content.numel() for name, content in self._held(location).items()}
+
+    def _held(self, location: str) -> dict[str, torch.Tensor | _LiveFile]:
+        """The files of a snapshot held now: copies, and live files while they are valid."""
         with self._lock:
             files = dict(self._files.get(location, {}))
-        return {name: content.numel() for name, content in files.items()
-                if not isinstance(content, _LiveFile) or content.valid()}
+        return {name: content for name, content in files.items() if not isinstance(content, _LiveFile) or content.valid()}
 
     def hold_copies_of_live(self, owner: PeerSnapshots) -> None:
         """Make `owner`'s live files copies held here (those still valid; the rest go): its group's training ended,
@@ -129,10 +132,7 @@ class SnapshotStore:
 
     def live_names(self, location: str) -> dict[str, int]:
         """Of `names`, the files made from the live state when read (_LiveFile), not held as copies."""
-        with self._lock:
-            files = dict(self._files.get(location, {}))
-        return {name: content.numel() for name, content in files.items()
-                if isinstance(content, _LiveFile) and content.valid()}
+        return {name: content.numel() for name, content in self._held(location).items() if isinstance(content, _LiveFile)}
 
     def read(self, location: str, name: str) -> torch.Tensor:
         with self._lock:
@@ -687,6 +687,7 @@ class PeerSnapshots:
         self.live_state = live_state
         self.live_step: int | None = None  # live_state: the step the live state is the snapshot of, if any
         self._sealed: tuple[int, DefaultSavePlanner] | None = None  # live_state: the step sealed, its own values
+        self._matched_since_update: _Layout | None = None  # live_state: the layout the last update left intact
         self._store, self._job_id, self._generation = store, job_id, generation
         self._model_parts, self._optimizers = model_parts, optimizers
         self._local_optimizers = [local_optimizer(optimizer) for optimizer in optimizers]  # this rank's part (zero1)
@@ -714,6 +715,8 @@ class PeerSnapshots:
         snapshot finishes first (it may be the full save that makes the layout)."""
         self.wait()
         layout = self._layout
+        if layout is not None and layout is self._matched_since_update:
+            return False  # live_state: after_update found this structure, and no update has run since
         return (layout is None or not layout.reusable
                 or layout.fingerprint != _state_fingerprint(self._model_parts, self._local_optimizers))
 
@@ -760,7 +763,7 @@ class PeerSnapshots:
         the live state is no longer the last snapshot's. After a change of structure (`changed_anywhere`: the group's
         vote of structure_changed before the step), nothing is gathered: a full save (`take`) follows the step."""
         self.wait()
-        self._sealed = None
+        self._sealed, self._matched_since_update = None, None
         if not changed_anywhere:
             values = self._step_values(step, position, metrics)
             own = self._layout.files[COPIED]
@@ -785,6 +788,7 @@ class PeerSnapshots:
         sealed, self._sealed = self._sealed, None
         if sealed is None or sealed[0] != step or self.structure_changed():
             return
+        self._matched_since_update = self._layout
         kept = self._layout.files[KEPT_HERE]
         table, tensors = _items_of_step(kept, sealed[1], self._local_optimizers)
         self._store.write(snapshot_location(self._job_id, SnapshotRef(self._generation, step)), kept.name,
