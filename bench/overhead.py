@@ -6,8 +6,10 @@
 (b) trains it with bench/bare_torchrun.py under torchrun, beside the same idle Ray cluster and
 control plane;
 (c) runs the same bare_torchrun.py loop inside plain Ray actors (threaded, as ringmaster's workers are) on that
-cluster: what hosting the ranks in Ray worker processes costs by itself, with no ringmaster code in the way.
-Each round runs b, c, then a, back to back, so the machine's slow spells (which move either by ±15% here) hit
+cluster: what hosting the ranks in Ray worker processes costs by itself, with no ringmaster code in the way;
+(d) has the same actors run the loop in a child process each (a plain Python process, as torchrun's ranks are):
+what a rank would gain if its actor only supervised the process that trains.
+Each round runs b, c, d, then a, back to back, so the machine's slow spells (which move either by ±15% here) hit
 them alike. Prints steady-state steps/s of each (wall clock between
 step ends, first --skip-steps left out), each round's ratio a/b and their median (goal ≥ 0.97),
 and submit-to-first-step time on a warm cluster (goal ≤ 5 s): one whose warm pool
@@ -132,6 +134,15 @@ class BareRank:
         sys.path.insert(0, str(REPO))
         import bench.bare_torchrun  # noqa: F401 — torch and transformers imported before the first round
 
+    def run_in_child(self, argv: list[str], env: dict[str, str]) -> str:
+        """The loop in a child process of this actor, with the actor's environment and import path."""
+        child_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)}
+        result = subprocess.run([sys.executable, str(REPO / "bench" / "bare_torchrun.py"), *argv], env=child_env,
+                                capture_output=True, text=True, cwd=REPO)
+        if result.returncode != 0:
+            raise RuntimeError(f"bare loop in a child process failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        return result.stdout
+
     def run(self, argv: list[str], env: dict[str, str]) -> str:
         from bench import bare_torchrun
 
@@ -143,12 +154,14 @@ class BareRank:
         return out.getvalue()
 
 
-def bare_in_ray_actors(args: argparse.Namespace, ranks: list) -> float:
-    """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker)."""
+def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = False) -> float:
+    """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker): in the actors'
+    own processes, or (`in_child`) in a child process of each."""
     argv = ["--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
             "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
     meeting = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(ranks))}
-    outputs = ray.get([rank.run.remote(argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)})
+    outputs = ray.get([(rank.run_in_child if in_child else rank.run).remote(
+                           argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)})
                        for index, rank in enumerate(ranks)])
     return json.loads(outputs[0].strip().splitlines()[-1])["steps_per_s_steady"]
 
@@ -286,6 +299,7 @@ def main() -> None:
         raise SystemExit("--code-only needs --code DIR")
     bare, managed, ratios, first_step, code_pooled, code_cold = [], [], [], [], [], []
     in_ray: list[float] = []  # bare_torchrun.py's loop in plain Ray actors
+    in_child: list[float] = []  # the same loop in a child process of each of those actors
     bare_cpu: list[CpuPerStep] = []
     managed_cpu: list[CpuPerStep] = []
     idle: list[Cpu] = []
@@ -309,6 +323,7 @@ def main() -> None:
                     bare.append(bare_rate)
                     bare_cpu.append(bare_cpu_now)
                     in_ray.append(bare_in_ray_actors(args, bare_ranks))
+                    in_child.append(bare_in_ray_actors(args, bare_ranks, in_child=True))
                     steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
                     managed.append(steady)
                     managed_cpu.append(cpu)
@@ -317,7 +332,9 @@ def main() -> None:
                     print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
                           f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
                     print(f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
-                          f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}", flush=True)
+                          f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}; in a child "
+                          f"process of each actor {in_child[-1]:.2f} steps/s ({in_child[-1] / bare[-1]:.3f} of torchrun, "
+                          f"{in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)", flush=True)
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
                 if code_pool is not None:
                     pooled, cold = code_round(client, args, round_index, code_pool)
@@ -334,6 +351,8 @@ def main() -> None:
             "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
             "bare_in_ray_actors_over_torchrun": round(statistics.median(x / y for x, y in zip(in_ray, bare)), 3),
             "ringmaster_over_bare_in_ray_actors": round(statistics.median(x / y for x, y in zip(managed, in_ray)), 3),
+            "bare_in_child_of_actor_over_torchrun": round(statistics.median(x / y for x, y in zip(in_child, bare)), 3),
+            "bare_in_child_of_actor_over_in_actor": round(statistics.median(x / y for x, y in zip(in_child, in_ray)), 3),
             "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
             **_cpu_summary(bare_cpu, managed_cpu, idle)})
     if code_pooled:
