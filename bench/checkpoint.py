@@ -23,7 +23,10 @@ With ``--snapshots``, the cost of in-memory snapshots (checkpoint.in_memory) ins
 for a node (``--world-size``, 2 by default): rounds alternate between snapshots off and on (one buddy copy), side by
 side, and compare their median step time (steady state: the first 3 steps left out). The bytes each rank copies into
 its own snapshot files per step, those its snapshot takes from the live state instead (ddp's replicated state: read
-only after a failure) and those it sends its peers come from the trainer's own report. Then a run stopped mid-way is
+only after a failure) and those it sends its peers come from the trainer's own report. Rank 0's CPU seconds per step
+over the same steps, of its whole process and of its training thread alone, give the snapshots' cost with far less of
+the noise of a shared machine's wall clock (its extra CPU with snapshots on, as a share of the step time with them
+off: on 2 busy cores, what the step loses). Then a run stopped mid-way is
 resumed twice, from peers' memory and from its durable checkpoint of the same step, and their restore throughputs
 are compared.
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -162,6 +166,11 @@ def _snapshot_spec(args: argparse.Namespace, steps: int, snapshots: bool, every_
     return spec.model_validate({**spec.model_dump(), "checkpoint": checkpoint})
 
 
+def _cpu_s(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
@@ -174,13 +183,14 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
 
     def train(job: str, spec, stop_after: int | None = None, resume: SnapshotRef | None = None, generation: int = 1,
               storage: str | None = None):
-        walls, events, recorded = [], [], []
+        walls, events, recorded, cpu = [], [], [], []
         calls = iter(range(1, 10**9))
 
         def on_metric(point) -> None:
             recorded.append(time.perf_counter())
             if point.loss is not None:
                 walls.append(recorded[-1])
+                cpu.append((_cpu_s(resource.RUSAGE_SELF), _cpu_s(resource.RUSAGE_THREAD)))  # called on the training thread
 
         # As the driver does: rank 0's points are acknowledged about a second after they are recorded (it drains
         # them every second), so a snapshot keeps the last second's points, not all of them.
@@ -190,27 +200,40 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
         run_training(spec, TrainContext(rank, args.world_size, torch.device("cpu"), job, f"{root}/{storage or job}", sink=sink,
                                         ranks_per_node=one_per_node, generation=generation, snapshot_store=store,
                                         memory_resume=resume))
-        return walls, events
+        return walls, events, cpu
 
-    results: dict = {"off": [], "on": [], "costs": []}
+    results: dict = {"off": [], "on": [], "costs": [], "cpu_off": [], "cpu_on": []}
     for index in range(args.rounds):
         for mode in ("off", "on"):
-            walls, events = train(f"{mode}-{index}", _snapshot_spec(args, args.steps, snapshots=mode == "on"))
+            walls, events, cpu = train(f"{mode}-{index}", _snapshot_spec(args, args.steps, snapshots=mode == "on"))
             if rank == 0:  # the rank that records metric points
                 intervals = [b - a for a, b in zip(walls[3:], walls[4:])]
                 results[mode].append(statistics.median(intervals))
+                # CPU seconds per step over the same steps: the process (every thread: the snapshot thread, gloo's
+                # I/O threads) and the training thread alone
+                results[f"cpu_{mode}"].append([(end - start) / (len(cpu) - 4) for start, end in zip(cpu[3], cpu[-1])])
             results["costs"] += [e["snapshot_host_memory"] for e in events if "snapshot_host_memory" in e]
     # Stopped after step `half` with a durable checkpoint of that step, then resumed both ways.
     half = args.steps // 2
     train("resume", _snapshot_spec(args, args.steps, snapshots=True, every_steps=half), stop_after=half)
     # The memory run writes its own final checkpoint elsewhere: the storage run must find step `half` the newest.
     for source, resume, storage in (("memory", SnapshotRef(1, half), "resume-memory"), ("storage", None, None)):
-        _, events = train("resume", _snapshot_spec(args, half + 1, snapshots=source == "memory"), resume=resume,
+        _, events, _ = train("resume", _snapshot_spec(args, half + 1, snapshots=source == "memory"), resume=resume,
                           generation=2, storage=storage)
         results[f"restore_{source}"] = [e for e in events if "restored_step" in e]
     if rank == 0:
         Path(root, "raw.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _snapshot_cpu(raw: dict, step_s: float) -> dict:
+    summary = {}
+    for index, part in enumerate(("process", "training_thread")):
+        off = statistics.median(cpu[index] for cpu in raw["cpu_off"])
+        on = statistics.median(cpu[index] for cpu in raw["cpu_on"])
+        summary[f"cpu_s_per_step_{part}"] = {"off": round(off, 4), "on": round(on, 4)}
+        summary[f"snapshot_cpu_{part}_percent_of_step"] = round(100 * (on - off) / step_s, 1)
+    return summary
 
 
 def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
@@ -227,6 +250,10 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
         "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
         # each round's on over the off run just before it (the machine's load drifts between rounds)
         "round_ratios": [round(b / a, 3) for a, b in zip(raw["off"], raw["on"], strict=True)],
+        # Rank 0's CPU per step, which the machine's slow spells change far less than the wall clock: the process's
+        # extra with snapshots on is what the snapshots cost it (their copies, the gloo I/O of their exchange), the
+        # training thread's extra the part it does itself. Each as a share of the step time with snapshots off.
+        **_snapshot_cpu(raw, off),
         # ddp's snapshot of its replicated state is the live state itself (made into a file only when read)
         "bytes_copied_per_step": {cost["rank"]: cost["own_bytes_per_snapshot"] - cost["live_bytes_per_snapshot"]
                                   for cost in costs},
