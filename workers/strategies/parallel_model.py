@@ -80,5 +80,10 @@ class ParallelModel:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2, tensor parallel), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """This rank's part of a DTensor (FSDP2, tensor parallel), or the tensor itself: its storage, outside autograd.
+    Every caller inspects or copies state; under grad mode DTensor.to_local builds an autograd node instead, a few
+    microseconds per tensor where in-memory snapshots check the whole state's structure every step."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
