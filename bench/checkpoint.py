@@ -55,6 +55,7 @@ from harness.ports import free_port  # noqa: E402
 
 METRICS_ACKNOWLEDGED_AFTER_S = 1.0
 GLOBAL_BATCH = 16
+STEADY_FROM = 3  # --snapshots: steps measured from the end of this one (the first snapshot is a full DCP save)
 
 
 def _spec(args: argparse.Namespace, steps: int):
@@ -207,11 +208,12 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
         for mode in ("off", "on"):
             walls, events, cpu = train(f"{mode}-{index}", _snapshot_spec(args, args.steps, snapshots=mode == "on"))
             if rank == 0:  # the rank that records metric points
-                intervals = [b - a for a, b in zip(walls[3:], walls[4:])]
+                intervals = [b - a for a, b in zip(walls[STEADY_FROM:], walls[STEADY_FROM + 1:])]
                 results[mode].append(statistics.median(intervals))
                 # CPU seconds per step over the same steps: the process (every thread: the snapshot thread, gloo's
                 # I/O threads) and the training thread alone
-                results[f"cpu_{mode}"].append([(end - start) / (len(cpu) - 4) for start, end in zip(cpu[3], cpu[-1])])
+                steps = len(cpu) - 1 - STEADY_FROM
+                results[f"cpu_{mode}"].append([(end - start) / steps for start, end in zip(cpu[STEADY_FROM], cpu[-1])])
             results["costs"] += [e["snapshot_host_memory"] for e in events if "snapshot_host_memory" in e]
     # Stopped after step `half` with a durable checkpoint of that step, then resumed both ways.
     half = args.steps // 2
