@@ -3,6 +3,12 @@
 Nodes carry one CPU each, so a 2-worker job spans two nodes. Killing a node SIGKILLs its raylet
 and every process under it, as a machine dying would; freezing SIGSTOPs them. Ray's health checks
 are tightened as ringmaster's embedded head tightens them.
+
+Nodes given GPUs take this machine's CUDA devices round robin (a node's CUDA_VISIBLE_DEVICES, which Ray
+maps its GPU ids through), so a machine with fewer devices than the nodes carry shares them. Each such
+node is a host of its own to NCCL too (NCCL_HOSTID), as it is to Ray: NCCL refuses two ranks of one
+communicator on one device of one host, and between hosts it talks over its network transport (sockets
+here), never the device-to-device paths a real multi-GPU node would use.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class SimulatedCluster:
             "dashboard_port": self.dashboard_port, "_system_config": CLUSTER_SYSTEM_CONFIG,
         })
         self.cpus_per_node, self.gpus_per_node = cpus_per_node, gpus_per_node
+        self._nodes_added = 0
         self.nodes = [self.add_node() for _ in range(nodes)]
 
     @property
@@ -68,9 +75,23 @@ class SimulatedCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node,
+                                     env_vars=self._gpu_node_env(self._nodes_added))
+        self._nodes_added += 1
         self.cluster.wait_for_nodes()
         return node
+
+    def _gpu_node_env(self, index: int) -> dict[str, str] | None:
+        if not self.gpus_per_node:
+            return None
+        import torch
+
+        devices = torch.cuda.device_count()
+        if devices == 0:
+            raise RuntimeError(f"simulated nodes with {self.gpus_per_node} GPU(s) each need a CUDA device here")
+        first = index * self.gpus_per_node
+        visible = [str((first + k) % devices) for k in range(self.gpus_per_node)]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(visible), "NCCL_HOSTID": f"simulated-node-{index}"}
 
     def ensure_nodes(self, count: int) -> None:
         """Add nodes until `count` with CPUs are alive: earlier tests kill nodes, and each starts with what it needs."""
