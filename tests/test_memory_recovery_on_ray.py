@@ -204,3 +204,35 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_checkpoint(cluster
     rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["loss"] for row in rows] == pytest.approx(reference_24.losses, abs=1e-4)
+
+
+
+def test_a_member_lost_while_the_group_re_forms_is_left_out(cluster, reference_24):
+    """Two nodes lost one after the other: the first dies, the second hangs a moment before (its raylet frozen,
+    so neither Ray nor ringmaster's heartbeats have noticed it yet when the first death is seen). The driver
+    re-forms the group with the hung node's rank still in it; Ray then declares that node dead mid-formation. The
+    driver leaves the lost member out and forms again instead of failing the job: the attempt SUCCEEDS, resuming
+    from the durable checkpoint (the two lost ranks held the only copies of each other's snapshot)."""
+    cluster.ensure_nodes(3)
+    client = cluster.client
+    job_id = client.submit(_sharded_spec("memory-lost-while-forming", 2, 1))["id"]
+    wait_for_step(client, job_id, 6)  # past the durable checkpoint of step 4
+    hung, dead = _worker_nodes(cluster)
+    cluster.freeze_node(hung)
+    try:
+        cluster.kill_node(dead)
+        done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    finally:
+        cluster.kill_node(hung)  # a dead node left in the cluster would stall every later add_node
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["error"]
+
+    events = client.events(job_id)["items"]
+    assert [e["to_state"] for e in events if e["to_state"] in ("RECOVERING", "RUNNING")] == ["RUNNING", "RECOVERING", "RUNNING"]
+    again = [e for e in events if "of the group being formed" in (e["message"] or "")]
+    assert len(again) == 1 and again[0]["data"]["lost_nodes"] == [hung.node_id], again
+    regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
+    assert [(data["resumed_from"], data["world_size_before"]) for data in regroups] == [("storage", 2)], regroups
+    assert {rank["node_id"] for rank in regroups[0]["ranks"]}.isdisjoint({hung.node_id, dead.node_id})
+    rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert [row["loss"] for row in rows] == pytest.approx(reference_24.losses, abs=1e-4)

@@ -4,6 +4,7 @@
     Running ──(workers lost, a collective broke)──▶ Recovering ──▶ Placing
     Running ──(warm workers ready, stopped at a step)──▶ Resizing ──▶ Placing
     Placing ──(waits for capacity)──▶ Placing ──(group formed)──▶ Running
+    Starting, Placing ──(a member died while the group formed)──▶ Recovering
     any ──(the user's code raised, too few workers, a driver error)──▶ Failed
 
 Starting launches a worker on each admitted bundle and forms the group. Running polls the training call (one poll
@@ -22,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import RayActorError
 
 from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
@@ -74,6 +76,10 @@ class Running:
 class Recovering:
     lost: list[RankedWorker]
     reason: str
+    # Set when a member died while the group formed: the control plane has not heard of this loss as a new one (the
+    # job is RECOVERING already, or ADMITTED with the first group never formed), and the world size before is the
+    # last group that trained (0: none yet).
+    again_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,8 @@ class Controller:
                  time.monotonic() - began, self.group.pooled_started)
         if len(members) < self.spec.workers.min:
             return Failed(f"only {len(members)} of {self.spec.workers.min} workers started")
-        self._form(members)
+        if (lost := self._form_without_the_lost(members, again_from=0)) is not None:
+            return lost  # re-formed as after a loss, which reports RUNNING once formed
         log.info("process group formed after %.2fs", time.monotonic() - began)
         self._report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
                              f"{len(self.group.nodes)} node(s)", details={
@@ -265,17 +272,23 @@ class Controller:
     def _regroup(self, state: Recovering | Resizing) -> State:
         """Keep the survivors and take the standbys it needs; Placing then adds new workers and forms the group."""
         recovering = isinstance(state, Recovering)
+        again = recovering and state.again_from is not None
         placing = Placing(reason=state.reason if recovering else "capacity returned", recovering=recovering,
-                          world_size_before=self.group.world_size)
+                          world_size_before=state.again_from if again else self.group.world_size)
         if recovering:
-            self.bundles.lost_nodes |= {worker.node_id for worker in state.lost}
-            self._report(state="RECOVERING", message=f"{state.reason}; re-forming the group", details={
-                "lost_ranks": sorted(worker.rank for worker in state.lost),
-                "lost_nodes": sorted({worker.node_id for worker in state.lost}),
-                "lost_pids": sorted(worker.pid for worker in state.lost),
+            # A node's death reaches the driver one actor at a time: the others it took can still look alive. Asked
+            # now, they fail a heartbeat at once (Ray knows the node is gone); live ones answer in milliseconds.
+            lost_nodes = {worker.node_id for worker in state.lost}
+            suspects = [worker for worker in self.group.workers if worker.node_id in lost_nodes and worker not in state.lost]
+            lost = state.lost + (self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S, suspects) if suspects else [])
+            self.bundles.lost_nodes |= {worker.node_id for worker in lost}
+            self._report(state=None if again else "RECOVERING", message=f"{state.reason}; re-forming the group", details={
+                "lost_ranks": sorted(worker.rank for worker in lost),
+                "lost_nodes": sorted({worker.node_id for worker in lost}),
+                "lost_pids": sorted(worker.pid for worker in lost),
                 "world_size_before": placing.world_size_before,
             })
-            self.group.remove(state.lost)
+            self.group.remove(lost)
         if self.scaling.wait_for_warming(self._counts()):
             self.standby.wait_for_starting(START_TIMEOUT_S)
         missing = self.scaling.missing(self._counts())
@@ -309,7 +322,9 @@ class Controller:
                 return Failed(decision.reason)
             time.sleep(1.0)
             return placing
-        self._form(members)
+        again_from = placing.world_size_before if placing.recovering else None
+        if (lost := self._form_without_the_lost(members, again_from)) is not None:
+            return lost
         log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
                  time.monotonic() - placing.started)
         # The newest step the members hold in memory between them; else rank 0 names the checkpoint it will resume
@@ -351,6 +366,19 @@ class Controller:
     def _taken(self, placing: Placing) -> set[Slot]:
         """Slots held by the survivors, the standbys taken to join them, and the standbys still warm."""
         return {worker.slot for worker in self.group.workers + placing.standbys} | set(self.standby.slots)
+
+    def _form_without_the_lost(self, members: list[RankedWorker], again_from: int | None) -> Recovering | None:
+        """Form the group; a member that died meanwhile (another node lost) is left out: the Recovering that forms
+        the group again without it. `again_from`: see Recovering (None: the control plane has not heard of a loss)."""
+        try:
+            self._form(members)
+        except RayActorError:
+            lost = self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S)
+            if not lost:
+                raise
+            return Recovering(lost, f"lost rank(s) {sorted(worker.rank for worker in lost)} of the group being formed "
+                                    f"on node(s) {sorted({worker.node_id[:12] for worker in lost})}", again_from=again_from)
+        return None
 
     def _form(self, members: list[RankedWorker]) -> None:
         world = min(self.spec.workers.max, len(members))

@@ -140,11 +140,12 @@ class WorkerGroup:
         """What each member holds of the job's in-memory snapshots."""
         return ray.get([worker.actor.snapshot_inventory.remote(job_id) for worker in self.workers])
 
-    def unresponsive(self, timeout_s: float, grace_s: float) -> list[RankedWorker]:
-        """Workers that do not answer a heartbeat within timeout_s, nor within grace_s of the latest answer of
-        another (dead, or their node frozen). A live worker answers in milliseconds; a dead one's call hangs until
-        Ray declares its node dead, so waiting the full timeout for it only delays the recovery."""
-        beats = {worker.actor.heartbeat.remote(): worker for worker in self.workers}
+    def unresponsive(self, timeout_s: float, grace_s: float, workers: list[RankedWorker] | None = None) -> list[RankedWorker]:
+        """Workers (of the group, or those given) that do not answer a heartbeat within timeout_s, nor within grace_s
+        of the latest answer of another (dead, or their node frozen). A live worker answers in milliseconds; a dead
+        one's call hangs until Ray declares its node dead, so waiting the full timeout for it only delays the
+        recovery."""
+        beats = {worker.actor.heartbeat.remote(): worker for worker in (self.workers if workers is None else workers)}
         deadline = time.monotonic() + timeout_s
         answered: list[Any] = []
         pending = list(beats)
