@@ -46,6 +46,26 @@ def _import_training_stack_in_background() -> None:
     _import_training_stack()
 
 
+def form_default_group(backend: str, store: Any, rank: int, world_size: int, *, rendezvous: timedelta,
+                       collectives: timedelta) -> None:
+    """Initialise the default process group, waiting at most `rendezvous` for the other members (gloo connects its
+    full mesh during the init, under the group's timeout), then give its collectives the `collectives` timeout."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    # A group's name, under which its members meet in the store, counts the groups this process made: an init that
+    # failed counted one, and the next would then wait where its peers never look.
+    groups_made = distributed_c10d._world.group_count
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous)
+    except BaseException:
+        distributed_c10d._world.group_count = groups_made
+        raise
+    if rendezvous != collectives:
+        _set_pg_timeout(collectives)
+
+
 @ray.remote(max_concurrency=_CONCURRENT_CALLS, concurrency_groups={"control": _CONTROL_CALLS})
 class TrainWorker:
     def __init__(self, cpus: float, uses_gpu: bool, pooled: bool = False) -> None:
@@ -143,8 +163,12 @@ class TrainWorker:
         self._last_heartbeat = time.monotonic()
         return self.generation
 
-    def join(self, generation: int, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
-        """Leave the previous group (abort: a peer may be gone mid-collective) and form the new one."""
+    def join(self, generation: int, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
+             rendezvous_timeout_s: float | None = None) -> None:
+        """Leave the previous group (abort: a peer may be gone mid-collective) and form the new one. `timeout_s`: the
+        group's collectives'; `rendezvous_timeout_s` (at most that): how long this member waits for the others to
+        form it. A member lost while the group forms leaves the others waiting: they give up after the shorter wait
+        and are free for the driver's next formation, which waits for them (its store's timeout is `timeout_s`)."""
         import torch
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _abort_process_group
@@ -171,8 +195,9 @@ class TrainWorker:
             else:
                 store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
             # As init_method="tcp://..." would, under the prefix torch gives the default group's keys.
-            dist.init_process_group("nccl" if self._uses_gpu else "gloo", store=dist.PrefixStore("default_pg", store),
-                                    rank=rank, world_size=world_size, timeout=timeout)
+            form_default_group("nccl" if self._uses_gpu else "gloo", dist.PrefixStore("default_pg", store), rank,
+                               world_size, rendezvous=min(timeout, timedelta(seconds=rendezvous_timeout_s or timeout_s)),
+                               collectives=timeout)
 
     def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],
               resume_from_root: str | None = None, attempt: int = 1,

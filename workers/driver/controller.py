@@ -50,6 +50,9 @@ HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus on
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
 PROBE_GRACE_S = 0.5  # ... and who has not answered this long after another worker did
 COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
+# A member lost while the group forms keeps the others waiting this long; the driver's next formation waits for them.
+# Members reach the rendezvous within seconds of each other (each once its training stack is imported).
+RENDEZVOUS_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0  # first start: worker processes import torch
 REPLACEMENT_WAIT_S = 5.0  # below workers.min with spare capacity: wait this long for Ray to move the lost bundles
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
@@ -142,7 +145,8 @@ class Controller:
         # JobSpec.resume_from: the other job's storage, resumed from while this job has no checkpoint of its own.
         self.resume_from_root = f"{self.storage_uri.rstrip('/')}/{self.spec.resume_from}" if self.spec.resume_from else None
         self.group = WorkerGroup(self.spec, COLLECTIVE_TIMEOUT_S, self.claimant,
-                                 label=f"{self.spec.name}-{self.job_id[:8]}-a{self.attempt}")
+                                 label=f"{self.spec.name}-{self.job_id[:8]}-a{self.attempt}",
+                                 rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S)
         self.failures = FailurePolicy()
         self.scaling = ScalingPolicy(self.spec.workers, CAPACITY_WAIT_S)
         self._rank0_metrics = DrainedMetrics()

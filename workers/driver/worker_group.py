@@ -20,6 +20,8 @@ from ringmaster.workers.driver.bundles import Slot, slot_nodes
 from ringmaster.workers.warm_pool import claim_workers
 from ringmaster.workers.worker import TrainWorker
 
+_JOIN_GIVE_UP_MARGIN_S = 5.0  # past its rendezvous timeout, a join still waiting has raised and let go of its lock
+
 
 @dataclass
 class RankedWorker:
@@ -52,11 +54,15 @@ def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
 
 
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, collective_timeout_s: float, claimant: str | None = None, label: str = "worker") -> None:
+    def __init__(self, spec: JobSpec, collective_timeout_s: float, claimant: str | None = None, label: str = "worker",
+                 rendezvous_timeout_s: float | None = None) -> None:
         """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never);
-        `label`: what the actors it starts are named after (the job and attempt), `<label>-w<n>`."""
+        `label`: what the actors it starts are named after (the job and attempt), `<label>-w<n>`;
+        `rendezvous_timeout_s`: how long a member waits for the others while the group forms (TrainWorker.join)."""
         self.spec = spec
         self.collective_timeout_s = collective_timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self._unfinished_joins: list[Any] = []
         self.claimant = claimant
         self.label = label
         self._started = 0
@@ -120,12 +126,24 @@ class WorkerGroup:
         for rank, worker in enumerate(self.workers):
             worker.rank = rank
         self.generation += 1
+        if self._unfinished_joins:
+            # Members of a formation that failed (a member lost during it) may still wait in its rendezvous, holding
+            # their group lock until they give up (the rendezvous timeout): this formation starts once they have.
+            ray.wait(self._unfinished_joins, num_returns=len(self._unfinished_joins),
+                     timeout=(self.rendezvous_timeout_s or self.collective_timeout_s) + _JOIN_GIVE_UP_MARGIN_S)
+            self._unfinished_joins = []
         master = self.workers[0]
         port = ray.get(master.actor.rendezvous_port.remote())
-        ray.get([
-            worker.actor.join.remote(self.generation, worker.rank, self.world_size, master.ip, port, self.collective_timeout_s)
+        joins = [
+            worker.actor.join.remote(self.generation, worker.rank, self.world_size, master.ip, port, self.collective_timeout_s,
+                                     self.rendezvous_timeout_s)
             for worker in self.workers
-        ])
+        ]
+        try:
+            ray.get(joins)
+        except RayActorError:
+            self._unfinished_joins = joins
+            raise
 
     def train(self, job_id: str, storage_root: str, resume_from_root: str | None = None, attempt: int = 1,
               memory_resume: dict[str, int] | None = None) -> dict[Any, RankedWorker]:
