@@ -91,6 +91,18 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory, shared_ray_head):
     yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"), head=shared_ray_head)
 
 
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A Ray of the module's own in this process (no control plane), for tests of actors by themselves."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_ray_connection_outlives_its_module() -> Iterator[None]:
     """Every module starts disconnected from Ray, whatever the module before it connected to (its own cluster's

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import ray
 
 from ringmaster.service.spec import JobSpec
@@ -20,15 +19,6 @@ class Peer:
     def heartbeat(self) -> int:
         time.sleep(self.answer_after_s)
         return 0
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _group(answer_after_s: list[float]) -> WorkerGroup:

@@ -31,15 +31,6 @@ def test_the_group_waits_briefly_for_its_members_and_long_for_its_collectives() 
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def test_a_member_left_waiting_by_a_lost_peer_gives_up_and_forms_the_next_group(local_ray) -> None:
     first, second = (TrainWorker.options(num_cpus=0).remote(1, False) for _ in range(2))
     ray.get([worker.warm_up.remote() for worker in (first, second)])
