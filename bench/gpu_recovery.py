@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +50,7 @@ def _train_workers() -> dict[str, dict]:
 
 
 def _median(values: list[float]) -> float | None:
-    return round(sorted(values)[len(values) // 2], 4) if values else None
+    return round(statistics.median(values), 4) if values else None
 
 
 def main() -> None:
@@ -94,6 +95,8 @@ def main() -> None:
 def _recover(args, client, cluster, server, job_id: str, gpus: int) -> None:
     import torch
 
+    from ringmaster.workers.data.audit import read_steps_by_generation
+
     _wait(lambda: any(r["step"] >= args.steps_before_kill for r in client.metrics(job_id)["items"]),
           180, "the job never reached the kill")
     before = _train_workers()
@@ -109,15 +112,11 @@ def _recover(args, client, cluster, server, job_id: str, gpus: int) -> None:
     events = client.events(job_id)["items"]
     rows = [r for r in client.metrics(job_id)["items"] if r["loss"] is not None]
     restore = next((e["data"] for e in events if e["data"] and "restored_step" in e["data"]), {})
-    storage = Path(server.plane.settings.resolved_storage_uri()) / job_id / "sample-ids"
-    generations: dict[int, set[int]] = {}
-    for record_file in storage.glob("*.jsonl"):
-        for line in record_file.read_text().splitlines():
-            record = json.loads(line)
-            generations.setdefault(record["generation"], set()).add(record["step"])
+    generations = read_steps_by_generation(Path(server.plane.settings.resolved_storage_uri()) / job_id)
     computed = Counter(step for steps in generations.values() for step in steps)
     recovering = next(e for e in events if e["to_state"] == "RECOVERING")
     survivors = [actor_id for actor_id, actor in before.items() if actor["node_id"] != victim_node]
+    first_after_kill = min(r["step"] for r in next_step)
     print(json.dumps({
         "ran": True, "backend": "gloo" if args.without_gpus else "nccl", "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
@@ -129,13 +128,13 @@ def _recover(args, client, cluster, server, job_id: str, gpus: int) -> None:
             actor_id in after and after[actor_id]["pid"] == before[actor_id]["pid"] for actor_id in survivors),
         "kill_to_recovering_s": round(datetime.fromisoformat(recovering["at"]).timestamp() - killed_at, 2),
         "kill_to_next_step_s": round(min(r["wall_time"] for r in next_step) - killed_at, 2),
-        "first_step_after_kill": min(r["step"] for r in next_step),
+        "first_step_after_kill": first_after_kill,
         "restored_from": restore.get("source"), "restored_step": restore.get("restored_step"),
         "storage_reads": restore.get("storage_reads"), "restore_s": restore.get("restore_s"),
         "step_time_s_median": {"2 ranks": _median([r["step_time_s"] for r in rows if r["world_size"] == 2 and r["step_time_s"]]),
                                "1 rank": _median([r["step_time_s"] for r in rows if r["world_size"] == 1 and r["step_time_s"]])},
         "loss_by_step_around_kill": {f'{r["step"]} ({r["world_size"]} rank(s))': round(r["loss"], 4) for r in rows
-                                     if abs(r["step"] - min(x["step"] for x in next_step)) <= 3},
+                                     if abs(r["step"] - first_after_kill) <= 3},
     }, indent=2))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from datetime import datetime
@@ -14,7 +13,7 @@ from ray.util.state import list_actors
 from ringmaster.service.client import RingmasterClient
 from harness.ray_cluster import wait_for_state
 from harness.simulated_cluster import SimulatedCluster, served_cluster, wait_for_step
-from ringmaster.workers.data.audit import read_effective_samples
+from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation
 from paced_model import read_tagged_steps
 
 pytestmark = pytest.mark.integration
@@ -116,11 +115,7 @@ def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> Non
              for cost in e["data"]["snapshot_host_memory"] if len(e["data"]["snapshot_host_memory"]) > 1]
     assert costs and all(0 < cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
                          < 0.25 * cost["own_bytes_per_snapshot"] for cost in costs), costs
-    steps_by_generation: dict[int, set[int]] = {}
-    for record_file in (cluster.storage / job_id / "sample-ids").glob("*.jsonl"):
-        for line in record_file.read_text().splitlines():
-            record = json.loads(line)
-            steps_by_generation.setdefault(record["generation"], set()).add(record["step"])
+    steps_by_generation = read_steps_by_generation(cluster.storage / job_id)
     computed = Counter(step for steps in steps_by_generation.values() for step in steps)
     assert len(steps_by_generation) == len(regroups) + 1
     assert sum(1 for times in computed.values() if times > 1) <= len(regroups), computed

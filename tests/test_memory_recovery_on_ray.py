@@ -13,7 +13,6 @@ tests/test_elastic.py's (against an uninterrupted run of the job itself).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -27,7 +26,7 @@ from harness.checkpoints import load_model_weights
 from harness.ray_cluster import wait_for_state
 from harness.simulated_cluster import served_cluster, wait_for_step
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.data.audit import read_effective_samples
+from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation
 from ringmaster.workers.models import build_bundle
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
@@ -72,11 +71,7 @@ def reference() -> ReferenceRun:
 
 def _steps_computed_twice(storage: Path, job_id: str) -> tuple[int, int]:
     """(steps that more than one formation of the group computed, formations), from every rank's own record."""
-    steps_by_generation: dict[int, set[int]] = {}
-    for record_file in (storage / job_id / "sample-ids").glob("*.jsonl"):
-        for line in record_file.read_text().splitlines():
-            record = json.loads(line)
-            steps_by_generation.setdefault(record["generation"], set()).add(record["step"])
+    steps_by_generation = read_steps_by_generation(storage / job_id)
     computed = Counter(step for steps in steps_by_generation.values() for step in steps)
     assert set(computed) == set(range(1, STEPS + 1)), "a step was never computed"
     return sum(1 for times in computed.values() if times > 1), len(steps_by_generation)

@@ -164,7 +164,7 @@ class TrainWorker:
         return self.generation
 
     def join(self, generation: int, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
-             rendezvous_timeout_s: float | None = None) -> None:
+             rendezvous_timeout_s: float) -> None:
         """Leave the previous group (abort: a peer may be gone mid-collective) and form the new one. `timeout_s`: the
         group's collectives'; `rendezvous_timeout_s` (at most that): how long this member waits for the others to
         form it. A member lost while the group forms leaves the others waiting: they give up after the shorter wait
@@ -196,7 +196,7 @@ class TrainWorker:
                 store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
             # As init_method="tcp://..." would, under the prefix torch gives the default group's keys.
             form_default_group("nccl" if self._uses_gpu else "gloo", dist.PrefixStore("default_pg", store), rank,
-                               world_size, rendezvous=min(timeout, timedelta(seconds=rendezvous_timeout_s or timeout_s)),
+                               world_size, rendezvous=timedelta(seconds=min(timeout_s, rendezvous_timeout_s)),
                                collectives=timeout)
 
     def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],

@@ -25,16 +25,28 @@ class SampleAudit:
         self._file.close()
 
 
+def _records(storage_root: str | Path):
+    for path in sorted(Path(storage_root, "sample-ids").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            yield json.loads(line)
+
+
+def read_steps_by_generation(storage_root: str | Path) -> dict[int, set[int]]:
+    """generation → the steps that formation of the group computed, from every rank's own record."""
+    steps: dict[int, set[int]] = {}
+    for record in _records(storage_root):
+        steps.setdefault(record["generation"], set()).add(record["step"])
+    return steps
+
+
 def read_effective_samples(storage_root: str | Path) -> dict[int, tuple[int, list[int]]]:
     """step → (epoch, sample ids) as the latest generation that ran the step took them."""
     latest: dict[int, int] = {}
     taken: dict[tuple[int, int], tuple[int, dict[int, list[int]]]] = {}
-    for path in sorted(Path(storage_root, "sample-ids").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            step, generation = record["step"], record["generation"]
-            latest[step] = max(latest.get(step, generation), generation)
-            epoch, by_replica = taken.setdefault((step, generation), (record["epoch"], {}))
-            by_replica[record["dp_rank"]] = record["ids"]  # tp/pp peers of a replica share its data
+    for record in _records(storage_root):
+        step, generation = record["step"], record["generation"]
+        latest[step] = max(latest.get(step, generation), generation)
+        epoch, by_replica = taken.setdefault((step, generation), (record["epoch"], {}))
+        by_replica[record["dp_rank"]] = record["ids"]  # tp/pp peers of a replica share its data
     return {step: (taken[(step, generation)][0], [i for ids in taken[(step, generation)][1].values() for i in ids])
             for step, generation in sorted(latest.items())}

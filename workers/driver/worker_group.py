@@ -58,10 +58,11 @@ class WorkerGroup:
                  rendezvous_timeout_s: float | None = None) -> None:
         """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never);
         `label`: what the actors it starts are named after (the job and attempt), `<label>-w<n>`;
-        `rendezvous_timeout_s`: how long a member waits for the others while the group forms (TrainWorker.join)."""
+        `rendezvous_timeout_s`: how long a member waits for the others while the group forms (TrainWorker.join; None:
+        the collective timeout)."""
         self.spec = spec
         self.collective_timeout_s = collective_timeout_s
-        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s or collective_timeout_s
         self._unfinished_joins: list[Any] = []
         self.claimant = claimant
         self.label = label
@@ -130,7 +131,7 @@ class WorkerGroup:
             # Members of a formation that failed (a member lost during it) may still wait in its rendezvous, holding
             # their group lock until they give up (the rendezvous timeout): this formation starts once they have.
             ray.wait(self._unfinished_joins, num_returns=len(self._unfinished_joins),
-                     timeout=(self.rendezvous_timeout_s or self.collective_timeout_s) + _JOIN_GIVE_UP_MARGIN_S)
+                     timeout=self.rendezvous_timeout_s + _JOIN_GIVE_UP_MARGIN_S)
             self._unfinished_joins = []
         master = self.workers[0]
         port = ray.get(master.actor.rendezvous_port.remote())
