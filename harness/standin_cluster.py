@@ -52,7 +52,7 @@ class StandInCluster:
         self.ray_status: dict[str, str] = {}  # submission id -> the Ray job's state
         self.start_failures: dict[str, str] = {}  # submission id -> why its driver never started (set with FAILED)
         self.stopped: list[str] = []
-        self.refuse_submit = False  # True: submit raises, as an unreachable Jobs API does
+        self.refuse_submit: bool | str = False  # True: submit raises, as an unreachable Jobs API does; a str: with it
         self.duplicates: list[str] = []  # submission ids submitted more than once
         self.warm_pool_calls: list[tuple[int, set[str]]] = []
         self.warm_pool_envs: dict[str, dict[str, Any]] = {}  # the pools asked for by the latest keep_warm
@@ -83,7 +83,7 @@ class StandInCluster:
 
     def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
         if self.refuse_submit:
-            raise RuntimeError("Jobs API unavailable")
+            raise RuntimeError(self.refuse_submit if isinstance(self.refuse_submit, str) else "Jobs API unavailable")
         if submission_id in self.submitted:
             self.duplicates.append(submission_id)
         self.submitted[submission_id] = entrypoint

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _RAY_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 _LOG_TAIL = 4000
+_JOBS_AGENT_NOT_READY = "No available agent to submit job"  # Ray's Jobs API, before any node's agent has registered
 _DRIVER_EXIT_GRACE_S = 30.0
 _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
@@ -192,8 +193,10 @@ class Dispatcher:
             with self.sessions() as session, session.begin():
                 current = session.get(Job, job.id, with_for_update=True)
                 if current is not None and current.state == JobState.ADMITTED:
-                    # Often transient (the Jobs API agent still starting): retry, counted against max_failures.
-                    jobs.requeue(session, current, f"Ray refused the job: {error}", failure=True)
+                    # Retried at the next pass, counted against max_failures; but a cluster whose Jobs API has no
+                    # agent yet (its nodes still starting) says nothing of the job: waited out, not counted.
+                    jobs.requeue(session, current, f"Ray refused the job: {error}",
+                                 failure=_JOBS_AGENT_NOT_READY not in str(error))
             return f"Ray refused the job: {error}"  # retried at the next pass, not in this one
         log.info("job %s attempt %d submitted to Ray as %s on %d worker(s)", job.id, attempt, submission_id, world_size,
                  extra={"job_id": job.id, "attempt": attempt, "submission_id": submission_id})

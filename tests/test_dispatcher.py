@@ -103,6 +103,24 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
         assert (job.attempt, job.submission_id) == (1, submission_id)
 
 
+def test_a_jobs_api_without_an_agent_yet_is_waited_out_without_counting_failures(db, dispatcher):
+    """A Ray cluster still starting answers with no agent to submit to: the job waits, its max_failures untouched."""
+    dispatcher, cluster = dispatcher
+    cluster.refuse_submit = ("Request failed with status code 500: No available agent to submit job, please try again "
+                             "later.")
+    job_id = _submit(db, _spec("agent-starting", workers=2).model_copy(update={"max_failures": 1}))
+    for _ in range(3):
+        dispatcher.run_once()
+        with db.sessions() as session:
+            job = session.get(Job, job_id)
+            assert (job.state, job.failures) == (JobState.QUEUED, 0)
+    assert cluster.free_cpus == 4, "a refused attempt holds no resources"
+    cluster.refuse_submit = False
+    dispatcher.run_once()
+    with db.sessions() as session:
+        assert session.get(Job, job_id).state == JobState.ADMITTED
+
+
 def test_refused_submission_is_retried_then_fails_after_max_failures(db, dispatcher):
     dispatcher, cluster = dispatcher
     cluster.refuse_submit = True
