@@ -48,13 +48,17 @@ DRAIN_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0  # a frozen node is declared lost within this (plus one interval)
 PROBE_TIMEOUT_S = 2.0  # after a failed collective: who is still there?
-PROBE_GRACE_S = 0.5  # ... and who has not answered this long after another worker did
+# ... and who has not answered this long after another worker did. A live worker's heartbeat answers within 15 ms of
+# its peers' even while both train on saturated CPUs (bench/probe_latency.py); a dead one's hangs until Ray declares
+# its node dead, so every millisecond of this grace is added to the recovery from a node's death.
+PROBE_GRACE_S = 0.25
 COLLECTIVE_TIMEOUT_S = 60.0  # backstop; failures are normally noticed by the driver long before
 # A member lost while the group forms keeps the others waiting this long; the driver's next formation waits for them.
 # Members reach the rendezvous within seconds of each other (each once its training stack is imported).
 RENDEZVOUS_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0  # first start: worker processes import torch
 REPLACEMENT_WAIT_S = 5.0  # below workers.min with spare capacity: wait this long for Ray to move the lost bundles
+REPLACEMENT_POLL_S = 0.05  # ... looking this often: each look is two GCS queries, each missed moment a recovery's delay
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
 # A live standby answers at once and a dead one fails at once; only a loaded machine handling a node's death needs more.
 STANDBY_PROBE_TIMEOUT_S = 10.0
@@ -303,7 +307,7 @@ class Controller:
             # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
             deadline = time.monotonic() + REPLACEMENT_WAIT_S
             while len(self.bundles.spare(taken)) < placing.wanted and time.monotonic() < deadline:
-                time.sleep(0.2)
+                time.sleep(REPLACEMENT_POLL_S)
         placing.waiting_since = time.monotonic()
         return placing
 
