@@ -1,5 +1,5 @@
 """The probe after a failed collective: a worker that stays silent while its peers answer is lost within the grace
-period, not the whole timeout; a live but slow one is not."""
+period, not the whole timeout; a live but slow one is not, nor one slower than a peer Ray already knows is dead."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def test_with_no_answer_at_all_the_whole_timeout_is_waited(local_ray) -> None:
     started = time.monotonic()
     lost = group.unresponsive(timeout_s=1.5, grace_s=0.1)
     assert [worker.rank for worker in lost] == [0] and time.monotonic() - started >= 1.5
+
+
+def test_a_dead_worker_failing_at_once_starts_no_grace_for_the_live_ones(local_ray) -> None:
+    """Ray may know a worker is dead before a live peer answers (one busy with a failed collective): that failure
+    is no answer, so the live worker still has the whole timeout."""
+    group = _group([0.0, 1.0])
+    dead, slow = group.workers
+    ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
+    ray.kill(dead.actor, no_restart=True)
+    lost = group.unresponsive(timeout_s=10.0, grace_s=0.2)
+    assert lost == [dead]

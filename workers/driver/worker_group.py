@@ -161,25 +161,24 @@ class WorkerGroup:
 
     def unresponsive(self, timeout_s: float, grace_s: float, workers: list[RankedWorker] | None = None) -> list[RankedWorker]:
         """Workers (of the group, or those given) that do not answer a heartbeat within timeout_s, nor within grace_s
-        of the latest answer of another (dead, or their node frozen). A live worker answers in milliseconds; a dead
-        one's call hangs until Ray declares its node dead, so waiting the full timeout for it only delays the
-        recovery."""
+        of another's answer (dead, or their node frozen). A live worker answers in milliseconds; a dead one's call
+        hangs until Ray declares its node dead, so waiting the full timeout for it only delays the recovery. A call
+        that fails (Ray knows its actor is dead) is no answer: how soon Ray knew says nothing of how soon the live
+        ones answer, so it starts no grace."""
         beats = {worker.actor.heartbeat.remote(): worker for worker in (self.workers if workers is None else workers)}
         deadline = time.monotonic() + timeout_s
-        answered: list[Any] = []
+        lost: list[RankedWorker] = []
         pending = list(beats)
         while pending and (remaining := deadline - time.monotonic()) > 0:
             done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if done:
-                answered += done
-                deadline = min(deadline, time.monotonic() + grace_s)
-        lost = [worker for ref, worker in beats.items() if ref not in answered]
-        for ref in answered:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                lost.append(beats[ref])
-        return lost
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    lost.append(beats[ref])
+                else:
+                    deadline = min(deadline, time.monotonic() + grace_s)
+        return lost + [beats[ref] for ref in pending]
 
     def remove(self, lost: list[RankedWorker]) -> None:
         for worker in lost:
