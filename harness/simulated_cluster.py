@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ from harness.ray_cluster import REPO_ROOT, leave_ray
 from ringmaster.api.server import BackgroundServer
 from ringmaster.service.embedded_ray import CLUSTER_SYSTEM_CONFIG
 from ringmaster.service.settings import Settings
+from ringmaster.workers.data.audit import read_steps_by_generation
 
 
 def _descendants(pid: int) -> list[int]:
@@ -164,10 +166,24 @@ def served_cluster(nodes: int, data_dir: Path, cpus_per_node: int = 1) -> Iterat
         simulated.shutdown()
 
 
+def newest_recorded_step(storage_root: Path) -> int:
+    """The newest step any rank of the job has recorded in its own step record (train.record_sample_ids), 0 if none."""
+    return max((step for steps in read_steps_by_generation(storage_root).values() for step in steps), default=0)
+
+
+def wait_for_recorded_step(storage_root: Path, step: int, timeout_s: float = 240) -> int:
+    """Until a rank of the job has recorded `step` or a later one in its own step record, which it writes as each
+    step ends (the metrics reach the API only when the driver drains them, every second: a job of short steps can
+    end before its metrics show the step a test waits for). Returns the newest step recorded then."""
+    deadline = time.monotonic() + timeout_s
+    while (newest := newest_recorded_step(storage_root)) < step:
+        assert time.monotonic() < deadline, f"no rank recorded step {step} under {storage_root}"
+        time.sleep(0.01)
+    return newest
+
+
 def wait_for_step(client, job_id: str, step: int, timeout_s: float = 240) -> None:
     """Until the job has reported a metric at `step` or later."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
         assert time.monotonic() < deadline, f"job {job_id} never reached step {step}"

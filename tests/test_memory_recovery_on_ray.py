@@ -24,7 +24,7 @@ from ray.util.state import list_actors
 
 from harness.checkpoints import load_model_weights
 from harness.ray_cluster import wait_for_state
-from harness.simulated_cluster import served_cluster, wait_for_step
+from harness.simulated_cluster import newest_recorded_step, served_cluster, wait_for_recorded_step
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation
 from ringmaster.workers.models import build_bundle
@@ -32,7 +32,9 @@ from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
 pytestmark = pytest.mark.integration
 
-STEPS = 12
+# These tiny models' steps take tens of milliseconds: the kill, once a rank has recorded KILL_AFTER_STEP, must land
+# before the job's last step, after finding the job's nodes (a query of Ray's state API).
+STEPS = 32
 KILL_AFTER_STEP = 4
 CPUS_PER_NODE = 2
 TOLERANCE = 1e-6
@@ -82,9 +84,9 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
     cluster.ensure_nodes(3)  # the job's two, and the replacement, idle from the start
     client = cluster.client
     job_id = client.submit(_spec(name))["id"]
-    wait_for_step(client, job_id, KILL_AFTER_STEP)
-    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
-    cluster.kill_node(cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1]))
+    wait_for_recorded_step(cluster.storage / job_id, KILL_AFTER_STEP)
+    cluster.kill_node(_worker_nodes(cluster)[-1])
+    _assert_killed_mid_run(cluster, job_id)
     done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
     assert done["state"] == "SUCCEEDED", done["error"]
 
@@ -93,7 +95,7 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
     assert [data["resumed_from"] for data in regroups] == ["memory"], regroups
     restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
     assert len(restores) == 1 and restores[0]["storage_reads"] == 0 and restores[0]["bytes_moved"] > 0, restores
-    # Step KILL_AFTER_STEP was reported before the kill, so the snapshot of the step before it was complete.
+    # Step KILL_AFTER_STEP was recorded before the kill, so the snapshot of the step before it was complete.
     assert restores[0]["restored_step"] >= KILL_AFTER_STEP - 1, restores
 
     # Snapshots after the first reuse its layout (a full DCP save per step would be many times slower).
@@ -144,6 +146,14 @@ def _sharded_spec(name: str, workers: int, minimum: int) -> dict:
             "checkpoint": {"every_steps": 4, "keep": 2}, "max_failures": 2}
 
 
+def _assert_killed_mid_run(cluster, job_id: str) -> int:
+    """The job had not ended when its node(s) went (a survivor completes no step without them); returns the newest
+    step recorded."""
+    newest = newest_recorded_step(cluster.storage / job_id)
+    assert newest < STEPS, f"job {job_id} had recorded its last step (of {STEPS}) before the kill: the test proves nothing"
+    return newest
+
+
 def _worker_nodes(cluster) -> list:
     actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
     return [cluster.node_by_id(node_id) for node_id in sorted({actor["node_id"] for actor in actors})]
@@ -155,8 +165,9 @@ def test_a_sharded_group_shrinks_from_four_to_three_from_memory(cluster, referen
     cluster.ensure_nodes(4)  # every node taken by the job: nothing left to replace the lost one
     client = cluster.client
     job_id = client.submit(_sharded_spec("memory-shrink-4-to-3", 4, 1))["id"]
-    wait_for_step(client, job_id, KILL_AFTER_STEP)
+    wait_for_recorded_step(cluster.storage / job_id, KILL_AFTER_STEP)
     cluster.kill_node(_worker_nodes(cluster)[-1])
+    _assert_killed_mid_run(cluster, job_id)
     done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
     assert done["state"] == "SUCCEEDED", done["error"]
 
@@ -183,9 +194,10 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_checkpoint(cluster
     cluster.ensure_nodes(3)
     client = cluster.client
     job_id = client.submit(_sharded_spec("memory-buddy-lost", 3, 1))["id"]
-    wait_for_step(client, job_id, 6)  # past the durable checkpoint of step 4
+    wait_for_recorded_step(cluster.storage / job_id, 6)  # past the durable checkpoint of step 4
     for node in _worker_nodes(cluster)[1:]:
         cluster.kill_node(node)
+    killed_at = _assert_killed_mid_run(cluster, job_id)
     done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
     assert done["state"] == "SUCCEEDED", done["error"]
 
@@ -195,7 +207,9 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_checkpoint(cluster
     assert "resuming from the durable checkpoint of step" in fallback["message"]
     regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
     assert [(data["resumed_from"], data["world_size"]) for data in regroups] == [("storage", 1)]
-    assert regroups[0]["resumed_from_step"] in (4, 8) and regroups[0]["resumed_from_step"] == fallback["data"]["resumed_from_step"]
+    resumed_from = regroups[0]["resumed_from_step"]
+    assert resumed_from % 4 == 0 and 4 <= resumed_from <= killed_at, (resumed_from, killed_at)  # checkpoints every 4 steps
+    assert resumed_from == fallback["data"]["resumed_from_step"]
     rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["loss"] for row in rows] == pytest.approx(reference_24.losses, abs=1e-4)
@@ -211,11 +225,12 @@ def test_a_member_lost_while_the_group_re_forms_is_left_out(cluster, reference_2
     cluster.ensure_nodes(3)
     client = cluster.client
     job_id = client.submit(_sharded_spec("memory-lost-while-forming", 2, 1))["id"]
-    wait_for_step(client, job_id, 6)  # past the durable checkpoint of step 4
+    wait_for_recorded_step(cluster.storage / job_id, 6)  # past the durable checkpoint of step 4
     hung, dead = _worker_nodes(cluster)
     cluster.freeze_node(hung)
     try:
         cluster.kill_node(dead)
+        _assert_killed_mid_run(cluster, job_id)
         done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=300)
     finally:
         cluster.kill_node(hung)  # a dead node left in the cluster would stall every later add_node
