@@ -164,23 +164,32 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
         cluster.freeze_node(victim)
     else:
         cluster.kill_node(victim)
-    recovering = _recovering_event(client, job["id"])
+    try:
+        return _recovery(client, scenario, storage, job["id"], struck, step_at_kill)
+    finally:
+        if scenario == "frozen":
+            cluster.kill_node(victim)  # a hung node left in the cluster stalls every later add_node (the next round's)
+
+
+def _recovery(client: RingmasterClient, scenario: str, storage: Path, job_id: str, struck: float, step_at_kill: int) -> dict:
+    """What one node's loss at `struck` cost the job: measured from its events, metrics and rank records."""
+    recovering = _recovering_event(client, job_id)
     # The newest step the old group completed: one in flight at the kill may still have been reported.
-    last_before = max(step_at_kill, _newest_step(client, job["id"]))
+    last_before = max(step_at_kill, _newest_step(client, job_id))
     noticed = datetime.fromisoformat(recovering["at"]).timestamp() - struck
     # A step in flight may still end just after the kill; the re-formed group's steps come after RECOVERING.
-    trained_again = _first_step_after(client, job["id"], max(struck, datetime.fromisoformat(recovering["at"]).timestamp()))
+    trained_again = _first_step_after(client, job_id, max(struck, datetime.fromisoformat(recovering["at"]).timestamp()))
     full_size = {}
     if scenario == "replace-elastic":
-        grown = _grown_event(client, job["id"])
-        full_size["full_size_s"] = round(_first_step_after(client, job["id"], datetime.fromisoformat(grown["at"]).timestamp())
+        grown = _grown_event(client, job_id)
+        full_size["full_size_s"] = round(_first_step_after(client, job_id, datetime.fromisoformat(grown["at"]).timestamp())
                                          - struck, 2)
-    client.cancel(job["id"])
-    _wait_until_released(client, job["id"])
-    resumed = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
+    client.cancel(job_id)
+    _wait_until_released(client, job_id)
+    resumed = next(e for e in client.events(job_id)["items"] if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
     return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2), **full_size,
             "steps_redone": max(0, last_before - resumed["data"]["resumed_from_step"]),
-            "samples_repeated": _samples_repeated(storage, job["id"]),
+            "samples_repeated": _samples_repeated(storage, job_id),
             "resumed_from": resumed["data"].get("resumed_from"),
             "world_size_after": resumed["data"].get("world_size"), "regroup_s": resumed["data"].get("regroup_s"),
             "standby_workers_used": resumed["data"].get("standby_workers_used")}
