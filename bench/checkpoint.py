@@ -28,9 +28,9 @@ over the same steps, of its whole process and of its training thread alone, give
 the noise of a shared machine's wall clock (its extra CPU with snapshots on, as a share of the step time with them
 off: on 2 busy cores, what the step loses). Then a run stopped mid-way is
 resumed twice, from peers' memory and from its durable checkpoint of the same step, and their restore throughputs
-are compared.
+are compared (the medians of ``--restores`` such runs).
 
-    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40 --world-size 2 --strategy ddp]
+    .venv/bin/python bench/checkpoint.py --snapshots [--rounds 3 --steps 40 --world-size 2 --strategy ddp --restores 3]
 """
 
 from __future__ import annotations
@@ -215,14 +215,16 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
                 steps = len(cpu) - 1 - STEADY_FROM
                 results[f"cpu_{mode}"].append([(end - start) / steps for start, end in zip(cpu[STEADY_FROM], cpu[-1])])
             results["costs"] += [e["snapshot_host_memory"] for e in events if "snapshot_host_memory" in e]
-    # Stopped after step `half` with a durable checkpoint of that step, then resumed both ways.
+    # Each time: a run stopped after step `half` with a durable checkpoint of that step, then resumed both ways.
     half = args.steps // 2
-    train("resume", _snapshot_spec(args, args.steps, snapshots=True, every_steps=half), stop_after=half)
-    # The memory run writes its own final checkpoint elsewhere: the storage run must find step `half` the newest.
-    for source, resume, storage in (("memory", SnapshotRef(1, half), "resume-memory"), ("storage", None, None)):
-        _, events, _ = train("resume", _snapshot_spec(args, half + 1, snapshots=source == "memory"), resume=resume,
-                          generation=2, storage=storage)
-        results[f"restore_{source}"] = [e for e in events if "restored_step" in e]
+    for index in range(args.restores):
+        job = f"resume-{index}"
+        train(job, _snapshot_spec(args, args.steps, snapshots=True, every_steps=half), stop_after=half)
+        # The memory run writes its own final checkpoint elsewhere: the storage run must find step `half` the newest.
+        for source, resume, storage in (("memory", SnapshotRef(1, half), f"{job}-memory"), ("storage", None, None)):
+            _, events, _ = train(job, _snapshot_spec(args, half + 1, snapshots=source == "memory"), resume=resume,
+                                 generation=2, storage=storage)
+            results.setdefault(f"restore_{source}", []).extend(e for e in events if "restored_step" in e)
     if rank == 0:
         Path(root, "raw.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -241,8 +243,9 @@ def _snapshot_cpu(raw: dict, step_s: float) -> dict:
 def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
     off, on = statistics.median(raw["off"]), statistics.median(raw["on"])
     [costs] = raw["costs"][:1]
-    memory = raw["restore_memory"][0]
-    storage = raw["restore_storage"][0]
+    memory, storage = raw["restore_memory"], raw["restore_storage"]
+    memory_s = statistics.median(event["restore_s"] for event in memory)
+    storage_s = statistics.median(event["restore_s"] for event in storage)
     snapshot_bytes = sum(cost["own_bytes_per_snapshot"] for cost in costs)
     return {
         "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "strategy": args.strategy,
@@ -263,12 +266,16 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
         "bytes_sent_to_peers_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
         "host_bytes_held_per_rank": {cost["rank"]: cost["held_bytes"] for cost in costs},
         "full_dcp_saves_in_first_two_snapshots": {cost["rank"]: cost["full_saves"] for cost in costs},
-        "restore_from_memory_s": memory["restore_s"], "memory_storage_reads": memory["storage_reads"],
-        "restore_from_storage_s": storage["restore_s"], "restored_steps": [memory["restored_step"], storage["restored_step"]],
+        # medians over --restores pairs, each in its own list
+        "restore_from_memory_s": round(memory_s, 4), "restore_from_storage_s": round(storage_s, 4),
+        "restores_from_memory_s": [event["restore_s"] for event in memory],
+        "restores_from_storage_s": [event["restore_s"] for event in storage],
+        "memory_storage_reads": sum(event["storage_reads"] for event in memory),
+        "restored_steps": sorted({event["restored_step"] for event in memory + storage}),
         "snapshot_mb": round(snapshot_bytes / 1e6, 2),
-        "memory_restore_mb_per_s": round(snapshot_bytes / 1e6 / memory["restore_s"], 1),
-        "storage_restore_mb_per_s": round(snapshot_bytes / 1e6 / storage["restore_s"], 1),
-        "memory_over_storage_throughput": round(storage["restore_s"] / memory["restore_s"], 2),
+        "memory_restore_mb_per_s": round(snapshot_bytes / 1e6 / memory_s, 1),
+        "storage_restore_mb_per_s": round(snapshot_bytes / 1e6 / storage_s, 1),
+        "memory_over_storage_throughput": round(storage_s / memory_s, 2),
     }
 
 
@@ -280,6 +287,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--snapshots", action="store_true", help="measure in-memory snapshots instead")
     parser.add_argument("--rounds", type=int, default=3, help="--snapshots: rounds of off and on")
+    parser.add_argument("--restores", type=int, default=3,
+                        help="--snapshots: runs stopped mid-way and resumed both ways (their medians are printed)")
     parser.add_argument("--strategy", choices=("ddp", "zero1", "fsdp"), default="ddp",
                         help="ddp (its replicated state is snapshotted live), zero1 or fsdp zero3 (shards copied to a buddy)")
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 4, 8, 16),

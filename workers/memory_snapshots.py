@@ -59,8 +59,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
@@ -411,6 +413,18 @@ class SnapshotWriter(StorageWriter):
         return False
 
 
+class ValueLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, which also takes a byte item's value as a snapshot holds it, a Python object, where
+    `load_bytes` takes it serialised: a torch.save and a torch.load per item took a third of a small model's restore
+    (a flattened optimizer state has an item per hyperparameter per parameter). Sets it where `load_bytes` would."""
+
+    def load_value(self, read_item: ReadItem, value: Any) -> None:
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = value
+
+
 class SnapshotReader(StorageReader):
     """Reads what SnapshotWriter wrote, from the shard files this process holds (restore_from_peers fetched the
     rest)."""
@@ -444,6 +458,9 @@ class SnapshotReader(StorageReader):
             if slot.relative_path not in files:
                 files[slot.relative_path] = _open_shard_file(self._store.read(self._location, slot.relative_path))
             tensors, values = files[slot.relative_path]
+            if item.type == LoadItemType.BYTE_IO and isinstance(planner, ValueLoadPlanner):
+                planner.load_value(item, values[slot.key])
+                continue
             if item.type == LoadItemType.BYTE_IO:
                 stream = io.BytesIO()  # the planner takes what torch.save writes
                 torch.save(values[slot.key], stream)
@@ -999,8 +1016,9 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
                 content = _receive(holder, group)
                 store.write(location, name, content)
                 received += content.numel()
+    # The files were fetched above: each rank's reads are its own.
     progress, metrics = load_training_state(SnapshotReader(store, location), model_parts=model_parts, optimizers=optimizers,
-                                            process_group=group, state=state)
+                                            plan_locally=True, state=state, planner=ValueLoadPlanner())
     return progress, metrics, received
 
 

@@ -84,6 +84,9 @@ class Checkpointer:
         """Collective: continue from the snapshot the driver chose, moved between peers' memory; rank 0 reports how
         long it took, the bytes moved and the storage reads made (every rank's, summed: none is expected)."""
         ctx = self._ctx
+        # Timed from when every rank is here, as a restore from storage is (after the ranks agree on its checkpoint):
+        # each builds its model first, and one may come later than the others.
+        dist.barrier(group=self._group)
         began, reads_before = time.perf_counter(), CheckpointStorage.reads
         progress, metrics, received = restore_from_peers(
             ctx.snapshot_store, ctx.job_id, ctx.memory_resume, self._group,
