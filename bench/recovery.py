@@ -48,7 +48,7 @@ from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from harness.ray_cluster import watch_cluster  # noqa: E402
-from harness.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
+from harness.simulated_cluster import SimulatedCluster, control_plane_on, wait_for_step  # noqa: E402
 from ringmaster.workers.data.audit import read_effective_samples  # noqa: E402
 
 KILL_AFTER_STEP = 30
@@ -63,14 +63,6 @@ def job_spec(scenario: str) -> dict:
                   "record_sample_ids": True},
         "checkpoint": {"every_steps": 10, "keep": 2},
     }
-
-
-def _wait_for_step(client: RingmasterClient, job_id: str, step: int, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"job {job_id} never reached step {step}: {client.job(job_id)}")
-        time.sleep(0.05)
 
 
 def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
@@ -153,7 +145,7 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
         # on its own CPUs would while the job trains.
         wait_for_warm_pool(len(cluster.cluster.worker_nodes))
     job = client.submit(job_spec(scenario))
-    _wait_for_step(client, job["id"], KILL_AFTER_STEP)
+    wait_for_step(client, job["id"], KILL_AFTER_STEP, timeout_s=300)
     spared = _standby_node(client, job["id"]) if scenario == "standby" else None
     if scenario in ("replace", "replace-elastic"):
         cluster.add_node()
