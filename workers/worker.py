@@ -41,9 +41,11 @@ def _import_training_stack() -> None:
 
 def _import_training_stack_in_background() -> None:
     """The warm-up of a pool worker: at the lowest CPU priority (this thread only), so a pool refilling on a node
-    never slows the training running there; on an idle node it runs at full speed."""
+    never slows the training running there; on an idle node it runs at full speed. Any job may claim it, so it also
+    imports ZeRO-1's optimizer, which a worker started for its job imports only when the job shards its optimizer."""
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     _import_training_stack()
+    import torch.distributed.optim  # noqa: F401
 
 
 def form_default_group(backend: str, store: Any, rank: int, world_size: int, *, rendezvous: timedelta,
