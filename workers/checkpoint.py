@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import StorageReader, StorageWriter
-from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -290,16 +289,16 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
 
 
 def load_training_state(reader: StorageReader, *, model_parts: list[nn.Module], optimizers: list[Optimizer],
-                        plan_locally: bool = False, state: dict[str, Any] | None = None,
-                        planner: LoadPlanner | None = None) -> tuple[TrainingProgress, list[dict[str, Any]]]:
+                        plan_locally: bool = False,
+                        state: dict[str, Any] | None = None) -> tuple[TrainingProgress, list[dict[str, Any]]]:
     """Collective: restore ``training_state`` from a DCP reader (resharded to this group by DCP's planner); returns the
     progress and the metric points it kept ([] when it kept none). `plan_locally`: each rank plans its own reads,
     with none of DCP's collectives (whose gathering of every rank's pickled plan is most of a small model's restore
     time): for a reader that has every file this rank needs at hand. `state`: the ``load_state_template`` already
-    made for this reader's metadata, if any. `planner`: DCP's default load planner unless given."""
+    made for this reader's metadata, if any."""
     if state is None:
         state = load_state_template(reader.read_metadata().state_dict_metadata, model_parts, optimizers)
-    dcp.load(state, storage_reader=reader, planner=planner, no_dist=plan_locally)
+    dcp.load(state, storage_reader=reader, no_dist=plan_locally)
     for part, optimizer in zip(model_parts, optimizers, strict=True):
         set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)

@@ -40,7 +40,6 @@ cannot cover a snapshot.
 from __future__ import annotations
 
 import dataclasses
-import io
 import itertools
 import math
 import pickle
@@ -58,11 +57,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
@@ -413,21 +411,9 @@ class SnapshotWriter(StorageWriter):
         return False
 
 
-class ValueLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, which also takes a byte item's value as a snapshot holds it, a Python object, where
-    `load_bytes` takes it serialised: a torch.save and a torch.load per item took a third of a small model's restore
-    (a flattened optimizer state has an item per hyperparameter per parameter). Sets it where `load_bytes` would."""
-
-    def load_value(self, read_item: ReadItem, value: Any) -> None:
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = value
-
-
 class SnapshotReader(StorageReader):
     """Reads what SnapshotWriter wrote, from the shard files this process holds (restore_from_peers fetched the
-    rest)."""
+    rest), for DCP's default load planner."""
 
     def __init__(self, store: SnapshotStore, location: str) -> None:
         super().__init__()
@@ -449,7 +435,7 @@ class SnapshotReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+    def read_data(self, plan: LoadPlan, planner: DefaultLoadPlanner) -> torch.futures.Future[None]:
         files: dict[str, tuple[torch.Tensor, dict[int, Any]]] = {}
         held = self._store.names(self._location)
         for item in plan.items:
@@ -458,14 +444,8 @@ class SnapshotReader(StorageReader):
             if slot.relative_path not in files:
                 files[slot.relative_path] = _open_shard_file(self._store.read(self._location, slot.relative_path))
             tensors, values = files[slot.relative_path]
-            if item.type == LoadItemType.BYTE_IO and isinstance(planner, ValueLoadPlanner):
-                planner.load_value(item, values[slot.key])
-                continue
             if item.type == LoadItemType.BYTE_IO:
-                stream = io.BytesIO()  # the planner takes what torch.save writes
-                torch.save(values[slot.key], stream)
-                stream.seek(0)
-                planner.load_bytes(item, stream)
+                _load_value(planner, item, values[slot.key])
                 continue
             stored = _slot_view(tensors, slot)
             target = planner.resolve_tensor(item).detach()
@@ -478,6 +458,16 @@ class SnapshotReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _load_value(planner: DefaultLoadPlanner, read_item: ReadItem, value: Any) -> None:
+    """Set a byte item's value where the planner's `load_bytes` would, as the snapshot holds it (a Python object):
+    `load_bytes` takes it serialised, and a torch.save and a torch.load per item took a third of a small model's
+    restore (a flattened optimizer state has an item per hyperparameter per parameter)."""
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], value)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = value
 
 
 @dataclass(frozen=True)
@@ -1018,7 +1008,7 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
                 received += content.numel()
     # The files were fetched above: each rank's reads are its own.
     progress, metrics = load_training_state(SnapshotReader(store, location), model_parts=model_parts, optimizers=optimizers,
-                                            plan_locally=True, state=state, planner=ValueLoadPlanner())
+                                            plan_locally=True, state=state)
     return progress, metrics, received
 
 
