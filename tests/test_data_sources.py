@@ -27,6 +27,7 @@ from ringmaster.workers.data.node_cache import CACHE_ENV, node_local_file
 from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.stream import DataPosition, GlobalBatchStream
 from ringmaster.workers.data.tokens import TokenWindows
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models import build_bundle
 from test_checkpoint_storage import BUCKET, s3_endpoint  # noqa: F401 (a fixture: a moto S3 server)
 
@@ -84,7 +85,7 @@ def test_missing_token_file_names_its_path(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "train.bin"
     spec = JobSpec(name="missing", model="tiny-gpt", data={"kind": "tokens", "path": str(missing)})
 
-    with pytest.raises(FileNotFoundError, match=f"data file '{missing}' does not exist on this node"):
+    with pytest.raises(JobInputError, match=f"data file '{missing}' does not exist on this node"):
         build_bundle(spec)
 
 
@@ -164,7 +165,7 @@ def test_remote_token_file_is_fetched_once_into_the_cache_and_again_when_it_chan
     filesystem.pipe(uri, (np.arange(129) % 256).astype(np.uint16).tobytes())
     changed, fetched_changed = node_local_file(uri)
     assert fetched_changed and changed != first and len(np.fromfile(changed, np.uint16)) == 129
-    with pytest.raises(FileNotFoundError, match="data file 'memory://corpus/absent.bin' does not exist"):
+    with pytest.raises(JobInputError, match="data file 'memory://corpus/absent.bin' does not exist"):
         node_local_file("memory://corpus/absent.bin")
     filesystem.rm("/corpus", recursive=True)
 
@@ -241,7 +242,7 @@ def test_dataset_dict_trains_on_its_split_and_validates_on_another(tmp_path: Pat
 
 
 def test_hf_dataset_that_is_missing_or_of_the_wrong_shape_is_a_clear_error(tmp_path: Path, hf_dir: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=f"data.path '{tmp_path / 'absent'}' is not a directory on this node"):
+    with pytest.raises(JobInputError, match=f"data.path '{tmp_path / 'absent'}' is not a directory on this node"):
         hf_dataset_splits(_hf_data(tmp_path / "absent", column="text", seq_len=4), vocab_size=None)
     with pytest.raises(ValueError, match="holds a single Dataset, not a DatasetDict: leave data.split"):
         hf_dataset_splits(_hf_data(hf_dir, column="text", seq_len=4, split="train"), vocab_size=None)

@@ -9,6 +9,7 @@ import pytest
 from ringmaster.service.spec import WorkersSpec
 from ringmaster.workers.driver.policies import (FailJob, FailurePolicy, FormGroup, GiveUp, Recover, ScalingPolicy,
                                                 WaitForCapacity)
+from ringmaster.workers.job_input import JobInputError
 
 
 @dataclass
@@ -25,7 +26,11 @@ class FakeWorker:
 
 
 class FakeTaskError(Exception):
-    pass
+    """As Ray's RayTaskError: the remote traceback as its text, the exception raised remotely as `cause`."""
+
+    def __init__(self, text: str, cause: BaseException | None = None) -> None:
+        super().__init__(text)
+        self.cause = cause
 
 
 def _scaling(min_: int, max_: int, standby: int = 0) -> ScalingPolicy:
@@ -42,6 +47,17 @@ def test_a_collective_failing_with_everyone_alive_is_recovered_from_but_the_user
     assert isinstance(FailurePolicy().decide([], [broken_pipe]), Recover)
     decision = FailurePolicy().decide([], [broken_pipe, FakeTaskError("train()\nValueError: bad batch")])
     assert isinstance(decision, FailJob) and "ValueError: bad batch" in decision.reason
+
+
+def test_a_job_input_error_fails_the_job_with_its_message_alone_before_any_collective_failure_is_weighed() -> None:
+    refused = JobInputError("data.path: data file '/nope/text.bin' does not exist on this node")
+    errors = [FakeTaskError("gloo: Connection reset by peer"),
+              FakeTaskError(f"train()\nTraceback ...\nJobInputError: {refused}", cause=refused)]
+    assert FailurePolicy().decide([], errors) == FailJob(str(refused))
+    # Without one, a user's exception keeps its traceback.
+    user = FakeTaskError("train()\n  File \"model.py\", line 3\nKeyError: 'x'", cause=KeyError("x"))
+    decision = FailurePolicy().decide([], [user])
+    assert isinstance(decision, FailJob) and "Traceback" in decision.reason and 'model.py", line 3' in decision.reason
 
 
 @pytest.mark.parametrize(("group", "grows"), [

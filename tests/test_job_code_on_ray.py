@@ -9,6 +9,7 @@ ran in starts in that env's own pool."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -140,14 +141,17 @@ def test_two_jobs_shipping_their_own_version_of_one_module_each_train_it_on_two_
     assert all(Path(marker["file"]).parent.name.startswith("_ray_pkg_") for marker in markers)
 
 
-def test_an_import_error_in_the_users_module_fails_the_job_once_with_its_traceback(ray_server, tmp_path: Path) -> None:
+def test_an_import_error_in_the_users_module_fails_the_job_once_naming_the_import_and_where(ray_server, tmp_path: Path) -> None:
     client = ray_server.client()
     project = _project(tmp_path / "broken", 1, imports="import a_module_nobody_installed")
     job = client.submit(_spec("shipped-broken", tmp_path / "markers", max_failures=2), code=project)
     done = wait_for_state(client, job["id"], TERMINAL)
     assert (done["state"], done["attempt"]) == ("FAILED", 1), done["error"]
-    assert "cannot import module 'shipped_model'" in done["error"]
-    assert "ModuleNotFoundError: No module named 'a_module_nobody_installed'" in done["error"]
+    line = next(number for number, text in enumerate((project / "shipped_model.py").read_text().splitlines(), 1)
+                if text == "import a_module_nobody_installed")
+    assert re.fullmatch(r"model entrypoint 'shipped_model:build': cannot import module 'shipped_model': "
+                        r"ModuleNotFoundError: No module named 'a_module_nobody_installed' "
+                        rf"\(at /\S+/_ray_pkg_\w+/shipped_model\.py:{line}\)", done["error"]), done["error"]
 
 
 def test_a_driver_that_cannot_start_fails_the_job_once_with_its_traceback(ray_server, tmp_path: Path) -> None:

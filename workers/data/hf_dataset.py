@@ -18,6 +18,7 @@ import numpy as np
 from ringmaster.service.spec import HFDatasetData
 from ringmaster.workers.data.node_cache import cache_key, made_once
 from ringmaster.workers.data.tokens import TokenWindows, token_file_splits
+from ringmaster.workers.job_input import JobInputError
 
 DEFAULT_SPLIT = "train"
 
@@ -40,13 +41,13 @@ def _load(path: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ImportError("data kind 'hf_dataset' needs the datasets package on the workers: pip install 'ringmaster[hf]'") from None
+        raise JobInputError("data kind 'hf_dataset' needs the datasets package on the workers: pip install 'ringmaster[hf]'") from None
     if "://" not in path and not Path(path).is_dir():
-        raise FileNotFoundError(f"data.path {path!r} is not a directory on this node (a datasets save_to_disk directory)")
+        raise JobInputError(f"data.path {path!r} is not a directory on this node (a datasets save_to_disk directory)")
     try:
         return datasets.load_from_disk(path)
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"data.path {path!r} is not a datasets save_to_disk directory: {error}") from None
+        raise JobInputError(f"data.path {path!r} is not a datasets save_to_disk directory: {error}") from None
 
 
 def _is_dict(loaded: Any) -> bool:
@@ -56,15 +57,15 @@ def _is_dict(loaded: Any) -> bool:
 def _split(loaded: Any, data: HFDatasetData, split: str | None) -> Any:
     if split is None:
         if data.split is not None or data.val_split is not None:
-            raise ValueError(f"data.path {data.path!r} holds a single Dataset, not a DatasetDict: leave data.split and "
+            raise JobInputError(f"data.path {data.path!r} holds a single Dataset, not a DatasetDict: leave data.split and "
                              f"data.val_split unset (data.val_fraction holds out a validation set)")
         dataset = loaded
     elif split not in loaded:
-        raise ValueError(f"data.path {data.path!r} has no split {split!r}; its splits are {sorted(loaded.keys())}")
+        raise JobInputError(f"data.path {data.path!r} has no split {split!r}; its splits are {sorted(loaded.keys())}")
     else:
         dataset = loaded[split]
     if data.column not in dataset.column_names:
-        raise ValueError(f"data.column {data.column!r} is not a column of {data.path!r}"
+        raise JobInputError(f"data.column {data.column!r} is not a column of {data.path!r}"
                          f"{f' split {split!r}' if split else ''}; its columns are {dataset.column_names}")
     return dataset
 
@@ -85,7 +86,7 @@ def _packed(dataset: Any, data: HFDatasetData) -> tuple[Path, str]:
     elif (pa.types.is_list(value_type) or pa.types.is_large_list(value_type)) and pa.types.is_integer(value_type.value_type):
         dtype = "uint32"
     else:
-        raise ValueError(f"data.column {data.column!r} of {data.path!r} holds {value_type}; it must hold strings or "
+        raise JobInputError(f"data.column {data.column!r} of {data.path!r} holds {value_type}; it must hold strings or "
                          f"lists of integer token ids")
     # What the rows were read from: the dataset's fingerprint and its arrow files as they are now.
     files = [(entry["filename"], *_stat(entry["filename"])) for entry in dataset.cache_files]
@@ -103,7 +104,7 @@ def _packed(dataset: Any, data: HFDatasetData) -> tuple[Path, str]:
             else:
                 ids = pc.list_flatten(chunk).to_numpy(zero_copy_only=False)
                 if len(ids) and (ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
-                    raise ValueError(f"data.column {data.column!r} of {data.path!r} holds token id "
+                    raise JobInputError(f"data.column {data.column!r} of {data.path!r} holds token id "
                                      f"{ids.min() if ids.min() < 0 else ids.max()}, outside 0..{np.iinfo(np.uint32).max}")
                 ids.astype(np.uint32).tofile(out)
             first = False

@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 
 import fsspec
 
+from ringmaster.workers.job_input import JobInputError
+
 CACHE_ENV = "RINGMASTER_DATA_CACHE"
 
 
@@ -44,23 +46,23 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
-def node_local_file(path: str) -> tuple[Path, bool]:
+def node_local_file(path: str, field: str = "data.path") -> tuple[Path, bool]:
     """The file at ``path`` on this node's disk, and whether this call fetched it: a local path as it is, a remote
-    URI from the node's cache (fetched into it by the first rank to ask). A missing file is a FileNotFoundError
-    naming it."""
+    URI from the node's cache (fetched into it by the first rank to ask). A missing file is a JobInputError naming
+    it and the spec's `field` that named it."""
     if is_local(path):
         local = local_path(path)
         if not local.is_file():
-            raise FileNotFoundError(f"data file {path!r} does not exist on this node" if not local.exists()
-                                    else f"data file {path!r} is not a file")
+            raise JobInputError(f"{field}: data file {path!r} does not exist on this node" if not local.exists()
+                                else f"{field}: data file {path!r} is not a file")
         return local, False
     filesystem, remote = fsspec.core.url_to_fs(path)
     try:
         info = filesystem.info(remote)
     except FileNotFoundError:
-        raise FileNotFoundError(f"data file {path!r} does not exist") from None
+        raise JobInputError(f"{field}: data file {path!r} does not exist") from None
     if info.get("type") != "file":
-        raise FileNotFoundError(f"data file {path!r} is not a file")
+        raise JobInputError(f"{field}: data file {path!r} is not a file")
     version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""
     name = f"{cache_key(path, info['size'], version)}-{Path(remote).name}"
 

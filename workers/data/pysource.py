@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from ringmaster.workers.job_input import JobInputError
+
 DEFAULT_MAX_CORPUS_BYTES = 4 * 1024 * 1024
 VALIDATION_PERCENT = 5
 _SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -69,7 +71,7 @@ class ByteWindows(Dataset):
 
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"corpus of {len(tokens)} bytes is shorter than one window of seq_len + 1 = {seq_len + 1}")
+            raise JobInputError(f"corpus of {len(tokens)} bytes is shorter than one window of seq_len + 1 = {seq_len + 1}")
         self.tokens = tokens
         self.seq_len = seq_len
 

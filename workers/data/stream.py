@@ -16,6 +16,8 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from ringmaster.workers.job_input import JobInputError
+
 
 @dataclass
 class DataPosition:
@@ -52,7 +54,7 @@ class GlobalBatchStream:
         self.pin_memory = pin_memory
         self.samples_per_epoch = len(dataset) // global_batch_size * global_batch_size
         if self.samples_per_epoch == 0:
-            raise ValueError(f"training set of {len(dataset)} samples is smaller than one global batch of {global_batch_size}")
+            raise JobInputError(f"training set of {len(dataset)} samples is smaller than one global batch of {global_batch_size}")
         if position.samples_in_epoch % self.samples_per_micro_step:
             raise ValueError(f"data position {position.samples_in_epoch} is not on a micro-step boundary of {self.samples_per_micro_step}")
         self.position = DataPosition(position.epoch, position.samples_in_epoch)

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ringmaster.workers.job_input import JobInputError
+
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -21,7 +23,7 @@ def count_tokens(path: Path, dtype: str, name: str) -> int:
     size = path.stat().st_size
     itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
     if size % itemsize:
-        raise ValueError(f"data file {name!r} holds {size} bytes, not a whole number of {dtype} token ids "
+        raise JobInputError(f"data file {name!r} holds {size} bytes, not a whole number of {dtype} token ids "
                          f"({itemsize} bytes each): is data.dtype right?")
     return size // itemsize
 
@@ -35,12 +37,12 @@ class TokenWindows(Dataset):
         self.vocab_size = vocab_size
         tokens = count_tokens(path, dtype, name)
         if tokens < seq_len + 1:
-            raise ValueError(f"data file {name!r} holds {tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+            raise JobInputError(f"data file {name!r} holds {tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
         available = (tokens - 1) // seq_len
         self.first = first
         self.count = available - first if count is None else count
         if self.count < 1 or first + self.count > available:
-            raise ValueError(f"data file {name!r} holds {available} windows of seq_len + 1 = {seq_len + 1} "
+            raise JobInputError(f"data file {name!r} holds {available} windows of seq_len + 1 = {seq_len + 1} "
                              f"tokens; windows {first}..{first + self.count} do not fit in it")
         self._tokens: np.ndarray | None = None
 
@@ -55,7 +57,7 @@ class TokenWindows(Dataset):
         start = (self.first + index) * self.seq_len
         window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
         if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
-            raise ValueError(f"data file {self.name!r}: window {self.first + index} holds token id {int(window.max())}, "
+            raise JobInputError(f"data file {self.name!r}: window {self.first + index} holds token id {int(window.max())}, "
                              f"outside the model's vocab of {self.vocab_size}")
         return window[:-1], window[1:]
 
@@ -73,7 +75,7 @@ def token_file_splits(path: Path, val_path: Path | None, dtype: str, seq_len: in
     windows = len(TokenWindows(path, dtype, seq_len, name=name))
     held_out = int(windows * val_fraction)
     if val_fraction and not 1 <= held_out < windows:
-        raise ValueError(f"data.val_fraction {val_fraction} of the {windows} windows in {name!r} holds out "
+        raise JobInputError(f"data.val_fraction {val_fraction} of the {windows} windows in {name!r} holds out "
                          f"{held_out}: it must leave at least one window for each of training and validation")
     train = TokenWindows(path, dtype, seq_len, name=name, count=windows - held_out, vocab_size=vocab_size)
     validation = TokenWindows(path, dtype, seq_len, name=name, first=windows - held_out, count=held_out,

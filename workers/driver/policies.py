@@ -2,7 +2,8 @@
 it. Pure: unit-tested against a fake worker group (tests/test_driver_policies.py).
 
 - FailurePolicy: what a broken run means: recover (workers lost, or a collective failed with everyone alive), or fail
-  the job (the user's code raised). How many recoveries a job may have is counted in one place, by the control plane
+  the job (the user's code raised: with its traceback; the job's input cannot be used, a JobInputError: with its
+  message alone). How many recoveries a job may have is counted in one place, by the control plane
   (service/jobs.py), which answers a recovery past max_failures by ending the attempt.
 - ScalingPolicy: at what size to (re-)form the group, whether to wait for workers still warming up or for capacity,
   when to give up, and when a training group should stop at a step boundary to grow.
@@ -17,6 +18,7 @@ from typing import Protocol
 from ray.exceptions import RayTaskError
 
 from ringmaster.service.spec import WorkersSpec
+from ringmaster.workers.job_input import JobInputError
 
 # Text of the exceptions a rank raises when a peer or the transport is gone, not the user's code.
 _COMMUNICATION_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
@@ -50,6 +52,9 @@ class FailurePolicy:
         if lost:
             nodes = sorted({worker.node_id[:12] for worker in lost})
             return Recover(f"lost rank(s) {sorted(worker.rank for worker in lost)} on node(s) {nodes}")
+        rejected = [error.cause for error in errors if isinstance(getattr(error, "cause", None), JobInputError)]
+        if rejected:  # the job's input, which every later attempt would meet as well: its message alone
+            return FailJob(str(rejected[0]))
         if all(is_communication_failure(error) for error in errors):
             return Recover(f"a collective failed with every worker alive: {str(errors[0])[-300:]}")
         return FailJob(describe_task_error(next(error for error in errors if not is_communication_failure(error))))

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ringmaster.workers.data.pysource import pysource_splits
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import EntrypointError, ModelBundle
 from ringmaster.workers.strategies.blocks import block_container, repeated_blocks
 
@@ -114,17 +115,17 @@ def config_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     replicated."""
     plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     if not plan:
-        raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (config.base_model_tp_plan); "
+        raise JobInputError(f"{type(model).__name__} carries no tensor-parallel plan (config.base_model_tp_plan); "
                          "return a ModelBundle with a tensor_parallel hook from your own model function")
     degree, config = tp_mesh.size(), model.config
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field, None)
         if value is not None and value % degree:
-            raise ValueError(f"parallel.tp ({degree}) must divide the model's {field} ({value})")
+            raise JobInputError(f"parallel.tp ({degree}) must divide the model's {field} ({value})")
     styles = {}
     for pattern, style in plan.items():
         if style not in _STYLES:
-            raise ValueError(f"{type(model).__name__}'s tensor-parallel plan uses {style!r} for {pattern!r}; "
+            raise JobInputError(f"{type(model).__name__}'s tensor-parallel plan uses {style!r} for {pattern!r}; "
                              f"ringmaster applies {sorted(_STYLES)}")
         styles[pattern] = _STYLES[style]()
     base = model.base_model
@@ -163,7 +164,7 @@ def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Mo
     blocks = repeated_blocks(model)
     found = block_container(model, blocks)
     if found is None or len(blocks) < num_stages:
-        raise ValueError(f"{type(model).__name__}: {len(blocks)} blocks cannot fill {num_stages} pipeline stages")
+        raise JobInputError(f"{type(model).__name__}: {len(blocks)} blocks cannot fill {num_stages} pipeline stages")
     container_name, _ = found
     stage = copy.deepcopy(model)
     container = stage.get_submodule(container_name)

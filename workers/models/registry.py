@@ -10,6 +10,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -24,6 +25,7 @@ from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
+from ringmaster.workers.job_input import JobInputError
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
@@ -37,7 +39,7 @@ BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset, Dataset]]] = {
 }
 
 
-class EntrypointError(ValueError):
+class EntrypointError(JobInputError):
     """The job's model entrypoint cannot be imported, called, or returned the wrong thing."""
 
 
@@ -103,13 +105,22 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise EntrypointError(f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: {error}") from error
+        raise EntrypointError(f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: "
+                              f"{type(error).__name__}: {error}{_where_raised(error)}") from error
     builder = getattr(module, attribute, None)
     if builder is None:
         raise EntrypointError(f"model entrypoint {entrypoint!r}: module {module_name!r} has no attribute {attribute!r}")
     if not callable(builder):
         raise EntrypointError(f"model entrypoint {entrypoint!r}: {attribute!r} is a {type(builder).__name__}, not a function")
     return builder
+
+
+def _where_raised(error: BaseException) -> str:
+    """Where in the job's own code an import failed (its last frame outside the import machinery), as ' (at
+    FILE:LINE)'; '' when the module itself was not found."""
+    # The first frame is the import_module call here.
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)[1:] if "importlib" not in frame.filename]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def _job_code_first() -> None:

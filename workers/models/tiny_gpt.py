@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringmaster.workers.data.pysource import DEFAULT_MAX_CORPUS_BYTES, pysource_splits
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import ModelBundle
 from ringmaster.workers.models.tiny_gpt_parallelize import apply_tensor_parallel, pipeline_stage
 
@@ -29,7 +30,7 @@ class TinyGPTConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"tiny-gpt: dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise JobInputError(f"tiny-gpt: dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
 
 
 class Attention(nn.Module):
@@ -128,7 +129,7 @@ def build(
 ) -> ModelBundle:
     """Built-in "tiny-gpt": the transformer trained on the Python standard library's source."""
     if vocab < 256:
-        raise ValueError(f"tiny-gpt: vocab must be at least 256 to hold every byte, got {vocab}")
+        raise JobInputError(f"tiny-gpt: vocab must be at least 256 to hold every byte, got {vocab}")
     config = TinyGPTConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
     train_dataset, val_dataset = pysource_splits(seq_len=seq_len, max_corpus_bytes=max_corpus_bytes)
     return ModelBundle(

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ringmaster.workers.job_input import JobInputError
+
 if TYPE_CHECKING:
     from ringmaster.workers.models.tiny_gpt import TinyGPT
 
@@ -19,7 +21,7 @@ def apply_tensor_parallel(model: TinyGPT, tp_mesh: DeviceMesh) -> None:
     costs one all-reduce forward and one backward; embeddings, norms and head stay replicated."""
     config, degree = model.config, tp_mesh.size()
     if config.n_heads % degree or (config.mlp_ratio * config.dim) % degree:
-        raise ValueError(
+        raise JobInputError(
             f"tiny-gpt: parallel.tp ({degree}) must divide n_heads ({config.n_heads}) and the MLP width ({config.mlp_ratio * config.dim})"
         )
     for block in model.layers.values():
@@ -39,7 +41,7 @@ def pipeline_stage(model: TinyGPT, stage_index: int, num_stages: int) -> TinyGPT
     first stage and norm and head on the last; block names ("layers.3") are the unsplit model's."""
     names = list(model.layers.keys())
     if len(names) < num_stages:
-        raise ValueError(f"tiny-gpt: {len(names)} layers cannot fill {num_stages} pipeline stages; use n_layers >= {num_stages}")
+        raise JobInputError(f"tiny-gpt: {len(names)} layers cannot fill {num_stages} pipeline stages; use n_layers >= {num_stages}")
     start, stop = len(names) * stage_index // num_stages, len(names) * (stage_index + 1) // num_stages
     stage = copy.deepcopy(model)
     for name in names[:start] + names[stop:]:

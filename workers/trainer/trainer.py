@@ -24,6 +24,7 @@ from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.memory_snapshots import PeerSnapshots
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.models import build_bundle
@@ -49,9 +50,9 @@ class Trainer:
         bundle = build_bundle(spec)
         keep_best = spec.checkpoint.keep_best
         if keep_best is not None and keep_best.metric == "val_loss" and bundle.val_dataset is None:
-            raise ValueError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none")
+            raise JobInputError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none")
         if spec.train.eval_every_steps and bundle.val_dataset is None:
-            raise ValueError(f"train.eval_every_steps needs a validation set, and model {spec.model!r} has none")
+            raise JobInputError(f"train.eval_every_steps needs a validation set, and model {spec.model!r} has none")
         self._parameter_count = sum(parameter.numel() for parameter in bundle.model.parameters())
         bundle.model.to(ctx.device)
         base_lr = spec.scaled_lr(ctx.world_size)
@@ -269,7 +270,7 @@ class Trainer:
         """The sample-id record lives in the job's storage root, which must then be a local directory."""
         storage, root = storage_for(self.ctx.storage_root)
         if not isinstance(storage, LocalStorage):
-            raise ValueError(f"train.record_sample_ids writes its record to a local directory, and this job's storage "
+            raise JobInputError(f"train.record_sample_ids writes its record to a local directory, and this job's storage "
                              f"is {self.ctx.storage_root!r}")
         return SampleAudit(root, self.ctx.rank, self._dp_rank, self.ctx.generation)
 
@@ -302,7 +303,7 @@ def _data_workers(spec: JobSpec) -> int:
 def _accumulation_steps(spec: JobSpec, world_size: int) -> int:
     per_pass = spec.samples_per_micro_step(world_size)
     if spec.train.global_batch_size % per_pass:
-        raise ValueError(
+        raise JobInputError(
             f"global_batch_size {spec.train.global_batch_size} is not a multiple of the {per_pass} samples one "
             f"micro-step takes at world size {world_size} (micro_batch_size × pipeline micro-batches × data-parallel size)"
         )

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.strategies import ParallelModel
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
@@ -68,6 +69,6 @@ class Validator:
         dist.all_reduce(totals)
         summed, samples = totals.tolist()
         if samples == 0:
-            raise ValueError(f"validation set of {len(dataset)} samples holds no full batch of {batch_size} for each of "
+            raise JobInputError(f"validation set of {len(dataset)} samples holds no full batch of {batch_size} for each of "
                              f"{self._dp} data-parallel ranks")
         return summed / samples
