@@ -106,6 +106,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in (
                  seq_len_option="seq_len", vocab_option="vocab", size_minimums={"vocab": 256}),  # vocab: every byte
 )}
 HF_PREFIX = "hf:"  # model: hf:<transformers model class>, built from the config fields in model_options
+CORPUS_SEQ_LEN = 64  # the window of an hf: model on the built-in corpus when model_options.seq_len does not say
 USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
 
 

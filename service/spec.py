@@ -15,8 +15,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ringmaster.service.catalogue import (BUILTIN_MODELS, CORPORA, HF_PREFIX, STRATEGIES, STRATEGY_NAMES, USER_DATA, BuiltinModel,
-                                         builtin_job_rules, strategy_rules)
+from ringmaster.service.catalogue import (BUILTIN_MODELS, CORPORA, CORPUS_SEQ_LEN, HF_PREFIX, STRATEGIES, STRATEGY_NAMES,
+                                         USER_DATA, BuiltinModel, builtin_job_rules, strategy_rules)
 from ringmaster.service.errors import UNKNOWN_REFERENCE, VALUE_CONFLICT
 from ringmaster.service.hf_models import UnknownHFModel, hf_model_facts
 from ringmaster.service.json_types import JsonTyped
@@ -384,6 +384,8 @@ class JobSpec(_Strict):
         else:
             self._check_data_source(builtin)
         self._check_parallel_fields()
+        if self.model.startswith(HF_PREFIX):
+            self._check_hf_context()
         if self.model.startswith(HF_PREFIX) and self.parallel.tp > 1:
             model_class = self.model.removeprefix(HF_PREFIX)
             facts = hf_model_facts(model_class)
@@ -426,7 +428,8 @@ class JobSpec(_Strict):
                                  f"model_options.{builtin.seq_len_option} ({model_seq_len})")
         elif data.seq_len is None:
             raise conflict("data.seq_len", f"data.seq_len must be set: model {self.model!r} is a user model, whose context length "
-                             f"ringmaster cannot know")
+                             f"ringmaster cannot know" if not self.model.startswith(HF_PREFIX) else
+                             f"data.seq_len must be set: the window model {self.model!r} trains on")
         if not data.has_validation:
             separate = "data.val_path" if data.kind == "tokens" else "data.val_split"
             keep_best = self.checkpoint.keep_best
@@ -434,6 +437,27 @@ class JobSpec(_Strict):
                 raise conflict("train.eval_every_steps", f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}")
             if keep_best is not None and keep_best.metric == "val_loss":
                 raise conflict("checkpoint.keep_best.metric", f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}")
+
+    def _check_hf_context(self) -> None:
+        """An hf: model's windows (data.seq_len, or model_options.seq_len on the built-in corpus) must fit its context
+        length: its config field (max_position_embeddings, or the config's name for it) in model_options, else that
+        field's default in transformers' source."""
+        facts = hf_model_facts(self.model.removeprefix(HF_PREFIX))
+        field = facts.context_field
+        if field is None:
+            return
+        given = self.model_options.get(field)
+        context = given if isinstance(given, int) and not isinstance(given, bool) else facts.context_default
+        if context is None:
+            return
+        if isinstance(self.data, str):
+            where, window = "model_options.seq_len", self.model_options.get("seq_len", CORPUS_SEQ_LEN)
+        else:
+            where, window = "data.seq_len", self.data.seq_len
+        if isinstance(window, int) and window > context:
+            source = f"model_options.{field}" if given is not None else f"{facts.config_class}'s default {field}"
+            raise conflict(where, f"{where} ({window}) exceeds the context length of model {self.model!r}: {source} is "
+                                  f"{context}")
 
     def _check_parallel_fields(self) -> None:
         parallel, strategy = self.parallel, self.strategy

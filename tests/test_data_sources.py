@@ -354,6 +354,14 @@ TOKENS = {"kind": "tokens", "path": "s3://corpora/train.bin"}
     ({"data": TOKENS, "model": "my_pkg.models:build"}, "data.seq_len", "data.seq_len must be set"),
     ({"data": TOKENS, "train": {"eval_every_steps": 5}}, "train.eval_every_steps", "train.eval_every_steps needs a validation set"),
     ({"data": "pysource", "model": "mlp"}, "data", "trains on 'synthetic' or a token data source, got 'pysource'"),
+    ({"data": {**TOKENS, "seq_len": 4096}, "model": "hf:LlamaForCausalLM", "model_options": {"max_position_embeddings": 128}},
+     "data.seq_len", "data.seq_len (4096) exceeds the context length of model 'hf:LlamaForCausalLM': "
+                     "model_options.max_position_embeddings is 128"),
+    ({"data": {**TOKENS, "seq_len": 1025}, "model": "hf:GPT2LMHeadModel"},  # GPT-2's context length is n_positions
+     "data.seq_len", "GPT2Config's default n_positions is 1024"),
+    ({"model": "hf:GPT2LMHeadModel", "model_options": {"n_positions": 32}},  # the built-in corpus's windows are 64
+     "model_options.seq_len", "model_options.seq_len (64) exceeds the context length of model 'hf:GPT2LMHeadModel': "
+                              "model_options.n_positions is 32"),
 ])
 def test_bad_data_is_a_422_naming_what_is_wrong_and_writes_nothing(api: TestClient, fields: dict, field: str, message: str) -> None:
     before = table_rows(api.app)

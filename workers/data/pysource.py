@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from ringmaster.service.catalogue import CORPUS_SEQ_LEN
 from ringmaster.workers.job_input import JobInputError
 
 DEFAULT_MAX_CORPUS_BYTES = 4 * 1024 * 1024
@@ -84,7 +85,7 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
-def pysource_splits(seq_len: int = 64, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES) -> tuple[ByteWindows, ByteWindows]:
+def pysource_splits(seq_len: int = CORPUS_SEQ_LEN, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES) -> tuple[ByteWindows, ByteWindows]:
     """Train and validation window datasets over the stdlib corpus."""
     train, validation = stdlib_corpus(max_corpus_bytes)
     return ByteWindows(train, seq_len), ByteWindows(validation, seq_len)
