@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from torch.utils.data import DataLoader
 
 from api_tokens import authorize, table_rows
 from data_source_ranks import STOP_AFTER, fetch_on_rank, train_on_ranks
@@ -117,8 +118,14 @@ def test_token_id_outside_the_models_vocab_fails_naming_the_file_and_window(tmp_
                                   data={"kind": "tokens", "path": str(path)}))
 
     assert bundle.train_dataset[8][1][-1].item() == 144  # the window before reads fine
-    with pytest.raises(ValueError, match=f"'{path}': window 9 holds token id 300, outside the model's vocab of 256"):
+    with pytest.raises(JobInputError, match=f"'{path}': window 9 holds token id 300, outside the model's vocab of 256"):
         bundle.train_dataset[9]
+    # Read by a DataLoader worker process (data.num_workers), it reaches the rank with that process's traceback before
+    # it; the job's error is the reason alone.
+    with pytest.raises(JobInputError) as raised:
+        list(DataLoader(bundle.train_dataset, batch_size=4, num_workers=1))
+    assert "Original Traceback" in str(raised.value)
+    assert raised.value.reason == f"data file '{path}': window 9 holds token id 300, outside the model's vocab of 256"
 
 
 def build_user_model(width: int = 8) -> tuple:

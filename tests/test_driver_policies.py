@@ -53,7 +53,7 @@ def test_a_job_input_error_fails_the_job_with_its_message_alone_before_any_colle
     refused = JobInputError("data.path: data file '/nope/text.bin' does not exist on this node")
     errors = [FakeTaskError("gloo: Connection reset by peer"),
               FakeTaskError(f"train()\nTraceback ...\nJobInputError: {refused}", cause=refused)]
-    assert FailurePolicy().decide([], errors) == FailJob(str(refused))
+    assert FailurePolicy().decide([], errors) == FailJob(str(refused)) == FailJob(refused.reason)
     # Without one, a user's exception keeps its traceback.
     user = FakeTaskError("train()\n  File \"model.py\", line 3\nKeyError: 'x'", cause=KeyError("x"))
     decision = FailurePolicy().decide([], [user])

@@ -9,3 +9,12 @@ from __future__ import annotations
 
 class JobInputError(ValueError):
     """The message names the JobSpec field at fault (data.path, model_options.pretrained, …) and what is wrong."""
+
+    @property
+    def reason(self) -> str:
+        """The message, also when a DataLoader worker process raised it: torch re-raises it in the rank with the
+        worker's traceback put before the message, whose last line is ``module.JobInputError: <message>``."""
+        text = str(self)
+        if text.startswith("Caught ") and "\nOriginal Traceback" in text:
+            return text.rstrip("\n").rsplit("\n", 1)[-1].partition(": ")[2] or text
+        return text

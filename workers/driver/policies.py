@@ -54,7 +54,7 @@ class FailurePolicy:
             return Recover(f"lost rank(s) {sorted(worker.rank for worker in lost)} on node(s) {nodes}")
         rejected = [error.cause for error in errors if isinstance(getattr(error, "cause", None), JobInputError)]
         if rejected:  # the job's input, which every later attempt would meet as well: its message alone
-            return FailJob(str(rejected[0]))
+            return FailJob(rejected[0].reason)
         if all(is_communication_failure(error) for error in errors):
             return Recover(f"a collective failed with every worker alive: {str(errors[0])[-300:]}")
         return FailJob(describe_task_error(next(error for error in errors if not is_communication_failure(error))))
