@@ -105,8 +105,11 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
+        missing_itself = isinstance(error, ModuleNotFoundError) and module_name.split(".")[0] == (error.name or "").split(".")[0]
+        hint = ("; ship its directory with the job (ringmaster submit --code DIR) or put it on RINGMASTER_CODE_PATH"
+                if missing_itself else "")
         raise EntrypointError(f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: "
-                              f"{type(error).__name__}: {error}{_where_raised(error)}") from error
+                              f"{type(error).__name__}: {error}{_where_raised(error)}{hint}") from error
     builder = getattr(module, attribute, None)
     if builder is None:
         raise EntrypointError(f"model entrypoint {entrypoint!r}: module {module_name!r} has no attribute {attribute!r}")
