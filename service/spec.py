@@ -429,7 +429,8 @@ class JobSpec(_Strict):
         elif data.seq_len is None:
             raise conflict("data.seq_len", f"data.seq_len must be set: model {self.model!r} is a user model, whose context length "
                              f"ringmaster cannot know" if not self.model.startswith(HF_PREFIX) else
-                             f"data.seq_len must be set: the window model {self.model!r} trains on")
+                             f"data.seq_len must be set: the length of the windows model {self.model!r} trains on, at "
+                             "most its context length")
         if not data.has_validation:
             separate = "data.val_path" if data.kind == "tokens" else "data.val_split"
             keep_best = self.checkpoint.keep_best
@@ -447,7 +448,12 @@ class JobSpec(_Strict):
         if field is None:
             return
         given = self.model_options.get(field)
-        context = given if isinstance(given, int) and not isinstance(given, bool) else facts.context_default
+        if given is None:
+            context = facts.context_default
+        elif isinstance(given, (int, float)) and not isinstance(given, bool) and float(given).is_integer():
+            context = int(given)
+        else:
+            return  # not a length: the config refuses it on the cluster, naming it
         if context is None:
             return
         if isinstance(self.data, str):

@@ -366,6 +366,8 @@ TOKENS = {"kind": "tokens", "path": "s3://corpora/train.bin"}
                      "model_options.max_position_embeddings is 128"),
     ({"data": {**TOKENS, "seq_len": 1025}, "model": "hf:GPT2LMHeadModel"},  # GPT-2's context length is n_positions
      "data.seq_len", "GPT2Config's default n_positions is 1024"),
+    ({"data": {**TOKENS, "seq_len": 129}, "model": "hf:LlamaForCausalLM", "model_options": {"max_position_embeddings": 128.0}},
+     "data.seq_len", "model_options.max_position_embeddings is 128"),  # a JSON number written 128.0 is the same length
     ({"model": "hf:GPT2LMHeadModel", "model_options": {"n_positions": 32}},  # the built-in corpus's windows are 64
      "model_options.seq_len", "model_options.seq_len (64) exceeds the context length of model 'hf:GPT2LMHeadModel': "
                               "model_options.n_positions is 32"),
