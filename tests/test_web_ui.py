@@ -113,6 +113,24 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
         client.cancel(job["id"])
 
 
+def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    client = ray_server.client()
+    missing = "/nonexistent/web-ui/train.bin"
+    job = client.submit({"name": "web-failed", "model": "tiny-gpt", "data": {"kind": "tokens", "path": missing},
+                         "workers": {"min": 1, "max": 1}, "train": {"steps": 2, "global_batch_size": 4, "micro_batch_size": 4}})
+    done = wait_for_state(client, job["id"], {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout_s=120)
+    assert done["state"] == "FAILED", done
+
+    _use_token(browser, ray_server.url, ray_server.token)
+    browser.get(f"{ray_server.url}/ui")
+    row = _wait("the failed job listed", lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job["id"]}"]'))
+    cell = row[0].find_element(By.CSS_SELECTOR, "td.reason")
+    assert cell.text == f"data.path: data file '{missing}' does not exist on this node" == done["error"], cell.text
+    _shot(browser, "jobs-failed")
+
+
 def test_the_plan_and_submit_pages_answer_from_the_api(ray_server, browser) -> None:
     from selenium.webdriver.common.by import By
 

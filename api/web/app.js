@@ -104,6 +104,13 @@ function el(tag, attributes = {}, ...children) {
 const stateCell = state => el("span", { class: `state state-${state}` }, state);
 const when = iso => (iso ? iso.slice(0, 19).replace("T", " ") : "");
 const link = (href, text) => el("a", { href }, text);
+// A job's error in one line for the list: the exception a traceback ends in (the user's code raised), else its first
+// line (a reason ringmaster wrote: the job's input, a driver that never started, a recovery limit).
+const reason = error => {
+  if (!error) return "";
+  const lines = error.split("\n").map(line => line.trim()).filter(Boolean);
+  return error.includes("Traceback (most recent call last):") ? lines[lines.length - 1] : lines[0];
+};
 
 function duration(seconds) {
   const s = Math.round(seconds);
@@ -131,7 +138,7 @@ async function jobsPage() {
   filter.value = params.get("state") || "";
   const body = el("tbody");
   const table = el("table", { id: "jobs" },
-    el("thead", {}, el("tr", {}, ["id", "name", "tenant", "state", "attempt", "created", "finished"].map(h => el("th", {}, h)))), body);
+    el("thead", {}, el("tr", {}, ["id", "name", "tenant", "state", "attempt", "created", "finished", "reason"].map(h => el("th", {}, h)))), body);
   const status = el("p", { class: "muted" });
   show(el("h1", {}, "Jobs"), el("div", { class: "toolbar" }, "Show ", filter), table, status);
   const refresh = async () => {
@@ -140,7 +147,8 @@ async function jobsPage() {
       body.replaceChildren(...page.items.map(job => el("tr", { "data-job-id": job.id },
         el("td", { class: "mono" }, link(`/ui/jobs/${job.id}`, job.id.slice(0, 12))), el("td", {}, job.name),
         el("td", {}, job.tenant), el("td", {}, stateCell(job.state)), el("td", {}, String(job.attempt)),
-        el("td", {}, when(job.created_at)), el("td", {}, when(job.finished_at)))));
+        el("td", {}, when(job.created_at)), el("td", {}, when(job.finished_at)),
+        el("td", { class: "reason", title: job.error || "" }, reason(job.error)))));
       status.textContent = `${page.total} job(s)`;
     } catch (error) {
       status.replaceChildren(failure(error));
