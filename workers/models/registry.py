@@ -105,7 +105,8 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        missing_itself = isinstance(error, ModuleNotFoundError) and module_name.split(".")[0] == (error.name or "").split(".")[0]
+        top_level = module_name.split(".")[0]
+        missing_itself = isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == top_level
         hint = ("; ship its directory with the job (ringmaster submit --code DIR) or put it on RINGMASTER_CODE_PATH"
                 if missing_itself else "")
         raise EntrypointError(f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: "
