@@ -114,20 +114,30 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
 
 
 def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser) -> None:
+    """The job's input at fault: its one-line error; the user's code raised: the exception its traceback ends in."""
     from selenium.webdriver.common.by import By
 
     client = ray_server.client()
     missing = "/nonexistent/web-ui/train.bin"
-    job = client.submit({"name": "web-failed", "model": "tiny-gpt", "data": {"kind": "tokens", "path": missing},
-                         "workers": {"min": 1, "max": 1}, "train": {"steps": 2, "global_batch_size": 4, "micro_batch_size": 4}})
-    done = wait_for_state(client, job["id"], {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout_s=120)
-    assert done["state"] == "FAILED", done
+    small = {"workers": {"min": 1, "max": 1}, "train": {"steps": 2, "global_batch_size": 4, "micro_batch_size": 4}}
+    bad_input = client.submit({"name": "web-bad-input", "model": "tiny-gpt", "data": {"kind": "tokens", "path": missing},
+                               **small})
+    raising = client.submit({"name": "web-user-code-raised", "model": "examples.user_model:build",
+                             "model_options": {"text_path": "/nonexistent/web-ui/corpus.txt"}, **small})
+    done = {job["id"]: wait_for_state(client, job["id"], {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout_s=120)
+            for job in (bad_input, raising)}
+    assert [job["state"] for job in done.values()] == ["FAILED", "FAILED"], done
+    assert "Traceback (most recent call last):" in done[raising["id"]]["error"]
 
     _use_token(browser, ray_server.url, ray_server.token)
     browser.get(f"{ray_server.url}/ui")
-    row = _wait("the failed job listed", lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job["id"]}"]'))
-    cell = row[0].find_element(By.CSS_SELECTOR, "td.reason")
-    assert cell.text == f"data.path: data file '{missing}' does not exist on this node" == done["error"], cell.text
+    reasons = {job_id: _wait(f"job {job_id} listed", lambda: browser.find_elements(
+        By.CSS_SELECTOR, f'tr[data-job-id="{job_id}"] td.reason'))[0].text for job_id in done}
+    assert reasons[bad_input["id"]] == f"data.path: data file '{missing}' does not exist on this node" \
+        == done[bad_input["id"]]["error"], reasons
+    assert reasons[raising["id"]] == done[raising["id"]]["error"].strip().splitlines()[-1].strip(), reasons
+    raised = reasons[raising["id"]]
+    assert raised.startswith("FileNotFoundError:") and "/nonexistent/web-ui/corpus.txt" in raised, raised
     _shot(browser, "jobs-failed")
 
 
