@@ -81,6 +81,7 @@ class FaultTolerantCluster:
             sys.executable, "-m", "ringmaster.service.embedded_ray", "--no-client-server", "start", "--block",
             "--address", self.head.gcs_address, "--num-cpus", str(self.cpus_per_node),
             "--resources", json.dumps({DRIVER_RESOURCE: 1}), "--disable-usage-stats",
+            "--dashboard-agent-listen-port", "0",  # not Ray's fixed default, which another node on this machine may hold
             "--temp-dir", tempfile.mkdtemp(prefix="rm-", dir="/tmp"),  # (the system config is the head's)
         ]
         env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")

@@ -140,7 +140,10 @@ def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources:
         "--dashboard-port", str(dashboard_port),
         "--include-dashboard", "true",
         *(["--ray-client-server-port", str(_free_port())] if ray_client_server else []),
-        "--dashboard-agent-listen-port", str(_free_port()),
+        # 0: the agent binds a port the kernel hands it and publishes that one. A port found free here can be taken
+        # before the agent binds it, seconds later on a loaded machine, which leaves the head without the agent
+        # every Jobs API submission goes through ("No available agent to submit job", seen in CI).
+        "--dashboard-agent-listen-port", "0",
         "--metrics-export-port", str(metrics_port),
         "--disable-usage-stats",
         "--temp-dir", temp_dir,
