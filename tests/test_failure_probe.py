@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import ray
+from ray.exceptions import RayActorError
 
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
@@ -60,5 +61,19 @@ def test_a_dead_worker_failing_at_once_starts_no_grace_for_the_live_ones(local_r
     dead, slow = group.workers
     ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
     ray.kill(dead.actor, no_restart=True)
+    _wait_until_ray_knows_it_dead(dead.actor)
     lost = group.unresponsive(timeout_s=10.0, grace_s=0.2)
     assert lost == [dead]
+
+
+def _wait_until_ray_knows_it_dead(actor, timeout_s: float = 30.0) -> None:
+    """ray.kill returns before the actor is gone: a call made at once can still be answered by it (CI saw that
+    answer start the grace for the live peer)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"Ray still reports the killed actor alive after {timeout_s}s")
