@@ -9,7 +9,6 @@ behind it. Several dispatchers may run against one database: the queue lease kee
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import random

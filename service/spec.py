@@ -12,13 +12,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ringmaster.service.catalogue import (BUILTIN_MODELS, CORPORA, CORPUS_SEQ_LEN, HF_PREFIX, STRATEGIES, STRATEGY_NAMES,
                                          USER_DATA, BuiltinModel, builtin_job_rules, strategy_rules)
 from ringmaster.service.errors import UNKNOWN_REFERENCE, VALUE_CONFLICT
-from ringmaster.service.hf_models import UnknownHFModel, hf_model_facts
+from ringmaster.service.hf_models import HFModelFacts, UnknownHFModel, hf_model_facts
 from ringmaster.service.json_types import JsonTyped
 
 # Each pattern is matched whole (fullmatch) and written in the subset of regex that Python and JSON Schema (ECMA-262)
@@ -385,14 +385,7 @@ class JobSpec(_Strict):
             self._check_data_source(builtin)
         self._check_parallel_fields()
         if self.model.startswith(HF_PREFIX):
-            self._check_hf_context()
-        if self.model.startswith(HF_PREFIX) and self.parallel.tp > 1:
-            model_class = self.model.removeprefix(HF_PREFIX)
-            facts = hf_model_facts(model_class)
-            if not facts.has_tp_plan:
-                raise conflict("parallel.tp", f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
-                                 f"({facts.config_class or 'its config'} has no base_model_tp_plan); give the job a model "
-                                 "function of your own that returns a ModelBundle with a tensor_parallel hook")
+            self._check_hf_model()
         train = self.train
         for world in range(self.workers.min, self.workers.max + 1):
             model_parallel = self.parallel.tp * self.parallel.pp
@@ -427,10 +420,11 @@ class JobSpec(_Strict):
                 raise conflict("data.seq_len", f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
                                  f"model_options.{builtin.seq_len_option} ({model_seq_len})")
         elif data.seq_len is None:
-            raise conflict("data.seq_len", f"data.seq_len must be set: model {self.model!r} is a user model, whose context length "
-                             f"ringmaster cannot know" if not self.model.startswith(HF_PREFIX) else
-                             f"data.seq_len must be set: the length of the windows model {self.model!r} trains on, at "
-                             "most its context length")
+            if self.model.startswith(HF_PREFIX):
+                raise conflict("data.seq_len", f"data.seq_len must be set: the length of the windows model {self.model!r} "
+                                 "trains on, at most its context length")
+            raise conflict("data.seq_len", f"data.seq_len must be set: model {self.model!r} is a user model, whose context "
+                             "length ringmaster cannot know")
         if not data.has_validation:
             separate = "data.val_path" if data.kind == "tokens" else "data.val_split"
             keep_best = self.checkpoint.keep_best
@@ -439,11 +433,21 @@ class JobSpec(_Strict):
             if keep_best is not None and keep_best.metric == "val_loss":
                 raise conflict("checkpoint.keep_best.metric", f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}")
 
-    def _check_hf_context(self) -> None:
+    def _check_hf_model(self) -> None:
+        """What transformers' source says of an hf: model: parallel.tp needs the tensor-parallel plan its config
+        ships, and its windows must fit its context length."""
+        model_class = self.model.removeprefix(HF_PREFIX)
+        facts = hf_model_facts(model_class)
+        if self.parallel.tp > 1 and not facts.has_tp_plan:
+            raise conflict("parallel.tp", f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
+                             f"({facts.config_class or 'its config'} has no base_model_tp_plan); give the job a model "
+                             "function of your own that returns a ModelBundle with a tensor_parallel hook")
+        self._check_hf_context(facts)
+
+    def _check_hf_context(self, facts: HFModelFacts) -> None:
         """An hf: model's windows (data.seq_len, or model_options.seq_len on the built-in corpus) must fit its context
         length: its config field (max_position_embeddings, or the config's name for it) in model_options, else that
         field's default in transformers' source."""
-        facts = hf_model_facts(self.model.removeprefix(HF_PREFIX))
         field = facts.context_field
         if field is None:
             return
