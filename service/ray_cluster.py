@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import socket
 import threading
 from typing import Any, Protocol
@@ -138,7 +139,8 @@ class RayCluster:
         if str(info.status.value) != "FAILED":
             return None
         if info.error_type == "RUNTIME_ENV_SETUP_FAILURE":
-            return f"its runtime env could not be set up: {message}"
+            log.warning("Ray job %s: its runtime env could not be set up: %s", submission_id, message)
+            return f"its runtime env could not be set up: {runtime_env_failure_reason(message)}"
         if info.error_type == "JOB_ENTRYPOINT_COMMAND_START_ERROR":
             return f"its entrypoint could not be started: {message}"
         code = info.driver_exit_code
@@ -192,3 +194,23 @@ class _JobsApi:
                 raise ClusterUnreachable(f"the Ray dashboard at {self._dashboard_url} does not answer") from error
         return call
 
+
+
+_PIP_ERROR = re.compile(r"^\s*ERROR: (.+?)\s*$", re.MULTILINE)
+
+
+def runtime_env_failure_reason(message: str) -> str:
+    """The reason in Ray's account of a runtime env that could not be set up, which wraps it in the agent's
+    traceback: pip's own ERROR lines where pip failed, else the exception the traceback ends in (the whole account
+    goes to the control plane's log)."""
+    pip_errors = _PIP_ERROR.findall(message)
+    if pip_errors:
+        return "pip install failed: " + "; ".join(pip_errors)
+    lines = message.splitlines()
+    starts = [index for index, line in enumerate(lines) if line.strip().endswith("Traceback (most recent call last):")]
+    if starts:
+        after = lines[starts[-1] + 1:]
+        exception = next((line.strip() for line in after if line.strip() and not line.startswith((" ", "\t"))), None)
+        if exception:
+            return exception
+    return message

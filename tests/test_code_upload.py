@@ -26,6 +26,7 @@ from ringmaster.service.db import Database, session_scope
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.models import DEFAULT_TENANT, CodeArchive, Job
+from ringmaster.service.ray_cluster import runtime_env_failure_reason
 from ringmaster.service.reports import REPORT_TOKEN_ENV, DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
@@ -265,6 +266,39 @@ def test_a_driver_that_never_started_fails_its_job_once_with_the_reason(db: Data
     assert list(cluster.submitted) == [submission]
     dispatcher.run_once()
     assert cluster.stopped == [submission] and cluster.free_cpus == 4, "its placement group is released"
+
+
+# Ray 2.58's account of a failed pip install (JobInfo.message), as a trial job got it; the paths shortened.
+RAY_PIP_FAILURE = """runtime_env setup failed: Failed to set up runtime environment.
+Could not create the actor because its associated runtime env failed to be created.
+[Node 192.0.2.2] Traceback (most recent call last):
+  File "/ray/_private/runtime_env/agent/runtime_env_agent.py", line 408, in _create_runtime_env_with_retry
+    runtime_env_context = await asyncio.wait_for(
+                          ^^^^^^^^^^^^^^^^^^^^^^^
+  File "/ray/_private/runtime_env/utils.py", line 105, in check_output_cmd
+    raise SubprocessCalledProcessError(
+ray._private.runtime_env.utils.SubprocessCalledProcessError: Run cmd[9] failed with the following details.
+Command '['/pip/virtualenv/bin/python', '-m', 'pip', 'install', '-r', '/pip/requirements.txt']' returned non-zero exit status 1.
+Last 50 lines of stdout:
+    Looking in indexes: https://pypi.org/simple
+    WARNING: Location 'file:///opt/pypi/simple/no-such-dist/' is ignored: it is neither a file nor a directory.
+    ERROR: Could not find a version that satisfies the requirement no-such-dist==9 (from versions: none)
+    ERROR: No matching distribution found for no-such-dist==9
+"""
+
+
+def test_a_failed_pip_install_is_told_by_pips_errors_not_rays_traceback() -> None:
+    assert runtime_env_failure_reason(RAY_PIP_FAILURE) == (
+        "pip install failed: Could not find a version that satisfies the requirement no-such-dist==9 (from versions: "
+        "none); No matching distribution found for no-such-dist==9")
+
+
+def test_another_runtime_env_failure_is_told_by_the_exception_rays_traceback_ends_in() -> None:
+    message = RAY_PIP_FAILURE.split("Last 50 lines")[0].replace(
+        "ray._private.runtime_env.utils.SubprocessCalledProcessError: Run cmd[9] failed with the following details.",
+        "ValueError: working_dir 'gcs://_ray_pkg_0.zip' is not in the package store")
+    assert runtime_env_failure_reason(message) == "ValueError: working_dir 'gcs://_ray_pkg_0.zip' is not in the package store"
+    assert runtime_env_failure_reason("the agent is gone") == "the agent is gone"
 
 
 def test_a_driver_lost_after_it_reported_is_resubmitted_even_if_ray_calls_it_a_start_failure(db: Database, dispatched) -> None:

@@ -175,8 +175,10 @@ def test_a_failed_pip_install_fails_the_job_once_with_pips_message(ray_server, t
                         code=_project(tmp_path / "bad-pip", 1))
     done = wait_for_state(client, job["id"], TERMINAL, timeout_s=420)
     assert (done["state"], done["attempt"]) == ("FAILED", 1), done["error"]
-    assert done["error"].startswith("attempt 1: the job's driver never started: its runtime env could not be set up")
-    assert "No matching distribution found for ringmaster-no-such-distribution==9.9.9" in done["error"]
+    assert done["error"] == ("attempt 1: the job's driver never started: its runtime env could not be set up: pip install "
+                             "failed: Could not find a version that satisfies the requirement "
+                             "ringmaster-no-such-distribution==9.9.9 (from versions: none); No matching distribution found "
+                             "for ringmaster-no-such-distribution==9.9.9")
 
 
 def _wheel(tmp_path: Path) -> Path:
