@@ -5,9 +5,11 @@ Shared by the control plane (validation at submit) and the job driver (which tru
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
+import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
@@ -541,3 +543,26 @@ def parse_spec_text(text: str) -> JobSpec:
     if not isinstance(document, dict):
         raise ValueError("a job spec must be a mapping of fields")
     return JobSpec.model_validate(document)
+
+
+def field_meant(model: type[JsonTyped], loc: tuple[str | int, ...]) -> str | None:
+    """For a field name the spec does not know at `loc` (a pydantic extra_forbidden error's), the known field of the
+    same place whose name is closest to it, if any is close: a misspelling's likely intent."""
+    models: list[type[JsonTyped]] = [model]
+    for part in loc[:-1]:
+        fields = [current.model_fields[str(part)] for current in models if str(part) in current.model_fields]
+        if fields:
+            models = [nested for field in fields for nested in _models_in(field.annotation)]
+        else:  # a union member's tag (data's kind)
+            models = [current for current in models if "kind" in current.model_fields
+                      and part in typing.get_args(current.model_fields["kind"].annotation)]
+    names = {name for current in models for name in current.model_fields}
+    close = difflib.get_close_matches(str(loc[-1]), sorted(names), n=1, cutoff=0.6) if loc else []
+    return close[0] if close else None
+
+
+def _models_in(annotation: Any) -> list[type[JsonTyped]]:
+    """The spec models a field's type may hold (through Optional, unions and Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, JsonTyped):
+        return [annotation]
+    return [model for argument in typing.get_args(annotation) for model in _models_in(argument)]

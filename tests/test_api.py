@@ -110,6 +110,22 @@ def test_invalid_spec_is_422_naming_the_field_and_writes_nothing(
     assert table_rows(client.app) == before
 
 
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [({"train": {"micro_batch_sz": 4}}, "train.micro_batch_sz", "Extra inputs are not permitted: did you mean 'micro_batch_size'?"),
+     ({"data": {"kind": "tokens", "path": "/data/t.bin", "seq_len": 8, "dtyp": "uint16"}}, "data.tokens.dtyp",
+      "Extra inputs are not permitted: did you mean 'dtype'?"),
+     ({"workers": {"min": 1, "max": 1, "colour": "red"}}, "workers.colour", "Extra inputs are not permitted")],
+)
+def test_a_misspelt_field_is_answered_with_the_field_of_that_place_it_is_closest_to(
+    client: TestClient, fields: dict[str, Any], field: str, message: str
+) -> None:
+    response = client.post("/v1/jobs", json={**SPEC, **fields})
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert (error["field"], error["msg"]) == (field, message)
+
+
 def test_unsupported_content_type_is_415(client: TestClient) -> None:
     response = client.post("/v1/jobs", content="name=x", headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert response.status_code == 415

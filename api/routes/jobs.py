@@ -20,7 +20,7 @@ from ringmaster.api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut
 from ringmaster.service import jobs
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import InvalidSpec, JobConflict, LogsUnavailable
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.spec import JobSpec, field_meant
 from ringmaster.service.stream import Cursor, read_batch
 from ringmaster.service.states import JobState
 
@@ -33,7 +33,11 @@ Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:
     # The context stays: a rule between fields carries the field it names there (api.errors.readable_errors).
-    return [dict(error) for error in exc.errors(include_url=False)]
+    errors = [dict(error) for error in exc.errors(include_url=False)]
+    for error in errors:
+        if error["type"] == "extra_forbidden" and (meant := field_meant(JobSpec, tuple(error["loc"]))) is not None:
+            error["msg"] = f"{error['msg']}: did you mean {meant!r}?"
+    return errors
 
 
 async def spec_from_body(request: Request) -> JobSpec:
