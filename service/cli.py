@@ -242,7 +242,13 @@ def logs(job_id: str, api: ApiOption = None,
     client = _client(api)
     job_id = _job_id(client, job_id)
     if not follow:
-        print(client.logs(job_id))
+        text = client.logs(job_id)
+        if text.strip():
+            print(text)
+        else:  # a driver that never started writes nothing: say so, and why where the job says
+            job = client.job(job_id)
+            ended = f"; the job ended {job['state']}: {job['error']}" if job.get("error") else ""
+            print(f"job {job_id}'s attempt {job['attempt']} ({job['state']}) has no driver log{ended}", file=sys.stderr)
         return
     printed = ""
     while True:

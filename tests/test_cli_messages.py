@@ -186,6 +186,18 @@ def test_the_job_table_fits_80_columns(server: Server) -> None:
     assert len(lines) > 2 and max(len(line) for line in lines) <= 80, listed.stdout
 
 
+def test_logs_of_a_job_whose_driver_never_started_say_so_and_why(server: Server, logs: _Logs) -> None:
+    [job_id] = submitted(server)
+    error = "attempt 1: the job's driver never started: its runtime env could not be set up: pip install failed: nope"
+    with session_scope(server.sessions()) as session:
+        job = session.get(Job, job_id)
+        job.state, job.attempt, job.submission_id, job.error = JobState.FAILED.value, 1, f"ringmaster-{job_id}-1", error
+    logs.text = ""
+    result = ringmaster("logs", job_id[:12], env=at(server))
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.strip() == f"job {job_id}'s attempt 1 (FAILED) has no driver log; the job ended FAILED: {error}"
+
+
 def test_logs_follow_prints_the_log_as_it_grows_until_the_job_ends(server: Server, logs: _Logs) -> None:
     [job_id] = submitted(server)
     with session_scope(server.sessions()) as session:
