@@ -581,10 +581,22 @@ def _quota_text(quota: Any) -> str:
 
 def _describe(error: ApiError, subject: str = "job spec") -> str:
     if error.status == 422 and isinstance(error.detail, list):
-        return f"invalid {subject}:\n" + "\n".join(
-            f"  {'.'.join(str(part) for part in item.get('loc', [])[1:]) or '(spec)'}: {item.get('msg')}" for item in error.detail)
+        lines = []
+        for item in error.detail:
+            field = ".".join(str(part) for part in item.get("loc", [])[1:]) or "(spec)"
+            lines.append(f"  {field}: {_without_field(str(item.get('msg')), field)}")
+        return f"invalid {subject}:\n" + "\n".join(lines)
     detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
     return f"{detail} (HTTP {error.status})"
+
+
+def _without_field(message: str, field: str) -> str:
+    """A message that begins by naming its field (as one read without the field must), shown after the field: the
+    name once, not twice."""
+    named, separator, rest = message.partition(": ")
+    if separator and (field == named or field.endswith("." + named)):
+        return rest
+    return message
 
 
 if __name__ == "__main__":

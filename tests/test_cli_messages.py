@@ -186,6 +186,20 @@ def test_the_job_table_fits_80_columns(server: Server) -> None:
     assert len(lines) > 2 and max(len(line) for line in lines) <= 80, listed.stdout
 
 
+def test_an_invalid_spec_is_listed_one_field_a_line_each_named_once(server: Server, tmp_path: Path) -> None:
+    unknown = "0" * 32
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: cli-bad\nmodel: mlp\nresume_from: '{unknown}'\ntrain: {{steps: 2, micro_batch_sz: 4}}\n")
+    result = ringmaster("submit", str(spec), env=at(server))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    assert (result.stdout + result.stderr).strip().splitlines() == [
+        "error: invalid job spec:", "  train.micro_batch_sz: Extra inputs are not permitted: did you mean 'micro_batch_size'?"]
+    spec.write_text(f"name: cli-bad\nmodel: mlp\nresume_from: '{unknown}'\n")
+    result = ringmaster("submit", str(spec), env=at(server))
+    assert (result.stdout + result.stderr).strip().splitlines() == [
+        "error: invalid job spec:", f"  resume_from: no job with id '{unknown}'"]
+
+
 def test_logs_of_a_job_whose_driver_never_started_say_so_and_why(server: Server, logs: _Logs) -> None:
     [job_id] = submitted(server)
     error = "attempt 1: the job's driver never started: its runtime env could not be set up: pip install failed: nope"
