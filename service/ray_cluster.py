@@ -195,7 +195,6 @@ class _JobsApi:
         return call
 
 
-
 _PIP_ERROR = re.compile(r"^\s*ERROR: (.+?)\s*$", re.MULTILINE)
 
 
