@@ -205,11 +205,7 @@ def runtime_env_failure_reason(message: str) -> str:
     pip_errors = _PIP_ERROR.findall(message)
     if pip_errors:
         return "pip install failed: " + "; ".join(pip_errors)
-    lines = message.splitlines()
-    starts = [index for index, line in enumerate(lines) if line.strip().endswith("Traceback (most recent call last):")]
-    if starts:
-        after = lines[starts[-1] + 1:]
-        exception = next((line.strip() for line in after if line.strip() and not line.startswith((" ", "\t"))), None)
-        if exception:
-            return exception
-    return message
+    _, traceback, after = message.rpartition("Traceback (most recent call last):")
+    # The traceback's frames are indented; the first line that is not is the exception's.
+    exception = next((line for line in after.splitlines() if line.strip() and not line[0].isspace()), None)
+    return exception.strip() if traceback and exception else message
