@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import RayTaskError
 
-from ringmaster.workers.worker import TrainWorker, form_default_group
+from ringmaster.workers.rank_process import form_default_group
+from ringmaster.workers.worker import TrainWorker
 
 pytestmark = pytest.mark.integration
 

@@ -396,8 +396,8 @@ class Controller:
         # Which process is which rank: a warm pool worker belongs to the control plane's Ray job, not this one, so the
         # dashboard lists it under that job; its actor id finds it there.
         for worker in self.group.workers:
-            log.info("rank %d: pid %d on node %s, Ray actor %s (%s)", worker.rank, worker.pid, worker.node_id[:12],
-                     worker.actor_id, worker.name or "unnamed")
+            log.info("rank %d: pid %d (training in pid %d) on node %s, Ray actor %s (%s)", worker.rank, worker.pid,
+                     worker.training_pid, worker.node_id[:12], worker.actor_id, worker.name or "unnamed")
 
     def _report_failure(self, reason: str) -> None:
         """What rank 0 recorded before the failure goes out first."""

@@ -29,8 +29,9 @@ class RankedWorker:
     slot: Slot
     node_id: str
     ip: str
-    pid: int
+    pid: int  # the actor's process
     rank: int = -1
+    training_pid: int = 0  # the process that trains (workers/rank_process.py): the one to profile
     actor_id: str = ""
     name: str | None = None  # its Ray actor name: the job's (`<job>-<id>-a<attempt>-w<n>`) or a warm pool worker's
 
@@ -38,10 +39,11 @@ class RankedWorker:
     def placed(cls, actor: Any, slot: Slot, placement: dict[str, Any]) -> "RankedWorker":
         """A started actor, from what its `placement()` answered."""
         return cls(actor, slot, placement["node_id"], placement["ip"], placement["pid"],
-                   actor_id=placement["actor_id"], name=placement["name"])
+                   training_pid=placement["training_pid"], actor_id=placement["actor_id"], name=placement["name"])
 
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": self.pid, "node_id": self.node_id, "actor_id": self.actor_id, "name": self.name}
+        return {"rank": self.rank, "pid": self.pid, "training_pid": self.training_pid, "node_id": self.node_id,
+                "actor_id": self.actor_id, "name": self.name}
 
 
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:

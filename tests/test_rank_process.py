@@ -1,0 +1,78 @@
+"""A worker's training process and its actor are one failure unit: either one's death ends the other, so the driver
+sees a lost worker exactly as it did when training ran in the actor; an exception in the training process reaches
+the caller with its own type and the training process's traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.worker import TrainWorker
+
+pytestmark = pytest.mark.integration
+
+ENDS_WITHIN_S = 15.0
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _started_worker() -> tuple[ray.actor.ActorHandle, dict]:
+    worker = TrainWorker.options(num_cpus=0).remote(1, False)
+    ray.get(worker.warm_up.remote(), timeout=120)
+    placement = ray.get(worker.placement.remote())
+    assert placement["training_pid"] != placement["pid"] and _running(placement["training_pid"]), placement
+    return worker, placement
+
+
+def test_the_worker_ends_when_its_training_process_dies(local_ray) -> None:
+    worker, placement = _started_worker()
+    os.kill(placement["training_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + ENDS_WITHIN_S
+    with pytest.raises(RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(worker.heartbeat.remote(), timeout=ENDS_WITHIN_S)
+            time.sleep(0.1)
+    assert not _running(placement["pid"])
+
+
+def test_the_training_process_ends_when_its_worker_is_killed(local_ray) -> None:
+    worker, placement = _started_worker()
+    ray.kill(worker, no_restart=True)
+    deadline = time.monotonic() + ENDS_WITHIN_S
+    while _running(placement["training_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(placement["training_pid"])
+
+
+def test_an_exception_in_the_training_process_keeps_its_type_and_traceback(local_ray) -> None:
+    worker, placement = _started_worker()
+    try:
+        # No group joined: training cannot ask for its rank.
+        spec_json = JobSpec.model_validate({"name": "no-group", "model": "tiny-gpt"}).model_dump_json()
+        with pytest.raises(RayTaskError) as raised:
+            ray.get(worker.train.remote(1, spec_json, "job", "/nonexistent", [1]), timeout=60)
+        assert isinstance(raised.value.cause, ValueError), raised.value
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(raised.value))
+        # Ray's account of the failed call, then the training process's: where training raised.
+        assert text.startswith("ray::TrainWorker.train()"), text
+        assert "Raised in the worker's training process:" in text and ", in train\n" in text, text
+        assert "Default process group has not been initialized" in text, text
+        # The call failed, the worker did not: it still answers and trains later calls.
+        assert ray.get(worker.heartbeat.remote()) == 0
+        assert _running(placement["training_pid"])
+    finally:
+        ray.kill(worker, no_restart=True)
