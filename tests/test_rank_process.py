@@ -5,9 +5,11 @@ the caller with its own type and the training process's traceback."""
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.rank_process import raised_error
 from ringmaster.workers.worker import TrainWorker
 
 pytestmark = pytest.mark.integration
@@ -76,3 +79,22 @@ def test_an_exception_in_the_training_process_keeps_its_type_and_traceback(local
         assert _running(placement["training_pid"])
     finally:
         ray.kill(worker, no_restart=True)
+
+
+class _TwoPartError(Exception):
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def test_an_exception_that_cannot_be_rebuilt_is_raised_as_its_tracebacks_last_line() -> None:
+    try:
+        raise _TwoPartError("loading", "no such shard")
+    except _TwoPartError as error:
+        payload, text = pickle.dumps(error), traceback.format_exc()
+    with pytest.raises(TypeError):
+        pickle.loads(payload)  # pickled with one argument, rebuilt with two
+    rebuilt = raised_error(payload, text)
+    assert type(rebuilt) is RuntimeError and str(rebuilt).endswith("._TwoPartError: loading: no such shard"), rebuilt
+    assert rebuilt.__notes__ == [f"Raised in the worker's training process:\n{text.rstrip()}"]
+    assert type(raised_error(b"", text)) is RuntimeError
+    assert type(raised_error(pickle.dumps(ValueError("bad")), "ValueError: bad")) is ValueError

@@ -65,12 +65,10 @@ class RankProcess:
             call_id = next(self._ids)
             self._pending[call_id] = future
             self._connection.send((call_id, method, args))
-        succeeded, value = future.result()
+        succeeded, payload, text = future.result()
         if succeeded:
-            return value
-        error, text = value
-        error.add_note(f"Raised in the worker's training process:\n{text.rstrip()}")
-        raise error
+            return pickle.loads(payload)
+        raise raised_error(payload, text)
 
     def _start_and_receive(self, pooled: bool, started: Future) -> None:
         try:
@@ -89,15 +87,28 @@ class RankProcess:
         started.set_result(None)
         while True:
             try:
-                call_id, succeeded, value = self._connection.recv()
+                call_id, *reply = self._connection.recv()
             except (EOFError, OSError):
                 break
-            self._pending.pop(call_id).set_result((succeeded, value))
+            self._pending.pop(call_id).set_result(reply)
         code = self._process.wait()
-        # The actor is this process's supervisor only: without it the worker is lost, as if its actor had died.
+        # Without its training process the worker is lost: the actor ends too, so the driver sees what it saw when
+        # training ran in the actor and the actor died.
         log.error("the worker's training process (pid %d) ended with code %s; the worker ends with it",
                   self._process.pid, code)
         os._exit(1)
+
+
+def raised_error(payload: bytes, text: str) -> BaseException:
+    """The exception the training process raised (`payload`, pickled) with its traceback `text` as a note; one that
+    cannot be rebuilt here (not pickled, or its class not rebuildable from its arguments) becomes a RuntimeError of
+    the traceback's last line."""
+    try:
+        error = pickle.loads(payload)
+    except Exception:  # noqa: BLE001 — whatever unpickling raises, the traceback's text still says what happened
+        error = RuntimeError(text.rstrip().rsplit("\n", 1)[-1])
+    error.add_note(f"Raised in the worker's training process:\n{text.rstrip()}")
+    return error
 
 
 class Rank:
@@ -291,15 +302,17 @@ def _import_training_stack_in_background() -> None:
 
 def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str,
            args: tuple) -> None:
+    """Run one call and send its reply: (id, True, the pickled result, "") or (id, False, the pickled exception or
+    b"" where it cannot be pickled, its traceback). The actor unpickles each reply's value in the call it answers, so
+    a value it cannot rebuild fails that call only."""
     try:
-        reply = (call_id, True, getattr(rank, method)(*args))
+        reply = (call_id, True, pickle.dumps(getattr(rank, method)(*args)), "")
     except BaseException as error:  # noqa: BLE001 — every exception goes back to the actor, which raises it
-        text = traceback.format_exc()
         try:
-            pickle.dumps(error)
-        except Exception:  # noqa: BLE001 — an exception that cannot travel goes as its text
-            error = RuntimeError(f"{type(error).__qualname__}: {error}")
-        reply = (call_id, False, (error, text))
+            pickled = pickle.dumps(error)
+        except Exception:  # noqa: BLE001 — the actor raises its traceback's last line instead
+            pickled = b""
+        reply = (call_id, False, pickled, traceback.format_exc())
     with send_lock:
         connection.send(reply)
 
