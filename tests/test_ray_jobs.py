@@ -197,6 +197,9 @@ def test_exception_in_user_code_fails_the_job_once_with_its_traceback(client: Ri
     done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
     assert done["state"] == "FAILED"
     assert "FileNotFoundError" in done["error"] and "Traceback" in done["error"] and "user_model.py" in done["error"]
+    # The training process's traceback alone: its exception stated once, no frames of the actor that handed it on.
+    error = done["error"]
+    assert error.count("FileNotFoundError: [Errno 2]") == 1 and "workers/worker.py" not in error, error
     assert done["attempt"] == 1
 
 

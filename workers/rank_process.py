@@ -36,6 +36,8 @@ from typing import Any
 log = logging.getLogger("ringmaster.rank_process")
 
 _PR_SET_PDEATHSIG = 1
+# Heads the training process's traceback, a note on the exception the actor raises (policies.describe_task_error).
+TRAINING_PROCESS_NOTE = "Raised in the worker's training process:"
 
 
 class RankProcess:
@@ -107,7 +109,7 @@ def raised_error(payload: bytes, text: str) -> BaseException:
         error = pickle.loads(payload)
     except Exception:  # noqa: BLE001 — whatever unpickling raises, the traceback's text still says what happened
         error = RuntimeError(text.rstrip().rsplit("\n", 1)[-1])
-    error.add_note(f"Raised in the worker's training process:\n{text.rstrip()}")
+    error.add_note(f"{TRAINING_PROCESS_NOTE}\n{text.rstrip()}")
     return error
 
 
@@ -303,8 +305,10 @@ def _import_training_stack_in_background() -> None:
 def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str,
            args: tuple) -> None:
     """Run one call and send its reply: (id, True, the pickled result, "") or (id, False, the pickled exception or
-    b"" where it cannot be pickled, its traceback). The actor unpickles each reply's value in the call it answers, so
-    a value it cannot rebuild fails that call only."""
+    b"" where it cannot be pickled, its traceback from the called method on). The actor unpickles each reply's value
+    in the call it answers, so a value it cannot rebuild fails that call only. The traceback has no "Traceback (most
+    recent call last):" lines: Ray's account of the actor's exception puts its own header in place of every such
+    line, the note's too."""
     try:
         reply = (call_id, True, pickle.dumps(getattr(rank, method)(*args)), "")
     except BaseException as error:  # noqa: BLE001 — every exception goes back to the actor, which raises it
@@ -312,7 +316,9 @@ def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_i
             pickled = pickle.dumps(error)
         except Exception:  # noqa: BLE001 — the actor raises its traceback's last line instead
             pickled = b""
-        reply = (call_id, False, pickled, traceback.format_exc())
+        lines = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
+        text = "".join(line for line in lines if not line.startswith("Traceback (most recent"))
+        reply = (call_id, False, pickled, text)
     with send_lock:
         connection.send(reply)
 

@@ -19,6 +19,7 @@ from ray.exceptions import RayTaskError
 
 from ringmaster.service.spec import WorkersSpec
 from ringmaster.workers.job_input import JobInputError
+from ringmaster.workers.rank_process import TRAINING_PROCESS_NOTE
 
 # Text of the exceptions a rank raises when a peer or the transport is gone, not the user's code.
 _COMMUNICATION_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
@@ -61,9 +62,12 @@ class FailurePolicy:
 
 
 def describe_task_error(error: BaseException) -> str:
-    """The remote traceback as plain text, headed by where it was raised."""
+    """The remote traceback as plain text, headed by where it was raised: of a worker's training process, the
+    training process's own (its note), without the actor's frames that handed the call on."""
     where, _, frames = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).partition("\n")
-    return f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n{frames}"
+    _, noted, in_training_process = frames.partition(f"{TRAINING_PROCESS_NOTE}\n")
+    return (f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n"
+            f"{in_training_process if noted else frames}")
 
 
 class GroupCounts(Protocol):
