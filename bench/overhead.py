@@ -7,8 +7,9 @@
 control plane;
 (c) runs the same bare_torchrun.py loop inside plain Ray actors (threaded, as ringmaster's workers are) on that
 cluster: what hosting the ranks in Ray worker processes costs by itself, with no ringmaster code in the way;
-(d) has the same actors run the loop in a child process each (a plain Python process, as torchrun's ranks are):
-what a rank would gain if its actor only supervised the process that trains.
+(d) has the same actors run the loop in a child process each (a plain Python process, as torchrun's ranks are), as
+ringmaster's workers train (workers/rank_process.py): what a rank gains when its actor only supervises the process
+that trains.
 Each round runs b, c, d, then a, back to back, so the machine's slow spells (which move either by ±15% here) hit
 them alike. Prints steady-state steps/s of each (wall clock between
 step ends, first --skip-steps left out), each round's ratio a/b and their median (goal ≥ 0.97),
