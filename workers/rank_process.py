@@ -38,6 +38,8 @@ log = logging.getLogger("ringmaster.rank_process")
 _PR_SET_PDEATHSIG = 1
 # Heads the training process's traceback, a note on the exception the actor raises (policies.describe_task_error).
 TRAINING_PROCESS_NOTE = "Raised in the worker's training process:"
+# The actor's PYTHONPATH, while the process starts with the actor's whole import path as its PYTHONPATH.
+_ACTOR_PYTHONPATH = "RINGMASTER_ACTOR_PYTHONPATH"
 
 
 class RankProcess:
@@ -76,9 +78,13 @@ class RankProcess:
         try:
             ours, theirs = socket.socketpair()
             # The actor's import path names the job's code (Ray's working_dir and py_modules): the process imports
-            # from the same places, in the same directory.
+            # from the same places in the same order, in the same directory (-P: nothing put before them). Its
+            # PYTHONPATH is then the actor's again, which the model registry puts first (the job's own code).
             environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-            command = [sys.executable, "-m", "ringmaster.workers.rank_process", str(theirs.fileno()), str(os.getpid())]
+            if "PYTHONPATH" in os.environ:
+                environment[_ACTOR_PYTHONPATH] = os.environ["PYTHONPATH"]
+            command = [sys.executable, "-P", "-m", "ringmaster.workers.rank_process", str(theirs.fileno()),
+                       str(os.getpid())]
             self._process = subprocess.Popen(command + (["--pooled"] if pooled else []), pass_fds=(theirs.fileno(),),
                                              env=environment, cwd=os.getcwd())
             theirs.close()
@@ -333,6 +339,10 @@ def _die_with_parent(parent_pid: int) -> None:
 def main() -> None:
     fd, parent_pid, pooled = int(sys.argv[1]), int(sys.argv[2]), "--pooled" in sys.argv[3:]
     _die_with_parent(parent_pid)
+    if _ACTOR_PYTHONPATH in os.environ:
+        os.environ["PYTHONPATH"] = os.environ.pop(_ACTOR_PYTHONPATH)
+    else:
+        del os.environ["PYTHONPATH"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     connection = Connection(fd)
     rank, send_lock = Rank(pooled), threading.Lock()
