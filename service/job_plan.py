@@ -76,12 +76,18 @@ def plan_submission(spec: JobSpec, shape: ClusterShape | None) -> PlannedSpec:
 
 
 def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None:
-    """A worker must fit on a node, and a tensor-parallel group inside one (the seeds' placement rule)."""
+    """A worker must fit on a node, workers.min on the cluster's nodes (when their number is known), and a tensor-parallel
+    group inside one node (the seeds' placement rule)."""
     workers = spec.workers
     if per_node == 0:
         field = "gpus_per_worker" if workers.gpus_per_worker else "cpus_per_worker"
         raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", field),
                                   f"workers.{field} is more than one node has ({shape.describe(workers)}): no node can hold a worker")])
+    if shape.nodes is not None and workers.min > per_node * shape.nodes:
+        raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", "min"),
+                                  f"workers.min ({workers.min}) is more workers than the cluster holds: {shape.nodes} node(s) × "
+                                  f"{per_node} ({shape.describe(workers)}) = {per_node * shape.nodes}; the job would wait "
+                                  "in the queue forever")])
     tp = spec.parallel.tp
     if tp > 1 and per_node % tp:
         worlds = range(workers.min, workers.max + 1)

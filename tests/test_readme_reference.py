@@ -1,5 +1,5 @@
-"""The README's JobSpec reference names every field a job spec accepts, at any depth (issue 13: "the JobSpec reference
-lists every new field with its default"): a field added without a word in the README fails here."""
+"""The README names every field a job spec accepts, at any depth (issue 13: "the JobSpec reference lists every new
+field with its default"), and every setting's environment variable: one added without a word in the README fails here."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -36,3 +37,11 @@ def test_every_job_spec_field_is_named_in_the_readme():
     assert len(paths) > 40, paths  # the walk reached the nested specs (train, checkpoint, data sources, …)
     missing = [path for path, name in paths if not re.search(rf"\b{re.escape(name)}\b", text)]
     assert not missing, f"JobSpec fields the README never names: {missing}"
+
+
+def test_every_setting_is_named_in_the_readme():
+    text = README.read_text()
+    prefix = Settings.model_config["env_prefix"]
+    assert prefix == "RINGMASTER_"
+    missing = [f"{prefix}{name}".upper() for name in Settings.model_fields if f"{prefix}{name}".upper() not in text]
+    assert not missing, f"settings the README never names: {missing}"

@@ -166,6 +166,20 @@ def test_a_worker_larger_than_a_node_is_422(client: TestClient) -> None:
     assert _rejected(client, TENSOR_4)["field"] == "workers.gpus_per_worker"
 
 
+def test_more_workers_than_the_nodes_hold_is_422_on_workers_min(client: TestClient) -> None:
+    client.app.state.cluster_shape_provider = lambda: ClusterShape(gpus_per_node=8, nodes=2)  # type: ignore[attr-defined]
+    # 2 nodes × (8 GPUs / 2 per worker) = 8 workers; 2520 divides by every world size from 2 to 9
+    ddp = {"name": "ddp", "model": "tiny-gpt", "strategy": "ddp", "workers": {"min": 9, "max": 9, "gpus_per_worker": 2},
+           "train": {"global_batch_size": 2520, "micro_batch_size": 1}}
+    error = _rejected(client, ddp)
+    assert error["field"] == "workers.min"
+    assert error["msg"].startswith("workers.min (9) is more workers than the cluster holds: 2 node(s) × 4 "
+                                   "(8 GPUs per node / 2 gpus_per_worker) = 8")
+    assert client.post("/v1/jobs", json=_with(ddp, workers={"min": 8, "max": 8})).status_code == 201
+    # workers.max above what the nodes hold is an elastic job's ceiling, not a refusal
+    assert client.post("/v1/jobs", json=_with(ddp, workers={"min": 2, "max": 9})).status_code == 201
+
+
 def test_unknown_cluster_shape_skips_the_node_check(client: TestClient) -> None:
     client.app.state.cluster_shape_provider = lambda: None  # type: ignore[attr-defined]
     assert client.post("/v1/jobs", json=TENSOR_4).status_code == 201
