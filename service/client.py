@@ -163,8 +163,11 @@ class RingmasterClient:
             if last_event_id is not None:
                 headers["Last-Event-ID"] = last_event_id
             try:
+                # The client's timeouts but a minute's read (the server sends a keepalive comment every 15 s). A tuple,
+                # not an httpx.Timeout, so a client of httpx2 (starlette's TestClient, where it is installed) takes it too.
+                timeout = self._http.timeout
                 with self._http.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers,
-                                       timeout=httpx.Timeout(self._http.timeout.connect, read=60.0)) as response:
+                                       timeout=(timeout.connect, 60.0, timeout.write, timeout.pool)) as response:
                     if response.status_code >= 400:
                         response.read()
                         raise ApiError(response.status_code, response.text)

@@ -243,7 +243,7 @@ def test_client_stream_and_watch_progress(client: TestClient) -> None:
     job_id = _submit(client)
     _drive(client, job_id)
     api = RingmasterClient("http://testserver")
-    api._http = client  # the TestClient is an httpx.Client on the app
+    api._http = client  # the TestClient is an HTTP client on the app (httpx2's where installed: starlette prefers it)
     messages = list(api.stream(job_id))
     assert [m["data"]["to_state"] for m in messages if m["event"] == "state"] == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
     assert list(api.stream(job_id, last_event_id=messages[-1]["id"])) == []

@@ -92,7 +92,7 @@ def test_bad_plan_request_is_422_naming_the_field(client: TestClient, body: dict
 def cli_on(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     """The CLI talking to the in-process API instead of a server."""
     api = RingmasterClient("http://testserver")
-    api._http = client  # TestClient is an httpx.Client
+    api._http = client  # the TestClient is an HTTP client on the app (httpx2's where installed: starlette prefers it)
     monkeypatch.setattr(cli, "_client", lambda _url: api)
     return CliRunner()
 
