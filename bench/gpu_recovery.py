@@ -13,8 +13,8 @@ which then talks over sockets): the abort, the survivor's process and the restor
 times are not a multi-GPU machine's. `--without-gpus` runs the same script with gloo on CPUs, to check the
 script itself where no GPU is. Prints one JSON object: steps computed twice (from each rank's own step record),
 seconds from the kill to the next completed step, whether the surviving rank's actor and training process are the
-ones that trained before the kill, where the restore came from and its storage reads, and the job's end. Without a CUDA device
-(and without --without-gpus) it prints why and exits 2. Runs in well under 5 minutes.
+ones that trained before the kill, where the restore came from and its storage reads, and the job's end. Without a
+CUDA device (and without --without-gpus) it prints why and exits 2. Runs in well under 5 minutes.
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def _recover(args, client, cluster, server, job_id: str, gpus: int) -> None:
     survivors = [actor_id for actor_id, actor in before.items() if actor["node_id"] != victim_node]
     # The process that trains is the actor's child (workers/rank_process.py): the first formation's ranks and the
     # re-formed group's name it, per actor.
-    formed = [e["data"]["ranks"] for e in events if e["data"] and "ranks" in e["data"]]
-    training_pid = [{rank["actor_id"]: rank["training_pid"] for rank in ranks} for ranks in (formed[0], formed[-1])]
+    formed = [{rank["actor_id"]: rank["training_pid"] for rank in e["data"]["ranks"]}
+              for e in events if e["data"] and "ranks" in e["data"]]
+    first_pids, last_pids = formed[0], formed[-1]
     first_after_kill = min(r["step"] for r in next_step)
     print(json.dumps({
         "ran": True, "backend": "gloo" if args.without_gpus else "nccl", "torch": torch.__version__,
@@ -130,7 +131,7 @@ def _recover(args, client, cluster, server, job_id: str, gpus: int) -> None:
         "formations": len(generations),
         "survivor_process_kept": bool(survivors) and len(formed) >= 2 and all(
             actor_id in after and after[actor_id]["pid"] == before[actor_id]["pid"]
-            and training_pid[1].get(actor_id) == training_pid[0].get(actor_id) is not None for actor_id in survivors),
+            and actor_id in first_pids and last_pids.get(actor_id) == first_pids[actor_id] for actor_id in survivors),
         "kill_to_recovering_s": round(datetime.fromisoformat(recovering["at"]).timestamp() - killed_at, 2),
         "kill_to_next_step_s": round(min(r["wall_time"] for r in next_step) - killed_at, 2),
         "first_step_after_kill": first_after_kill,

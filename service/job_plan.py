@@ -83,11 +83,11 @@ def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None
         field = "gpus_per_worker" if workers.gpus_per_worker else "cpus_per_worker"
         raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", field),
                                   f"workers.{field} is more than one node has ({shape.describe(workers)}): no node can hold a worker")])
-    if shape.nodes is not None and workers.min > per_node * shape.nodes:
+    capacity = per_node * shape.nodes if shape.nodes is not None else None
+    if capacity is not None and workers.min > capacity:
         raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", "min"),
                                   f"workers.min ({workers.min}) is more workers than the cluster holds: {shape.nodes} node(s) × "
-                                  f"{per_node} ({shape.describe(workers)}) = {per_node * shape.nodes}; the job would wait "
-                                  "in the queue forever")])
+                                  f"{per_node} ({shape.describe(workers)}) = {capacity}; the job would wait in the queue forever")])
     tp = spec.parallel.tp
     if tp > 1 and per_node % tp:
         worlds = range(workers.min, workers.max + 1)
