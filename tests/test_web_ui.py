@@ -48,11 +48,28 @@ def _wait(what: str, condition, timeout_s: float = 60.0):
     return result
 
 
+def _wait_for_element(browser, by: str, value: str, timeout_s: float = 30.0):
+    """The element once the page has it. A CI run once found no token field just after `get` returned; if that
+    recurs, the failure says which page the browser was on and keeps its screenshot."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while not (found := browser.find_elements(by, value)):
+        if time.monotonic() > deadline:
+            _shot(browser, f"missing-{value}")
+            body = browser.find_elements(By.TAG_NAME, "body")
+            pytest.fail(f"no {value!r} within {timeout_s:.0f}s on {browser.current_url} (title {browser.title!r}, "
+                        f"readyState {browser.execute_script('return document.readyState')!r}): "
+                        f"{(body[0].text if body else browser.page_source)[:500]!r}")
+        time.sleep(0.2)
+    return found[0]
+
+
 def _use_token(browser, url: str, token: str) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(f"{url}/ui")
-    field = browser.find_element(By.ID, "token")
+    field = _wait_for_element(browser, By.ID, "token")
     field.clear()
     field.send_keys(token)
     browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
@@ -146,13 +163,13 @@ def test_the_plan_and_submit_pages_answer_from_the_api(ray_server, browser) -> N
 
     _use_token(browser, ray_server.url, ray_server.token)
     browser.get(f"{ray_server.url}/ui/plan")
-    browser.find_element(By.CSS_SELECTOR, "#plan-form button[type=submit]").click()  # 7B parameters on 8 × 80 GB
+    _wait_for_element(browser, By.CSS_SELECTOR, "#plan-form button[type=submit]").click()  # 7B parameters on 8 × 80 GB
     table = _wait("the plan's options", lambda: browser.find_elements(By.CSS_SELECTOR, "#plan-result table tr"))
     assert len(table) > 3 and "recommended:" in browser.find_element(By.ID, "plan-result").text
     _shot(browser, "plan")
 
     browser.get(f"{ray_server.url}/ui/submit")
-    spec = browser.find_element(By.ID, "spec")
+    spec = _wait_for_element(browser, By.ID, "spec")
     spec.clear()
     spec.send_keys("name: web-bad\nmodel: mlp\ntrain: {steps: 0}\n")
     browser.find_element(By.ID, "submit").click()
