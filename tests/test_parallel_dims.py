@@ -20,6 +20,8 @@ LAYOUTS = {
     "3d dp2 tp2": ("3d", {"tp": 2}, (4,)),
     "3d pp2 tp2": ("3d", {"tp": 2, "pp": 2}, (2, 2)),
     "hybrid 2 nodes": ("fsdp", {"shard": "hybrid"}, (2, 2)),
+    "ddp 4": ("ddp", {}, (4,)),
+    "pipeline pp2": ("pipeline", {"pp": 2, "microbatches": 4}, (2, 2)),
 }
 
 
@@ -28,13 +30,22 @@ def _spec(strategy: str, workers: int, **parallel) -> JobSpec:
                    train={"global_batch_size": 96, "micro_batch_size": 4})
 
 
+def _gloo_loops() -> int:
+    """This process's gloo event-loop threads: one per gloo process group it is a member of."""
+    tasks = Path("/proc/self/task")
+    return sum((task / "comm").read_text().strip() == "gloo_tcp_loop" for task in tasks.iterdir())
+
+
 def _record_mesh_groups(rank: int, world_size: int, root: str) -> None:
     """Runs on each rank: the ranks of every named sub-mesh this rank belongs to, per layout."""
     groups = {}
     for name, (strategy, parallel, layout) in LAYOUTS.items():
         dims = ParallelDims.from_spec(_spec(strategy, world_size, **parallel), world_size, layout)
+        loops_before = _gloo_loops()
         mesh = dims.build_mesh("cpu")
         groups[name] = {dim: mesh[dim].mesh.tolist() for dim in mesh.mesh_dim_names}
+        groups[name]["new gloo loops"] = _gloo_loops() - loops_before
+        groups[name]["local ranks"] = [dims.local_rank(mesh, dim) for dim in ("pp", "tp")]
     all_groups = [None] * world_size
     dist.all_gather_object(all_groups, groups)
     if rank == 0:
@@ -54,6 +65,18 @@ def test_mesh_puts_tp_innermost_pp_next_dp_outermost_and_hybrid_shards_within_a_
     assert groups("3d pp2 tp2", "pp") == [(0, 2), (1, 3)], "pipeline stages span the nodes"
     assert groups("hybrid 2 nodes", "dp_shard") == [(0, 1), (2, 3)], "shards stay inside a node"
     assert groups("hybrid 2 nodes", "dp_replicate") == [(0, 2), (1, 3)], "replicas across nodes"
+
+
+def test_the_mesh_leaves_out_pp_and_tp_of_size_1_so_no_rank_keeps_idle_process_groups(tmp_path: Path) -> None:
+    """Each gloo group keeps a thread that wakes every 10 ms; a size-1 dimension would give every rank one more."""
+    run_on_ranks(_record_mesh_groups, 4, str(tmp_path))
+    by_rank = json.loads((tmp_path / "groups.json").read_text())
+    for rank, layouts in enumerate(by_rank):
+        assert sorted(layouts["ddp 4"]) == ["dp", "local ranks", "new gloo loops"], layouts["ddp 4"]
+        assert layouts["ddp 4"]["new gloo loops"] == 0, "dp spans the world: the default group serves it"
+        assert layouts["ddp 4"]["local ranks"] == [0, 0]
+        assert "tp" not in layouts["pipeline pp2"] and layouts["pipeline pp2"]["local ranks"] == [rank % 2, 0]
+        assert layouts["3d dp2 tp2"]["local ranks"] == [0, rank % 2]
 
 
 def test_tp_that_does_not_divide_the_workers_per_node_is_rejected_with_what_fits() -> None:

@@ -100,14 +100,22 @@ class ParallelDims:
 
     @property
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        """Named dimensions, outermost first: dp (or dp_replicate, dp_shard), then pp, then tp innermost."""
+        """Named dimensions, outermost first: dp (or dp_replicate, dp_shard), then pp, then tp innermost. pp and tp
+        only where larger than 1: a dimension of size 1 gives each rank a process group of its own, which nothing
+        uses, and each gloo group keeps a thread that wakes every 10 ms; on busy cores those wakeups preempt training
+        (two idle groups cost a ddp job on two CPU workers about 5% of its steps/s, bench/overhead.py)."""
         dp_dims = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.hybrid else (("dp", self.dp),)
-        return (*dp_dims, ("pp", self.pp), ("tp", self.tp))
+        return (*dp_dims, *((name, size) for name, size in (("pp", self.pp), ("tp", self.tp)) if size > 1))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Collective: the world's one DeviceMesh; size-1 dimensions are kept so every name always exists."""
+        """Collective: the world's one DeviceMesh (without pp and tp where they are 1: see mesh_shape)."""
         names, sizes = zip(*self.mesh_shape)
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+    @staticmethod
+    def local_rank(mesh: DeviceMesh, name: str) -> int:
+        """This rank's index along dimension `name`: 0 along one of size 1, which the mesh leaves out."""
+        return mesh.get_local_rank(name) if name in (mesh.mesh_dim_names or ()) else 0
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's data-parallel index in [0, dp): which shard of every batch it trains on."""

@@ -49,7 +49,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
     parts = [wrap(module) for module in modules]
     optimizers = [sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part.parameters())
                   for part in parts]
-    first_tp_rank = setup.mesh.get_local_rank("tp") == 0
+    first_tp_rank = setup.dims.local_rank(setup.mesh, "tp") == 0
     if not pipelined:
         replicated = entry.data_parallel == "ddp" and not entry.shards_optimizer and dims.tp == 1
         return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=first_tp_rank,
