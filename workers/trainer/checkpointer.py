@@ -43,7 +43,7 @@ class Checkpointer:
         self._ctx = ctx
         self._parallel = parallel
         self._metrics = metrics
-        self._group = dist.new_group(backend="gloo")
+        self._async_group: dist.ProcessGroup | None = None  # made at the first asynchronous save (_save_group)
         self._stager = checkpoint_stager(ctx.device)
         self._in_flight: PendingSave | None = None
         self._timing: dict[str, tuple[float, float]] = {}  # path -> (when its save began, seconds training was blocked)
@@ -86,13 +86,14 @@ class Checkpointer:
         ctx = self._ctx
         # Timed from when every rank is here, as a restore from storage is (after the ranks agree on its checkpoint):
         # each builds its model first, and one may come later than the others.
-        dist.barrier(group=self._group)
+        group = self._restore_group()
+        dist.barrier(group=group)
         began, reads_before = time.perf_counter(), CheckpointStorage.reads
         progress, metrics, received = restore_from_peers(
-            ctx.snapshot_store, ctx.job_id, ctx.memory_resume, self._group,
+            ctx.snapshot_store, ctx.job_id, ctx.memory_resume, group,
             model_parts=self._parallel.parts, optimizers=self._parallel.optimizers)
         totals = torch.tensor([CheckpointStorage.reads - reads_before, received], dtype=torch.float64)
-        dist.all_reduce(totals, group=self._group)
+        dist.all_reduce(totals, group=group)
         if ctx.rank == 0:
             restore_s = time.perf_counter() - began
             reads, moved = (int(value) for value in totals.tolist())
@@ -120,7 +121,7 @@ class Checkpointer:
         began = time.perf_counter()
         pending = begin_save(self._ctx.storage_root, self._spec, step=step, position=position,
                              model_parts=self._parallel.parts, optimizers=self._parallel.optimizers,
-                             process_group=self._group if asynchronous else None, metric_value=value,
+                             process_group=self._save_group() if asynchronous else None, metric_value=value,
                              stager=self._stager, metrics=self._metrics.for_checkpoint())
         self._timing[pending.path] = (began, time.perf_counter() - began)
         if asynchronous:
@@ -147,7 +148,22 @@ class Checkpointer:
     def close(self) -> None:
         self.settle(block=True)
         self._stager.close()
-        dist.destroy_process_group(self._group)
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+
+    def _save_group(self) -> dist.ProcessGroup:
+        """The gloo group an asynchronous save runs its collectives in, beside training's, from a thread of its own.
+        Collective: made at the first such save, which every rank begins after the same step, so a job that saves
+        nothing while it trains keeps no idle group (each gloo group keeps a thread that wakes every 10 ms, which
+        preempts training on busy cores)."""
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def _restore_group(self) -> dist.ProcessGroup:
+        """A gloo group for the restore's collectives of CPU objects, before training begins: the default group where
+        it is gloo, else the asynchronous saves' (made here then, on every rank)."""
+        return dist.group.WORLD if dist.get_backend() == "gloo" else self._save_group()
 
     def _commit(self, pending: PendingSave, final: bool) -> None:
         """Rank 0: make a written save visible, then report it with what retention did."""
@@ -170,5 +186,5 @@ class Checkpointer:
                 latest, corrupt_there = find_resume_point(self._ctx.resume_from_root)
                 corrupt += corrupt_there
             choice = [(latest, corrupt)]
-        dist.broadcast_object_list(choice, src=0, group=self._group)
+        dist.broadcast_object_list(choice, src=0, group=self._restore_group())
         return choice[0]
