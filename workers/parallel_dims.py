@@ -103,7 +103,7 @@ class ParallelDims:
         """Named dimensions, outermost first: dp (or dp_replicate, dp_shard), then pp, then tp innermost. pp and tp
         only where larger than 1: a dimension of size 1 gives each rank a process group of its own, which nothing
         uses, and each gloo group keeps a thread that wakes every 10 ms; on busy cores those wakeups preempt training
-        (two idle groups cost a ddp job on two CPU workers about 5% of its steps/s, bench/overhead.py)."""
+        (three idle groups slowed bench/bare_torchrun.py's hf-gpt2 loop on two CPU ranks by about 5% here)."""
         dp_dims = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.hybrid else (("dp", self.dp),)
         return (*dp_dims, *((name, size) for name, size in (("pp", self.pp), ("tp", self.tp)) if size > 1))
 
