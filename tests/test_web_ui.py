@@ -53,16 +53,14 @@ def _wait_for_element(browser, by: str, value: str, timeout_s: float = 30.0):
     recurs, the failure says which page the browser was on and keeps its screenshot."""
     from selenium.webdriver.common.by import By
 
-    deadline = time.monotonic() + timeout_s
-    while not (found := browser.find_elements(by, value)):
-        if time.monotonic() > deadline:
-            _shot(browser, f"missing-{value}")
-            body = browser.find_elements(By.TAG_NAME, "body")
-            pytest.fail(f"no {value!r} within {timeout_s:.0f}s on {browser.current_url} (title {browser.title!r}, "
-                        f"readyState {browser.execute_script('return document.readyState')!r}): "
-                        f"{(body[0].text if body else browser.page_source)[:500]!r}")
-        time.sleep(0.2)
-    return found[0]
+    try:
+        return _wait(repr(value), lambda: browser.find_elements(by, value), timeout_s)[0]
+    except AssertionError:
+        _shot(browser, f"missing-{value}")
+        body = browser.find_elements(By.TAG_NAME, "body")
+        pytest.fail(f"no {value!r} within {timeout_s:.0f}s on {browser.current_url} (title {browser.title!r}, "
+                    f"readyState {browser.execute_script('return document.readyState')!r}): "
+                    f"{(body[0].text if body else browser.page_source)[:500]!r}")
 
 
 def _use_token(browser, url: str, token: str) -> None:
