@@ -122,6 +122,9 @@ class ProgressOut(BaseModel):
     samples_per_s: float | None
     recoveries: int = Field(description="Times the job went RECOVERING (a worker was lost and the group re-formed).")
     eta_s: float | None = Field(description="Seconds left at the pace of the newest 20 steps; null unless the job is active.")
+    val_loss: float | None = Field(description="The newest validation loss (train.eval_every_steps, and at the end); "
+                                               "null before the first.")
+    val_step: int | None = Field(description="The step val_loss was measured after.")
 
 
 class JobDetailOut(JobOut):

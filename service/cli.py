@@ -169,15 +169,18 @@ def _print_job(job: dict[str, Any]) -> None:
     parts = [f"step {progress['step']}/{progress['total_steps']}"]
     if progress["loss"] is not None:
         parts.append(f"loss {progress['loss']:.4f}")
+    if progress.get("val_loss") is not None:
+        parts.append(f"val loss {progress['val_loss']:.4f} (step {progress['val_step']})")
     if progress["world_size"] is not None:
         parts.append(f"world size {progress['world_size']}")
     parts.append(f"recoveries {progress['recoveries']}")
     if progress["eta_s"] is not None:
         parts.append(f"ETA {format_duration(progress['eta_s'])}")
-    console.print("  ".join(parts))
+    # Unwrapped: a line cut at the terminal's width would split a value (a timestamp) in two.
+    console.print("  ".join(parts), soft_wrap=True)
     times = [f"{label} {job[field][:19].replace('T', ' ')}" for label, field in
              (("created", "created_at"), ("started", "started_at"), ("finished", "finished_at")) if job.get(field)]
-    console.print("  ".join(times))
+    console.print("  ".join(times), soft_wrap=True)
     if job.get("waiting_reason"):
         console.print(f"waiting: {escape(job['waiting_reason'])}", soft_wrap=True)
     if job.get("error"):

@@ -192,7 +192,8 @@ def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, 
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a job's training stands: its newest step, and for an active job the time left at its recent pace."""
+    """Where a job's training stands: its newest step, its newest validation (train.eval_every_steps), and for an
+    active job the time left at its recent pace."""
 
     step: int
     total_steps: int
@@ -201,6 +202,8 @@ class Progress:
     samples_per_s: float | None
     recoveries: int
     eta_s: float | None
+    val_loss: float | None = None
+    val_step: int | None = None
 
     @staticmethod
     def not_started(total_steps: int) -> "Progress":
@@ -216,14 +219,18 @@ def job_progress(session: Session, job: Job) -> Progress:
                                   .order_by(Metric.attempt.desc(), Metric.step.desc()).limit(_PACE_STEPS)))
     recoveries = session.scalar(select(func.count()).select_from(JobEvent).where(
         JobEvent.job_id == job.id, JobEvent.to_state == JobState.RECOVERING.value)) or 0
+    validated = session.scalars(select(Metric).where(Metric.job_id == job.id, Metric.val_loss.is_not(None))
+                                .order_by(Metric.attempt.desc(), Metric.step.desc()).limit(1)).first()
+    validation = {"val_loss": validated.val_loss, "val_step": validated.step} if validated else {}
     if not newest:
-        return replace(Progress.not_started(total), recoveries=recoveries)
+        return replace(Progress.not_started(total), recoveries=recoveries, **validation)
     latest, oldest = newest[0], newest[-1]
     eta = None
     if JobState(job.state) in ACTIVE and latest.wall_time and oldest.wall_time and latest.step > oldest.step:
         seconds_per_step = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
         eta = max(0.0, (total - latest.step) * seconds_per_step)
-    return Progress(latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta)
+    return Progress(latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta,
+                    **validation)
 
 
 def list_events(session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None) -> Page[JobEvent]:

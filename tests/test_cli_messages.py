@@ -161,20 +161,23 @@ def _all_ids(server: Server) -> list[str]:
         return [job.id for job in session.query(Job)]
 
 
-def test_status_of_a_job_shows_step_loss_world_size_recoveries_and_eta(server: Server) -> None:
+def test_status_of_a_job_shows_step_loss_validation_world_size_recoveries_and_eta(server: Server) -> None:
     [job_id] = submitted(server)
     now = time.time()
     with session_scope(server.sessions()) as session:
         job = session.get(Job, job_id)
         job.state, job.attempt = JobState.RUNNING.value, 1
         session.add(JobEvent(job_id=job_id, at=utcnow(), kind="transition", from_state="RUNNING", to_state="RECOVERING"))
-        # Four steps one second apart: six steps of ten are left, six seconds at this pace.
+        # Four steps one second apart: six steps of ten are left, six seconds at this pace. Steps 2 and 3 were
+        # validated: the newest validation is shown, with its step.
         for step in range(1, 5):
             session.add(Metric(job_id=job_id, attempt=1, step=step, loss=2.0 / step, world_size=2, samples_per_s=8.0,
-                               wall_time=now - 4 + step))
+                               wall_time=now - 4 + step, val_loss=3.0 / step if step in (2, 3) else None))
     shown = ringmaster("status", job_id, env=at(server))
     assert shown.returncode == 0, shown.stdout + shown.stderr
-    assert "step 4/10  loss 0.5000  world size 2  recoveries 1  ETA 0m06s" in shown.stdout, shown.stdout
+    # Longer than the 80 columns the CLI has without a terminal, and still one line (wrapped lines split values).
+    assert ("step 4/10  loss 0.5000  val loss 1.0000 (step 3)  world size 2  recoveries 1  ETA 0m06s\n"
+            in shown.stdout), shown.stdout
 
 
 def test_the_job_table_fits_80_columns(server: Server) -> None:

@@ -243,6 +243,7 @@ async function jobPage(jobId) {
       el("span", {}, el("b", {}, "state "), stateCell(job.state)),
       el("span", {}, el("b", {}, "step "), `${p.step}/${p.total_steps}`),
       el("span", {}, el("b", {}, "loss "), p.loss == null ? "-" : p.loss.toFixed(4)),
+      el("span", {}, el("b", {}, "val loss "), p.val_loss == null ? "-" : `${p.val_loss.toFixed(4)} (step ${p.val_step})`),
       el("span", {}, el("b", {}, "world size "), p.world_size == null ? "-" : String(p.world_size)),
       el("span", {}, el("b", {}, "recoveries "), String(p.recoveries)),
       el("span", {}, el("b", {}, "ETA "), p.eta_s == null ? "-" : duration(p.eta_s)),
