@@ -25,7 +25,7 @@ from ringmaster.service.code_packing import CodeDirectoryError
 from ringmaster.service.embedded_ray import HeadStartFailed
 from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.planner import GB, format_bytes, format_duration
-from ringmaster.service.naming import TENSORBOARD_DIR
+from ringmaster.service.naming import JOB_ID_LENGTH, TENSORBOARD_DIR
 from ringmaster.service.settings import get_settings
 from ringmaster.service.states import TERMINAL, JobState
 
@@ -42,7 +42,6 @@ app.add_typer(tenant_app, name="tenant")
 console = Console()
 
 ApiOption = Annotated[Optional[str], typer.Option("--api", help="API URL; default from RINGMASTER_API_URL / host and port.")]
-_JOB_ID_LENGTH = 32
 _PREFIX_MATCHES_SHOWN = 5
 _STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "ADMITTED": "blue", "QUEUED": "white"}
 
@@ -94,10 +93,10 @@ def _handled(command):
 def _job_id(client: RingmasterClient, text: str) -> str:
     """A full job id, or an unambiguous prefix of one (as git and docker take them)."""
     text = text.strip().lower()
-    if len(text) == _JOB_ID_LENGTH:
+    if len(text) == JOB_ID_LENGTH:
         return text
     if not text or any(char not in "0123456789abcdef" for char in text):
-        _fail(f"not a job id: {text!r} (ids are {_JOB_ID_LENGTH} hex digits; any unambiguous prefix of one will do)")
+        _fail(f"not a job id: {text!r} (ids are {JOB_ID_LENGTH} hex digits; any unambiguous prefix of one will do)")
     matches = client.jobs(id_prefix=text, limit=_PREFIX_MATCHES_SHOWN)
     if matches["total"] == 0:
         _fail(f"no job id starts with {text!r}")

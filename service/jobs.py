@@ -22,6 +22,7 @@ from ringmaster.service.errors import UNKNOWN_REFERENCE, CodeNotFound, InvalidSp
 from ringmaster.service import code_store, telemetry, tenants
 from ringmaster.service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from ringmaster.service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
+from ringmaster.service.naming import JOB_ID_LENGTH
 from ringmaster.service.planner import StateMemory
 from ringmaster.service.reports import DriverReport, MetricPoint
 from ringmaster.service.spec import JobSpec
@@ -72,7 +73,7 @@ class ReportResult:
 
 def _plausible_id(job_id: str) -> bool:
     """Job ids are 32 hex digits; anything else (too long, NUL, non-ASCII) is unknown without asking the database."""
-    return len(job_id) <= 32 and job_id.isascii() and job_id.isalnum()
+    return len(job_id) <= JOB_ID_LENGTH and job_id.isascii() and job_id.isalnum()
 
 
 def get_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
@@ -102,14 +103,11 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
 
     The planner runs first: ``auto`` is stored as the strategy it resolves to (with a "plan" event saying
     why), and a job that cannot fit its GPUs or nodes, or the tenant's quota even alone, raises InvalidSpec
-    before anything is written. resume_from must name a job the principal may read, and code an archive of its tenant.
+    before anything is written. resume_from must name a job the principal may read (an unambiguous prefix of its id
+    is stored as the whole id), and code an archive of its tenant.
     """
     if spec.resume_from is not None:
-        try:
-            get_job(session, spec.resume_from, principal.scope)
-        except JobNotFound:
-            raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["resume_from"],
-                                "msg": f"resume_from: no job with id {spec.resume_from[:64]!r}", "input": spec.resume_from}]) from None
+        spec = spec.model_copy(update={"resume_from": _resumed_job_id(session, spec.resume_from, principal)})
     if spec.code is not None and not code_store.has_archive(session, principal.tenant, spec.code):
         raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["code"], "msg": str(CodeNotFound(spec.code, principal.tenant)),
                             "input": spec.code}])
@@ -175,6 +173,26 @@ def cancel_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
         raise JobConflict(f"job {job_id} already finished as {job.state}; there is nothing to cancel")
     job.cancel_requested = True
     return transition(session, job, JobState.CANCELLED, "cancelled on request")
+
+
+def _resumed_job_id(session: Session, reference: str, principal: Principal) -> str:
+    """The id of the job resume_from names: its whole id, or an unambiguous prefix of one (`ringmaster status` lists
+    ids by their first 12 digits), among the jobs the principal may read."""
+    try:
+        return get_job(session, reference, principal.scope).id
+    except JobNotFound:
+        pass
+    shown = 3
+    matches = list_jobs(session, limit=shown, tenant=principal.scope, id_prefix=reference) if _plausible_id(reference) else None
+    if matches is None or matches.total == 0:
+        problem = f"no job with id {reference[:64]!r}" + ("" if len(reference) >= JOB_ID_LENGTH else ", nor one whose id starts with it")
+    elif matches.total == 1:
+        return matches.items[0].id
+    else:
+        listed = ", ".join(job.id[:12] for job in matches.items) + (" and more" if matches.total > shown else "")
+        problem = f"{reference!r} is the start of {matches.total} job ids ({listed}): give more of the id"
+    raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["resume_from"], "msg": f"resume_from: {problem}",
+                        "input": reference}])
 
 
 def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, offset: int = 0,

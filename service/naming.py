@@ -4,6 +4,7 @@ and Ray submission id, and the shape of a worker's bundle. A shared contract, so
 from __future__ import annotations
 
 NAMESPACE = "ringmaster"
+JOB_ID_LENGTH = 32  # hex digits (uuid4().hex)
 TENSORBOARD_DIR = "tensorboard"  # below a job's storage root: attempt-<n>/ holds each attempt's event files
 
 

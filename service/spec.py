@@ -323,7 +323,7 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: int = Field(default=3, ge=0, le=100)
     priority: int = Field(default=0, ge=-1000, le=1000)
-    resume_from: str | None = Field(default=None, description="Id of another job: this job starts from that job's newest usable "
+    resume_from: str | None = Field(default=None, description="Id of another job (or an unambiguous prefix of one, stored as the whole id): this job starts from that job's newest usable "
                                     "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.")
     code: str | None = Field(default=None, description="The job's own code: 'sha256:<hex>' of an archive uploaded with "
                              "POST /v1/code (`ringmaster submit --code DIR`); the job's processes run in it and import from it.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,32 @@ def test_another_tenants_cancel_is_404_and_changes_nothing(service: Service) -> 
 
 def test_resume_from_another_tenants_job_is_refused_like_an_unknown_one(service: Service) -> None:
     theirs = service.submit("b")
-    response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": theirs})
-    assert response.status_code == 422 and response.json()["detail"][0]["field"] == "resume_from"
+    for reference in (theirs, theirs[:12]):  # a prefix finds only the tenant's own jobs too
+        response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": reference})
+        assert response.status_code == 422 and response.json()["detail"][0]["field"] == "resume_from"
     assert service.call("b", "POST", "/v1/jobs", json={**SPEC, "resume_from": theirs}).status_code == 201
+
+
+def test_resume_from_takes_an_unambiguous_prefix_of_an_id_and_stores_the_whole_id(service: Service) -> None:
+    """`ringmaster status` lists ids by their first 12 digits: that is what a user copies into resume_from."""
+    ours = service.submit("a")
+    response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": ours[:12]})
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["resume_from"] == ours
+    assert service.job(response.json()["id"])["spec"]["resume_from"] == ours
+
+    # 17 ids: by pigeonhole, at least two share a first hex digit.
+    ids = [ours, *(service.submit("a") for _ in range(16))]
+    shared = Counter(job[0] for job in ids).most_common(1)[0][0]
+    sharing = sum(job.startswith(shared) for job in ids)
+    response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": shared})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["msg"].startswith(
+        f"resume_from: {shared!r} is the start of {sharing} job ids ("), response.text
+
+    unknown = "0" * 32 if not ours.startswith("0") else "f" * 32
+    response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": unknown})
+    assert response.json()["detail"][0]["msg"] == f"resume_from: no job with id {unknown!r}", response.text
 
 
 # --- 401 and 403 ----------------------------------------------------------------------------------------------------
