@@ -168,6 +168,9 @@ def test_cancel_running_job_stops_it_and_frees_ray_resources(client: RingmasterC
         time.sleep(0.25)
     with pytest.raises(Exception, match="409"):
         client.cancel(job["id"])
+    # The driver's log says why it stopped, with no crash dump of Ray's SIGTERM handler.
+    driver_log = jobs_api.get_job_logs(cancelled["ray_job_id"])
+    assert "stop requested (SIGTERM, as a cancel sends it)" in driver_log and "SIGTERM received" not in driver_log, driver_log
 
 
 def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(client: RingmasterClient):

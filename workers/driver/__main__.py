@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     # The dispatcher puts the spec in the Ray job's environment: on the command line it would be the dashboard's
     # entrypoint column, a kilobyte of JSON.
     spec = JobSpec.model_validate_json(os.environ[JOB_SPEC_ENV])
-    # `ray job stop` sends SIGTERM: unwind through the finally blocks so actors and the group are freed.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, _temp_dir=_own_node_temp_dir())
+    # After ray.init: its core worker installs a handler that writes a crash dump into the log on SIGTERM, which a
+    # cancel sends; Python's own handler replaces it.
+    signal.signal(signal.SIGTERM, _stop_requested)
     log.info("connected to Ray after %.2fs", time.monotonic() - started)
     # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
@@ -81,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
              args.job_id, args.attempt, code, time.monotonic() - started, delivered)
     _outlive_one_metrics_export()
     return code
+
+
+def _stop_requested(signum: int, frame: object) -> None:
+    """`ray job stop` (a cancel) sends SIGTERM: unwind through the finally blocks so actors and the group are freed."""
+    log.info("stop requested (SIGTERM, as a cancel sends it): ending the job's workers")
+    sys.exit(128 + signum)
 
 
 def _outlive_one_metrics_export() -> None:
