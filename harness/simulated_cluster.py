@@ -111,12 +111,15 @@ class SimulatedCluster:
         return [raylet, *_descendants(raylet)]
 
     def kill_node(self, node) -> None:
-        """The machine dies: every process on it is gone at once."""
-        for pid in reversed(self._node_processes(node)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """The machine dies: every process on it is gone at once. All are stopped before any is killed (the raylet
+        first): a raylet that outlived its workers by a moment would report their deaths as crashes on a live node."""
+        processes = self._node_processes(node)
+        for sent in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in processes:
+                try:
+                    os.kill(pid, sent)
+                except ProcessLookupError:
+                    pass
         self.cluster.remove_node(node, allow_graceful=False)
 
     def freeze_node(self, node) -> list[int]:

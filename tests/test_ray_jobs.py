@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -171,6 +173,41 @@ def test_cancel_running_job_stops_it_and_frees_ray_resources(client: RingmasterC
     # The driver's log says why it stopped, with no crash dump of Ray's SIGTERM handler.
     driver_log = jobs_api.get_job_logs(cancelled["ray_job_id"])
     assert "stop requested (SIGTERM, as a cancel sends it)" in driver_log and "SIGTERM received" not in driver_log, driver_log
+
+
+def test_a_rank_whose_process_dies_on_a_live_node_is_replaced_within_the_attempt(client: RingmasterClient):
+    """A training process killed (as the OOM killer or a crash ends one) while its node lives: its bundle is free on
+    that node, so the driver starts a replacement there at once and the attempt goes on. It used to take the node for
+    dead and, on a cluster with no other node, wait for capacity until it gave the attempt up."""
+    job = client.submit(_spec("e2e-process-death", train={"steps": 400, "global_batch_size": 16, "micro_batch_size": 4,
+                                                          "lr": 0.003, "seed": 0}))
+    _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
+    deadline = time.monotonic() + 60
+    while not client.metrics(job["id"])["items"]:
+        assert time.monotonic() < deadline, "no training step was reported"
+        time.sleep(0.25)
+    running = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING")
+    victim = running["data"]["ranks"][1]
+    os.kill(victim["training_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    deadline = killed + 60
+    while not [e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING"][1:]:
+        assert time.monotonic() < deadline, f"not re-formed within 60 s: {client.events(job['id'])['items'][-3:]}"
+        time.sleep(0.25)
+    reformed_after = time.monotonic() - killed
+    done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["error"]
+    events = client.events(job["id"])["items"]
+    recovering = next(e for e in events if e["to_state"] == "RECOVERING")
+    assert recovering["data"]["lost_pids"] == [victim["pid"]], recovering
+    reformed = [e for e in events if e["to_state"] == "RUNNING"][1]
+    assert reformed["data"]["world_size"] == 2 and reformed_after < 30, (reformed_after, reformed)
+    assert {rank["node_id"] for rank in reformed["data"]["ranks"]} == {victim["node_id"]}
+    # The survivor's interrupted call is one line of the driver's log, not Ray's whole "Unhandled error" traceback.
+    from ray.job_submission import JobSubmissionClient
+
+    driver_log = JobSubmissionClient(done["dashboard_url"].split("/#")[0]).get_job_logs(done["ray_job_id"])
+    assert "rank 0's interrupted training call ended: " in driver_log and "Unhandled error" not in driver_log, driver_log
 
 
 def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(client: RingmasterClient):

@@ -34,7 +34,7 @@ from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup
 from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.driver.standby import StandbyPool
 from ringmaster.workers.driver.training_log import TrainingLog
-from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
+from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup, died_on_a_live_node
 from ringmaster.workers.metric_ledger import DrainedMetrics
 from ringmaster.workers.reporter import Reporter
 
@@ -226,6 +226,7 @@ class Controller:
         result = running.poll.poll(self._rank0_metrics.acknowledged(self.reporter.handled_seq))
         self._forward(result)
         if result.broken:
+            running.poll.settle_interrupted(COLLECTIVE_TIMEOUT_S)
             decision = self.failures.decide(result.lost, result.errors)
             if isinstance(decision, FailJob):
                 return Failed(decision.reason)
@@ -289,7 +290,8 @@ class Controller:
             lost_nodes = {worker.node_id for worker in state.lost}
             suspects = [worker for worker in self.group.workers if worker.node_id in lost_nodes and worker not in state.lost]
             lost = state.lost + (self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S, suspects) if suspects else [])
-            self.bundles.lost_nodes |= {worker.node_id for worker in lost}
+            # A worker whose process alone died (its node lives) leaves a bundle a replacement can take at once.
+            self.bundles.lost_nodes |= {worker.node_id for worker in lost if not died_on_a_live_node(worker)}
             self._report(state=None if again else "RECOVERING", message=f"{state.reason}; re-forming the group", details={
                 "lost_ranks": sorted(worker.rank for worker in lost),
                 "lost_nodes": sorted({worker.node_id for worker in lost}),

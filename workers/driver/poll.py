@@ -4,6 +4,7 @@ heartbeat, or silence in the probe after a failed collective), and what rank 0 r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +114,17 @@ class GroupPoll:
             result.finished = ray.get(list(self._futures))
         return result
 
+    def settle_interrupted(self, timeout_s: float) -> None:
+        """Take, in the background, the results of the training calls still running when the run broke: survivors'
+        calls end with their peer's loss (the next group's join aborts their collectives). Ray writes an error that is
+        never taken into the driver's log whole, when its reference goes ("Unhandled error"): a traceback per
+        survivor of what the log already says. One line each instead."""
+        interrupted = {ref: self._futures[ref] for ref in self._pending}
+        self._pending = []
+        if interrupted:
+            threading.Thread(target=_log_interrupted, args=(interrupted, timeout_s), name="interrupted-calls",
+                             daemon=True).start()
+
     def drain(self, metrics_acknowledged: int) -> list[tuple[RankedWorker, dict[str, list[dict[str, Any]]]]]:
         """Rank 0's metrics, checkpoints and events, and each rank's one memory report ([] when none answer: the
         heartbeats will name who is gone)."""
@@ -127,3 +139,15 @@ class GroupPoll:
         for batch in drained:
             self.memory_pending -= {measured["rank"] for measured in batch["memory"]}
         return list(zip(sources, drained))
+
+
+def _log_interrupted(calls: dict[Any, RankedWorker], timeout_s: float) -> None:
+    for ref, worker in calls.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except RayTaskError as error:
+            cause = error.cause if error.cause is not None else error
+            first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            log.info("rank %d's interrupted training call ended: %s: %s", worker.rank, type(cause).__name__, first_line[:300])
+        except Exception as error:  # noqa: BLE001 — lost with its actor, or still running when the driver moved on
+            log.info("rank %d's interrupted training call ended: %s", worker.rank, type(error).__name__)

@@ -12,6 +12,8 @@ from itertools import groupby
 from typing import Any
 
 import ray
+import ray._private.state  # the GCS's record of an actor's death (no public API gives its cause's reason)
+from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -44,6 +46,20 @@ class RankedWorker:
     def describe(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": self.pid, "training_pid": self.training_pid, "node_id": self.node_id,
                 "actor_id": self.actor_id, "name": self.name}
+
+
+def died_on_a_live_node(worker: RankedWorker) -> bool:
+    """Whether Ray recorded the worker's actor dead of its own process's death (killed, crashed, out of memory) while its
+    node lives on, so its bundle can take a replacement at once. Else (a node that died, one Ray has not yet declared
+    dead, a frozen one, or no answer) its node is treated as lost."""
+    try:
+        actor = ray._private.state.actors(worker.actor_id)
+    except Exception:  # noqa: BLE001 — the GCS busy or restarting: the cautious answer
+        return False
+    cause = actor.get("DeathCause")
+    if actor.get("State") != "DEAD" or cause is None or cause.WhichOneof("context") != "actor_died_error_context":
+        return False
+    return cause.actor_died_error_context.reason == ActorDiedErrorContext.Reason.WORKER_DIED
 
 
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
