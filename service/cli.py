@@ -586,19 +586,21 @@ def _describe(error: ApiError, subject: str = "job spec") -> str:
         lines = []
         for item in error.detail:
             field = ".".join(str(part) for part in item.get("loc", [])[1:]) or "(spec)"
-            lines.append(f"  {field}: {_without_field(str(item.get('msg')), field)}")
+            lines.append(f"  {_naming_field_once(str(item.get('msg')), field)}")
         return f"invalid {subject}:\n" + "\n".join(lines)
     detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
     return f"{detail} (HTTP {error.status})"
 
 
-def _without_field(message: str, field: str) -> str:
-    """A message that begins by naming its field (as one read without the field must), shown after the field: the
-    name once, not twice."""
+def _naming_field_once(message: str, field: str) -> str:
+    """`field: message`, naming the field once: a message that begins with its field (as one read without the field
+    must: "field: …", or a sentence about it, "field (3) must …") is shown as it is, after the field's whole name."""
     named, separator, rest = message.partition(": ")
     if separator and (field == named or field.endswith("." + named)):
-        return rest
-    return message
+        return f"{field}: {rest}"
+    if message.startswith(field + " "):
+        return message
+    return f"{field}: {message}"
 
 
 if __name__ == "__main__":

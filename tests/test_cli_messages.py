@@ -201,6 +201,11 @@ def test_an_invalid_spec_is_listed_one_field_a_line_each_named_once(server: Serv
     result = ringmaster("submit", str(spec), env=at(server))
     assert (result.stdout + result.stderr).strip().splitlines() == [
         "error: invalid job spec:", f"  resume_from: no job with id '{unknown}'"]
+    # A message that is a sentence about its field names it once.
+    spec.write_text("name: cli-bad\nmodel: mlp\nworkers: {min: 3, max: 2}\n")
+    result = ringmaster("submit", str(spec), env=at(server))
+    assert (result.stdout + result.stderr).strip().splitlines() == [
+        "error: invalid job spec:", "  workers.min (3) must not exceed workers.max (2)"]
 
 
 def test_logs_of_a_job_whose_driver_never_started_say_so_and_why(server: Server, logs: _Logs) -> None:
