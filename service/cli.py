@@ -200,14 +200,17 @@ def watch(job_id: str, api: ApiOption = None) -> None:
 def _watch(client: RingmasterClient, job_id: str) -> dict:
     total = client.job(job_id)["spec"]["train"]["steps"]
     columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} samples/s"), TimeElapsedColumn()]
+               TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val_loss]}"),
+               TextColumn("{task.fields[speed]} samples/s"), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, state="…", loss="-", speed="-")
+        task = progress.add_task("train", total=total, state="…", loss="-", val_loss="-", speed="-")
         for state, new_rows in _progress(client, job_id):
             update: dict[str, Any] = {"state": state} if state else {}
             for row in new_rows:
                 if row.get("loss") is not None:
                     update.update(completed=row["step"], loss=f"{row['loss']:.4f}", speed=f"{row.get('samples_per_s') or 0:.1f}")
+                if row.get("val_loss") is not None:
+                    update.update(val_loss=f"{row['val_loss']:.4f}")
             progress.update(task, **update)
     job = client.job(job_id)
     style = _STATE_STYLE.get(job["state"], "white")

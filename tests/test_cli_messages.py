@@ -180,6 +180,19 @@ def test_status_of_a_job_shows_step_loss_validation_world_size_recoveries_and_et
             in shown.stdout), shown.stdout
 
 
+def test_watch_shows_the_newest_loss_and_validation_loss(server: Server) -> None:
+    [job_id] = submitted(server)
+    with session_scope(server.sessions()) as session:
+        job = session.get(Job, job_id)
+        job.state, job.attempt = JobState.SUCCEEDED.value, 1
+        for step in range(1, 5):
+            session.add(Metric(job_id=job_id, attempt=1, step=step, loss=2.0 / step, samples_per_s=8.0,
+                               val_loss=3.0 / step if step in (2, 3) else None))
+    shown = ringmaster("watch", job_id, env=at(server))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "step 4/10 loss 0.5000 val 1.0000 8.0 samples/s" in shown.stdout, shown.stdout
+
+
 def test_the_job_table_fits_80_columns(server: Server) -> None:
     with session_scope(server.sessions()) as session:
         jobs.submit_job(session, JobSpec.model_validate({**SPEC, "name": "a-job-name-that-goes-on-and-on-" + "x" * 32}))
