@@ -168,7 +168,7 @@ def _print_job(job: dict[str, Any]) -> None:
     parts = [f"step {progress['step']}/{progress['total_steps']}"]
     if progress["loss"] is not None:
         parts.append(f"loss {progress['loss']:.4f}")
-    if progress.get("val_loss") is not None:
+    if progress["val_loss"] is not None:
         parts.append(f"val loss {progress['val_loss']:.4f} (step {progress['val_step']})")
     if progress["world_size"] is not None:
         parts.append(f"world size {progress['world_size']}")

@@ -177,11 +177,7 @@ def cancel_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
 
 def _resumed_job_id(session: Session, reference: str, principal: Principal) -> str:
     """The id of the job resume_from names: its whole id, or an unambiguous prefix of one (`ringmaster status` lists
-    ids by their first 12 digits), among the jobs the principal may read."""
-    try:
-        return get_job(session, reference, principal.scope).id
-    except JobNotFound:
-        pass
+    ids by their first 12 digits), among the jobs the principal may read. A whole id is the prefix of itself alone."""
     shown = 3
     matches = list_jobs(session, limit=shown, tenant=principal.scope, id_prefix=reference) if _plausible_id(reference) else None
     if matches is None or matches.total == 0:
