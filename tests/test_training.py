@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from ringmaster.service.reports import CheckpointRecord, MetricPoint
 from ringmaster.service.spec import JobSpec, parse_spec_text
 from ringmaster.workers.checkpoint import checkpoint_metrics, committed_checkpoints
+from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
+from ringmaster.workers.job_input import JobInputError
+from ringmaster.workers.models import ModelBundle
 from ringmaster.workers.trainer import TrainContext, run_training
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -96,3 +103,44 @@ def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Pat
     other: list[MetricPoint] = []
     run_training(spec, TrainContext(0, 1, torch.device("cpu"), "job-2", str(tmp_path / "other"), sink=CallbackSink(on_metric=other.append), resume_from_root=str(tmp_path / "own"), attempt=1))
     assert [point.step for point in other if point.loss is not None] == [], "resumed from a finished run: no step left"
+
+
+DIVERGES_AT_STEP = 3
+
+
+def diverging_on_rank_1() -> ModelBundle:
+    """A linear model whose loss turns NaN at step DIVERGES_AT_STEP on rank 1 alone (one micro-batch per step), as a
+    corrupt sample or an overflow on one rank would make it."""
+    calls = itertools.count(1)
+    inputs = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        value = nn.functional.mse_loss(model(batch[0]), batch[1])
+        return value * math.nan if next(calls) >= DIVERGES_AT_STEP and dist.get_rank() == 1 else value
+
+    return ModelBundle(nn.Linear(4, 1), TensorDataset(inputs, inputs.sum(1, keepdim=True)), None, loss)
+
+
+def _train_until_the_loss_diverges(rank: int, world_size: int, root: str) -> None:
+    spec = JobSpec(name="diverges", model="test_training:diverging_on_rank_1", data="user",
+                   train={"steps": 6, "global_batch_size": 8, "micro_batch_size": 4}, checkpoint={"every_steps": 1, "keep": 10})
+    metrics: list[MetricPoint] = []
+    try:
+        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "diverges", root,
+                                        sink=CallbackSink(on_metric=metrics.append)))
+    except JobInputError as error:
+        outcome = {"error": error.reason, "steps": [point.step for point in metrics]}
+    else:
+        outcome = {"error": None}
+    Path(root, f"outcome-{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_at_that_step_before_it_is_stored(tmp_path: Path) -> None:
+    run_on_ranks(_train_until_the_loss_diverges, 2, str(tmp_path))
+
+    outcomes = [json.loads((tmp_path / f"outcome-{rank}.json").read_text()) for rank in range(2)]
+    for outcome in outcomes:
+        assert outcome["error"] is not None and outcome["error"].startswith(
+            f"training diverged: the loss was nan at step {DIVERGES_AT_STEP},"), outcome
+    assert outcomes[0]["steps"] == list(range(1, DIVERGES_AT_STEP)), "rank 0 records the finite steps, not the NaN one"
+    assert [checkpoint.step for checkpoint in committed_checkpoints(tmp_path)] == list(range(1, DIVERGES_AT_STEP))

@@ -9,6 +9,7 @@ checkpoint. The strategy decides how the model is split; the trainer only runs m
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from contextlib import nullcontext
@@ -211,6 +212,14 @@ class Trainer:
         step_time = time.perf_counter() - started
         self.step += 1
         self.loss = summed_loss / (self._accumulation * self._dims.dp)
+        if not math.isfinite(self.loss):
+            # The all-reduced sum is NaN or infinite on every rank alike, so every rank stops here, before this step
+            # reaches a snapshot or a checkpoint; a save of an earlier step still in flight is committed first.
+            self._checkpointer.settle(block=True)
+            raise JobInputError(
+                f"training diverged: the loss was {self.loss} at step {self.step}, and the weights after it are not "
+                f"usable; the job stopped there, and its checkpoints hold only earlier steps. A smaller train.lr, "
+                f"more train.warmup_steps or a train.grad_clip usually keeps the loss finite")
         if self._audit is not None:
             self._audit.record(self.step, self._stream.position.epoch, sample_ids)
         if self.ctx.rank == 0:
