@@ -8,15 +8,21 @@ process down with it.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import re
 import socket
 import threading
+import time
 from typing import Any, Protocol
 
 from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, RayAgent, agent_command
 
 log = logging.getLogger(__name__)
+
+# How long a warm pool's code package, once found on the cluster, is taken to be there still. Looking means hashing the
+# code zip and asking the dashboard (which logs each answer); Ray keeps a package while pool workers use it.
+POOL_PACKAGE_RECHECK_S = 300.0
 
 
 class ClusterBackend(Protocol):
@@ -48,6 +54,7 @@ class RayCluster:
         self.agent = RayAgent(agent or agent_command("ringmaster.service.ray_agent", address))
         self._jobs = None
         self._lock = threading.Lock()
+        self._pool_envs: dict[str, tuple[str, float, dict[str, Any]]] = {}  # pool -> (its env, checked at, as Ray takes it)
 
     @property
     def gcs_address(self) -> str | None:
@@ -78,20 +85,28 @@ class RayCluster:
         self.agent.close()
         with self._lock:
             self._jobs = None
+        self._pool_envs.clear()
 
     def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None:
         """Top up each warm pool (pool -> the runtime_env its workers start in) on every node; kill pool workers whose
         job attempt has ended, and idle workers of pools not named."""
-        jobs = self._jobs_api()
-        resolved = {}
-        for pool, runtime_env in runtime_envs.items():
-            runtime_env = copy.deepcopy(runtime_env)
-            # An actor's runtime_env takes no local path: the code zip becomes the same content-addressed Ray package
-            # the job's own submission uploads (a no-op once the cluster has it), so pool and job share one copy.
-            jobs._upload_working_dir_if_needed(runtime_env)
-            resolved[pool] = runtime_env
+        resolved = {pool: self._pool_runtime_env(pool, runtime_env) for pool, runtime_env in runtime_envs.items()}
+        self._pool_envs = {pool: entry for pool, entry in self._pool_envs.items() if pool in runtime_envs}
         self._agent_call("keep_warm", per_node=per_node, active_submissions=sorted(active_submissions),
                         runtime_envs=resolved)
+
+    def _pool_runtime_env(self, pool: str, runtime_env: dict[str, Any]) -> dict[str, Any]:
+        """The pool's runtime_env as an actor takes it, which is no local path: the code zip becomes the same
+        content-addressed Ray package the job's own submission uploads (uploaded unless the cluster has it), so pool
+        and job share one copy. Looked up again only every POOL_PACKAGE_RECHECK_S, not at every tick."""
+        key = json.dumps(runtime_env, sort_keys=True)
+        cached = self._pool_envs.get(pool)
+        if cached is not None and cached[0] == key and time.monotonic() - cached[1] < POOL_PACKAGE_RECHECK_S:
+            return cached[2]
+        resolved = copy.deepcopy(runtime_env)
+        self._jobs_api()._upload_working_dir_if_needed(resolved)
+        self._pool_envs[pool] = (key, time.monotonic(), resolved)
+        return resolved
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool:
         """All-or-nothing: a placement group of these bundles is ready within wait_s, or nothing is held."""

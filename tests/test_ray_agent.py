@@ -12,6 +12,7 @@ import pytest
 
 from harness.ports import free_port
 from ringmaster.service.ray_agent import AgentRefused, AgentUnavailable, RayAgent
+from ringmaster.service import ray_cluster
 from ringmaster.service.ray_cluster import RayCluster
 
 STAND_IN = textwrap.dedent("""
@@ -98,3 +99,41 @@ def test_no_agent_is_started_while_nothing_answers_at_the_clusters_address():
         cluster.reserve("group", [{"CPU": 1}], wait_s=1)
     cluster.connect()  # logs, never raises: the server comes up while its cluster is down
     assert cluster.agent.starts == 0
+
+
+class _CountingJobsClient:
+    """Stands in for Ray's JobSubmissionClient: each upload check turns the code zip into a package URI."""
+
+    def __init__(self) -> None:
+        self.upload_checks: list[str] = []
+
+    def _upload_working_dir_if_needed(self, runtime_env: dict) -> None:
+        self.upload_checks.append(runtime_env["working_dir"])
+        runtime_env["working_dir"] = f"gcs://_ray_pkg_{len(self.upload_checks)}.zip"
+
+
+def test_a_warm_pools_code_package_is_looked_up_once_per_recheck_interval_not_at_every_tick(monkeypatch):
+    cluster = RayCluster(f"127.0.0.1:{free_port()}", "http://127.0.0.1:1", agent=[sys.executable, "-c", STAND_IN])
+    jobs, sent, now = _CountingJobsClient(), [], [1000.0]
+    cluster._jobs = jobs
+    monkeypatch.setattr(cluster, "_agent_call", lambda op, **args: sent.append(args["runtime_envs"]))
+    monkeypatch.setattr(ray_cluster.time, "monotonic", lambda: now[0])
+    envs = {"project": {"working_dir": "/code/project.zip"}}
+
+    for _ in range(3):
+        cluster.keep_warm(2, set(), envs)
+    assert jobs.upload_checks == ["/code/project.zip"]
+    assert sent == [{"project": {"working_dir": "gcs://_ray_pkg_1.zip"}}] * 3
+    assert envs == {"project": {"working_dir": "/code/project.zip"}}, "the caller's envs are left as they were"
+
+    now[0] += ray_cluster.POOL_PACKAGE_RECHECK_S + 1
+    cluster.keep_warm(2, set(), envs)
+    assert len(jobs.upload_checks) == 2 and sent[-1] == {"project": {"working_dir": "gcs://_ray_pkg_2.zip"}}
+
+    cluster.keep_warm(2, set(), {"project": {"working_dir": "/code/project.zip", "env_vars": {"A": "1"}}})
+    assert len(jobs.upload_checks) == 3, "a pool whose env changed is looked up again"
+
+    cluster.disconnect()  # a new cluster may lack the package
+    cluster._jobs = jobs
+    cluster.keep_warm(2, set(), {"project": {"working_dir": "/code/project.zip", "env_vars": {"A": "1"}}})
+    assert len(jobs.upload_checks) == 4
