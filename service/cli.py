@@ -160,6 +160,12 @@ def _trimmed(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _loss_text(loss: float) -> str:
+    """Four decimals as losses usually read; four significant digits where that would print a diverging loss's 30
+    digits, or 0.0000 for a tiny one."""
+    return f"{loss:.4f}" if loss == 0 or 1e-3 <= abs(loss) < 1e6 else f"{loss:.4g}"
+
+
 def _print_job(job: dict[str, Any]) -> None:
     style = _STATE_STYLE.get(job["state"], "white")
     progress = job["progress"]
@@ -167,9 +173,9 @@ def _print_job(job: dict[str, Any]) -> None:
                   f"(attempt {job['attempt']}, tenant {escape(job['tenant'])})", soft_wrap=True)
     parts = [f"step {progress['step']}/{progress['total_steps']}"]
     if progress["loss"] is not None:
-        parts.append(f"loss {progress['loss']:.4f}")
+        parts.append(f"loss {_loss_text(progress['loss'])}")
     if progress["val_loss"] is not None:
-        parts.append(f"val loss {progress['val_loss']:.4f} (step {progress['val_step']})")
+        parts.append(f"val loss {_loss_text(progress['val_loss'])} (step {progress['val_step']})")
     if progress["world_size"] is not None:
         parts.append(f"world size {progress['world_size']}")
     parts.append(f"recoveries {progress['recoveries']}")
@@ -208,9 +214,9 @@ def _watch(client: RingmasterClient, job_id: str) -> dict:
             update: dict[str, Any] = {"state": state} if state else {}
             for row in new_rows:
                 if row.get("loss") is not None:
-                    update.update(completed=row["step"], loss=f"{row['loss']:.4f}", speed=f"{row.get('samples_per_s') or 0:.1f}")
+                    update.update(completed=row["step"], loss=_loss_text(row["loss"]), speed=f"{row.get('samples_per_s') or 0:.1f}")
                 if row.get("val_loss") is not None:
-                    update.update(val_loss=f"{row['val_loss']:.4f}")
+                    update.update(val_loss=_loss_text(row["val_loss"]))
             progress.update(task, **update)
     job = client.job(job_id)
     style = _STATE_STYLE.get(job["state"], "white")

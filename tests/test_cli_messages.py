@@ -193,6 +193,14 @@ def test_watch_shows_the_newest_loss_and_validation_loss(server: Server) -> None
     assert "step 4/10 loss 0.5000 val 1.0000 8.0 samples/s" in shown.stdout, shown.stdout
 
 
+@pytest.mark.parametrize(("loss", "shown"), [(2.86984, "2.8698"), (0.0, "0.0000"), (5.5695e30, "5.569e+30"),
+                                             (3.2e-7, "3.2e-07"), (999999.0, "999999.0000"), (-0.5, "-0.5000")])
+def test_a_loss_prints_with_four_decimals_unless_its_size_would_hide_it(loss: float, shown: str) -> None:
+    from ringmaster.service.cli import _loss_text
+
+    assert _loss_text(loss) == shown
+
+
 def test_the_job_table_fits_80_columns(server: Server) -> None:
     with session_scope(server.sessions()) as session:
         jobs.submit_job(session, JobSpec.model_validate({**SPEC, "name": "a-job-name-that-goes-on-and-on-" + "x" * 32}))
