@@ -73,11 +73,13 @@ def test_an_exception_in_the_training_process_keeps_its_type_and_traceback(local
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(raised.value))
         # Ray's account of the failed call, then the training process's: where training raised.
         assert text.startswith("ray::TrainWorker.train()"), text
-        assert "Raised in the worker's training process:" in text and ", in train\n" in text, text
+        assert f"Raised in the worker's training process (no group yet, pid {placement['training_pid']}):" in text, text
+        assert ", in train\n" in text, text
         # The job's error: where, then the training process's traceback alone (not the actor's frames that handed
         # the call on, nor the process's own serving frame), its exception once.
         described = describe_task_error(raised.value)
-        assert described.startswith("training raised an exception in ray::TrainWorker.train() (pid="), described
+        assert described.startswith(f"training raised an exception on no group yet, pid {placement['training_pid']}, "
+                                    f"node {ray.util.get_node_ip_address()}\n"), described
         where, traceback_text = described.split("\n", 1)
         assert traceback_text.startswith("Traceback (most recent call last):\n  File "), described
         assert ", in train\n" in traceback_text and "workers/worker.py" not in traceback_text, described
@@ -104,8 +106,8 @@ def test_an_exception_that_cannot_be_rebuilt_is_raised_as_its_tracebacks_last_li
         payload, text = pickle.dumps(error), traceback.format_exc()
     with pytest.raises(TypeError):
         pickle.loads(payload)  # pickled with one argument, rebuilt with two
-    rebuilt = raised_error(payload, text)
+    rebuilt = raised_error(payload, text, "rank 1 of 2, pid 4567")
     assert type(rebuilt) is RuntimeError and str(rebuilt).endswith("._TwoPartError: loading: no such shard"), rebuilt
-    assert rebuilt.__notes__ == [f"Raised in the worker's training process:\n{text.rstrip()}"]
-    assert type(raised_error(b"", text)) is RuntimeError
-    assert type(raised_error(pickle.dumps(ValueError("bad")), "ValueError: bad")) is ValueError
+    assert rebuilt.__notes__ == [f"Raised in the worker's training process (rank 1 of 2, pid 4567):\n{text.rstrip()}"]
+    assert type(raised_error(b"", text, "pid 1")) is RuntimeError
+    assert type(raised_error(pickle.dumps(ValueError("bad")), "ValueError: bad", "pid 1")) is ValueError

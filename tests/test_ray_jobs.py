@@ -240,6 +240,8 @@ def test_exception_in_user_code_fails_the_job_once_with_its_traceback(client: Ri
     # The training process's traceback alone: its exception stated once, no frames of the actor that handed it on.
     error = done["error"]
     assert error.count("FileNotFoundError: [Errno 2]") == 1 and "workers/worker.py" not in error, error
+    # Headed by where it was raised: the rank in its group, the training process and its node, not Ray's actor ids.
+    assert re.match(r"training raised an exception on rank [01] of 2, pid \d+, node [\d.]+\nTraceback", error), error
     assert done["attempt"] == 1
 
 

@@ -36,8 +36,9 @@ from typing import Any
 log = logging.getLogger("ringmaster.rank_process")
 
 _PR_SET_PDEATHSIG = 1
-# Heads the training process's traceback, a note on the exception the actor raises (policies.describe_task_error).
-TRAINING_PROCESS_NOTE = "Raised in the worker's training process:"
+# Heads the training process's traceback, a note on the exception the actor raises (policies.describe_task_error),
+# with where it ran: "Raised in the worker's training process (rank 1 of 2, pid 4567):".
+TRAINING_PROCESS_NOTE = "Raised in the worker's training process"
 # The actor's PYTHONPATH, while the process starts with the actor's whole import path as its PYTHONPATH.
 _ACTOR_PYTHONPATH = "RINGMASTER_ACTOR_PYTHONPATH"
 
@@ -69,10 +70,10 @@ class RankProcess:
             call_id = next(self._ids)
             self._pending[call_id] = future
             self._connection.send((call_id, method, args))
-        succeeded, payload, text = future.result()
+        succeeded, payload, text, where = future.result()
         if succeeded:
             return pickle.loads(payload)
-        raise raised_error(payload, text)
+        raise raised_error(payload, text, where)
 
     def _start_and_receive(self, pooled: bool, started: Future) -> None:
         try:
@@ -107,15 +108,15 @@ class RankProcess:
         os._exit(1)
 
 
-def raised_error(payload: bytes, text: str) -> BaseException:
-    """The exception the training process raised (`payload`, pickled) with its traceback `text` as a note; one that
-    cannot be rebuilt here (not pickled, or its class not rebuildable from its arguments) becomes a RuntimeError of
-    the traceback's last line."""
+def raised_error(payload: bytes, text: str, where: str) -> BaseException:
+    """The exception the training process raised (`payload`, pickled) with its traceback `text` and `where` it ran
+    as a note; one that cannot be rebuilt here (not pickled, or its class not rebuildable from its arguments) becomes
+    a RuntimeError of the traceback's last line."""
     try:
         error = pickle.loads(payload)
     except Exception:  # noqa: BLE001 — whatever unpickling raises, the traceback's text still says what happened
         error = RuntimeError(text.rstrip().rsplit("\n", 1)[-1])
-    error.add_note(f"{TRAINING_PROCESS_NOTE}\n{text.rstrip()}")
+    error.add_note(f"{TRAINING_PROCESS_NOTE} ({where}):\n{text.rstrip()}")
     return error
 
 
@@ -127,6 +128,7 @@ class Rank:
         self._snapshots: Any = None  # this process's in-memory snapshots, made with the training stack
         self._rendezvous: socket.socket | None = None  # where the group this rank leads next meets (rendezvous_port)
         self._group_lock = threading.Lock()
+        self._place: tuple[int, int] | None = None  # (rank, world size) in the group it last joined
         self._generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
         warm_up = _import_training_stack_in_background if pooled else _import_training_stack
@@ -135,6 +137,12 @@ class Rank:
 
     def warm_up(self) -> None:
         self._warm.join()
+
+    def whereabouts(self) -> str:
+        """"rank 1 of 2, pid 4567" after the process joined a group; "no group yet, pid 4567" before."""
+        if self._place is None:
+            return f"no group yet, pid {os.getpid()}"
+        return f"rank {self._place[0]} of {self._place[1]}, pid {os.getpid()}"
 
     def rendezvous_port(self, ip: str) -> int:
         """Open a listening socket on `ip` and a port the system chooses, for the rendezvous store of the group this
@@ -170,6 +178,7 @@ class Rank:
             if dist.is_initialized():
                 _abort_process_group()
             self._generation = generation
+            self._place = (rank, world_size)
             # The new group's training counts its points from zero. An earlier group's undrained points are replayed
             # from the checkpoint the new group resumes from, which kept them.
             self._outbox = RankOutbox()
@@ -310,13 +319,13 @@ def _import_training_stack_in_background() -> None:
 
 def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str,
            args: tuple) -> None:
-    """Run one call and send its reply: (id, True, the pickled result, "") or (id, False, the pickled exception or
-    b"" where it cannot be pickled, its traceback from the called method on). The actor unpickles each reply's value
-    in the call it answers, so a value it cannot rebuild fails that call only. The traceback has no "Traceback (most
-    recent call last):" lines: Ray's account of the actor's exception puts its own header in place of every such
-    line, the note's too."""
+    """Run one call and send its reply: (id, True, the pickled result, "", "") or (id, False, the pickled exception or
+    b"" where it cannot be pickled, its traceback from the called method on, where it ran: this process's rank in
+    its group, if it is in one, and pid). The actor unpickles each reply's value in the call it answers, so a value
+    it cannot rebuild fails that call only. The traceback has no "Traceback (most recent call last):" lines: Ray's
+    account of the actor's exception puts its own header in place of every such line, the note's too."""
     try:
-        reply = (call_id, True, pickle.dumps(getattr(rank, method)(*args)), "")
+        reply = (call_id, True, pickle.dumps(getattr(rank, method)(*args)), "", "")
     except BaseException as error:  # noqa: BLE001 — every exception goes back to the actor, which raises it
         try:
             pickled = pickle.dumps(error)
@@ -324,7 +333,7 @@ def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_i
             pickled = b""
         lines = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
         text = "".join(line for line in lines if not line.startswith("Traceback (most recent"))
-        reply = (call_id, False, pickled, text)
+        reply = (call_id, False, pickled, text, rank.whereabouts())
     with send_lock:
         connection.send(reply)
 

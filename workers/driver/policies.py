@@ -61,13 +61,21 @@ class FailurePolicy:
         return FailJob(describe_task_error(next(error for error in errors if not is_communication_failure(error))))
 
 
+_TRAINING_PROCESS_NOTE = re.compile(rf"{re.escape(TRAINING_PROCESS_NOTE)} \((?P<where>[^)]*)\):\n")
+_RAY_TASK_NODE = re.compile(r"\bip=(?P<ip>[^,)]+)")
+
+
 def describe_task_error(error: BaseException) -> str:
-    """The remote traceback as plain text, headed by where it was raised: of a worker's training process, the
-    training process's own (its note), without the actor's frames that handed the call on."""
+    """The remote traceback as plain text, headed by where it was raised: of a worker's training process, its rank,
+    pid and node, and the training process's own traceback (its note), without the actor's frames that handed the
+    call on; else Ray's account of the actor's call and its traceback."""
     where, _, frames = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).partition("\n")
-    _, noted, in_training_process = frames.partition(f"{TRAINING_PROCESS_NOTE}\n")
-    return (f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n"
-            f"{in_training_process if noted else frames}")
+    noted = _TRAINING_PROCESS_NOTE.search(frames)
+    if noted is None:
+        return f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n{frames}"
+    node = _RAY_TASK_NODE.search(where)
+    return (f"training raised an exception on {noted['where']}{f', node {node[1]}' if node else ''}\n"
+            f"Traceback (most recent call last):\n{frames[noted.end():]}")
 
 
 class GroupCounts(Protocol):
