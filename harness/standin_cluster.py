@@ -45,6 +45,7 @@ class StandInCluster:
 
     def __init__(self, cpus: int | None = None, *, drivers: sessionmaker[Session] | None = None) -> None:
         self.free_cpus = cpus
+        self.total_cpus = cpus
         self.groups: dict[str, int] = {}  # placement group name -> CPUs it holds
         self.submitted: dict[str, str] = {}  # submission id -> entrypoint
         self.runtime_envs: dict[str, dict[str, Any]] = {}  # submission id -> its runtime_env
@@ -74,6 +75,10 @@ class StandInCluster:
                 self.free_cpus -= need
             self.groups[name] = need
         return True
+
+    def node_capacities(self) -> list[dict[str, float]]:
+        """One node of all the CPUs (none with None: room is never short there)."""
+        return [] if self.total_cpus is None else [{"CPU": float(self.total_cpus), "GPU": 0.0}]
 
     def release(self, name: str) -> None:
         with self._lock:

@@ -26,12 +26,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from ringmaster.service import auth, code_store, jobs, queue, telemetry, tenants
 from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
-from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
+from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles, workers_fitting
 from ringmaster.service.ray_agent import ClusterUnreachable
 from ringmaster.service.ray_cluster import ClusterBackend
 from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
 from ringmaster.service.settings import Settings
-from ringmaster.service.spec import SHARED_POOL, JobSpec
+from ringmaster.service.spec import SHARED_POOL, JobSpec, WorkersSpec
 from ringmaster.service.states import ACTIVE, JobState
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Dispatcher:
         self._seen_alive: set[str] = set()
         self._warm_pool_due = 0.0
         self._code_zips: dict[tuple[str, str], Path] = {}  # (tenant, code ref) -> its local zip
+        self._node_capacities: list[dict[str, float]] | None = None  # this pass's, once a job found no room
 
     def run_once(self) -> None:
         self.watch_active_jobs()
@@ -132,6 +133,7 @@ class Dispatcher:
     def dispatch_queued(self) -> None:
         """Admit queued jobs in priority order; one that must wait (quota, capacity) is passed over with its reason."""
         waiting: set[str] = set()
+        self._node_capacities = None
         while (job := queue.claim_next(self.sessions, self.owner, self.settings.lease_s, skip_ids=waiting)) is not None:
             reason: str | None = None
             admitted = False
@@ -160,7 +162,7 @@ class Dispatcher:
         if world_size is None:
             workers = spec.workers
             return (f"waiting for cluster capacity: no room now for {workers.min} worker(s) of "
-                    f"{workers.cpus_per_worker:g} CPU and {workers.gpus_per_worker} GPU each")
+                    f"{workers.cpus_per_worker:g} CPU and {workers.gpus_per_worker} GPU each{self._never_room(workers)}")
         submission_id = submission_id_for(job.id, attempt)
         report_token, report_token_hash = auth.new_report_token()
         with self.sessions() as session, session.begin():
@@ -209,6 +211,23 @@ class Dispatcher:
             if self.cluster.reserve(group_name, bundles, self.settings.admission_wait_s):
                 return size
         return None
+
+    def _never_room(self, workers: WorkersSpec) -> str:
+        """Why no room now may mean no room ever on the nodes there are: the words that say so, else nothing. A job
+        that the whole cluster, idle, could not hold still waits (an autoscaler, or a person, may add nodes)."""
+        if self._node_capacities is None:
+            try:
+                self._node_capacities = self.cluster.node_capacities()
+            except Exception as error:  # noqa: BLE001 — the reason is told without it
+                log.warning("could not read the cluster's node capacities: %s", error)
+                self._node_capacities = []
+        nodes = self._node_capacities
+        fitting = workers_fitting(nodes, workers.gpus_per_worker, workers.cpus_per_worker)
+        if not nodes or fitting >= workers.min:
+            return ""
+        cpus, gpus = sum(node["CPU"] for node in nodes), sum(node["GPU"] for node in nodes)
+        return (f"; the cluster's {len(nodes)} node(s), {cpus:g} CPU and {gpus:g} GPU in all, hold {fitting} such "
+                f"worker(s) even when idle: the job waits for nodes to join")
 
     def _runtime_env(self, job: Job, spec: JobSpec, report_token: str) -> dict[str, Any]:
         """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the job's own

@@ -20,3 +20,9 @@ def submission_id_for(job_id: str, attempt: int) -> str:
 def worker_bundles(gpus_per_worker: int, cpus_per_worker: float, count: int) -> list[dict[str, float]]:
     bundle = {"GPU": float(gpus_per_worker)} if gpus_per_worker > 0 else {"CPU": float(cpus_per_worker)}
     return [dict(bundle) for _ in range(count)]
+
+
+def workers_fitting(nodes: list[dict[str, float]], gpus_per_worker: int, cpus_per_worker: float) -> int:
+    """How many workers' bundles (worker_bundles) these nodes' total resources hold, each bundle on one node."""
+    [(resource, need)] = worker_bundles(gpus_per_worker, cpus_per_worker, 1)[0].items()
+    return sum(int(node.get(resource, 0.0) // need) for node in nodes) if need > 0 else 0

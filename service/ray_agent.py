@@ -221,6 +221,11 @@ class AgentOps:
             self._warm_pool = self._warm_pool_factory(per_node)
         self._warm_pool.tick(set(active_submissions), runtime_envs)
 
+    def node_capacities(self) -> list[dict[str, float]]:
+        """Each live node's total CPUs and GPUs, whatever runs there now."""
+        return [{"CPU": node["Resources"].get("CPU", 0.0), "GPU": node["Resources"].get("GPU", 0.0)}
+                for node in self._ray.nodes() if node["Alive"]]
+
     def ping(self) -> str:
         return self._ray.get_runtime_context().gcs_address
 

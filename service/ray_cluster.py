@@ -38,6 +38,7 @@ class ClusterBackend(Protocol):
     def stop(self, submission_id: str) -> None: ...
     def logs(self, submission_id: str) -> str: ...
     def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
+    def node_capacities(self) -> list[dict[str, float]]: ...
 
 
 class RayCluster:
@@ -114,6 +115,10 @@ class RayCluster:
 
     def release(self, name: str) -> None:
         self._agent_call("release", name=name)
+
+    def node_capacities(self) -> list[dict[str, float]]:
+        """Each live node's total CPUs and GPUs."""
+        return list(self._agent_call("node_capacities"))
 
     def _agent_call(self, op: str, **args: Any) -> Any:
         if not self.agent.running and (why := _unreachable(self.address)):

@@ -14,6 +14,7 @@ from ringmaster.service import jobs
 from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job
+from ringmaster.service.naming import workers_fitting
 from ringmaster.service.settings import Settings
 from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV, DriverReport
 from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
@@ -70,6 +71,34 @@ def test_job_too_large_waits_and_does_not_block_smaller_jobs(db, dispatcher):
     assert _state(db, big) == JobState.QUEUED
     assert _state(db, small) == JobState.ADMITTED
     assert cluster.free_cpus == 2 and list(cluster.groups) == [f"ringmaster-{small}-1"]
+
+
+def test_a_job_the_idle_cluster_could_never_hold_says_so_and_one_that_waits_for_room_does_not(db, dispatcher):
+    dispatcher, cluster = dispatcher
+    running = _submit(db, _spec("running", workers=2))
+    dispatcher.run_once()
+    never = _submit(db, _spec("never", workers=8))
+    later = _submit(db, _spec("later", workers=4))
+    calls = []
+    capacities = cluster.node_capacities
+    cluster.node_capacities = lambda: calls.append(1) or capacities()
+    dispatcher.run_once()
+    with db.sessions() as session:
+        reasons = {job_id: session.get(Job, job_id).waiting_reason for job_id in (never, later)}
+    assert _state(db, running) == JobState.ADMITTED
+    assert reasons[never] == ("waiting for cluster capacity: no room now for 8 worker(s) of 1 CPU and 0 GPU each; the "
+                              "cluster's 1 node(s), 4 CPU and 0 GPU in all, hold 4 such worker(s) even when idle: the job "
+                              "waits for nodes to join")
+    assert reasons[later] == "waiting for cluster capacity: no room now for 4 worker(s) of 1 CPU and 0 GPU each"
+    assert len(calls) == 1, "the cluster's nodes are read once per pass"
+
+
+def test_workers_fitting_counts_each_nodes_whole_bundles() -> None:
+    nodes = [{"CPU": 3.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 0.0}, {"CPU": 1.5, "GPU": 1.0}]
+    assert workers_fitting(nodes, 0, 2.0) == 1 + 4 + 0
+    assert workers_fitting(nodes, 1, 1.0) == 2 + 0 + 1, "a GPU worker's bundle asks for its GPUs alone"
+    assert workers_fitting(nodes, 2, 1.0) == 1
+    assert workers_fitting([], 0, 1.0) == 0
 
 
 def test_higher_priority_then_older_job_is_admitted_first(db, dispatcher):

@@ -216,7 +216,12 @@ def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(cli
     small = client.submit(_spec("e2e-small", model="mlp", data="synthetic", checkpoint={"every_steps": 0, "keep": 1},
                                 train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4}))
     assert _wait(client, small["id"], {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
-    assert client.job(big["id"])["state"] == "QUEUED"
+    waiting = client.job(big["id"])
+    assert waiting["state"] == "QUEUED"
+    # The cluster, idle, could not hold it: read from Ray's own account of its nodes.
+    assert waiting["waiting_reason"].endswith(f"the cluster's 1 node(s), {CLUSTER_CPUS} CPU and 0 GPU in all, hold "
+                                              f"{CLUSTER_CPUS} such worker(s) even when idle: the job waits for nodes to "
+                                              "join"), waiting["waiting_reason"]
     client.cancel(big["id"])
 
 
