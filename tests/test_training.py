@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -144,3 +145,31 @@ def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_at_that_step_before_
             f"training diverged: the loss was nan at step {DIVERGES_AT_STEP},"), outcome
     assert outcomes[0]["steps"] == list(range(1, DIVERGES_AT_STEP)), "rank 0 records the finite steps, not the NaN one"
     assert [checkpoint.step for checkpoint in committed_checkpoints(tmp_path)] == list(range(1, DIVERGES_AT_STEP))
+
+
+def per_sample_losses() -> ModelBundle:
+    """A user model whose loss_fn forgot to take the mean."""
+    inputs = torch.randn(16, 4)
+    return ModelBundle(nn.Linear(4, 1), TensorDataset(inputs, inputs.sum(1, keepdim=True)), None,
+                       lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1], reduction="none"))
+
+
+def detached_loss() -> ModelBundle:
+    """A user model whose loss_fn hands back a loss autograd no longer tracks."""
+    inputs = torch.randn(16, 4)
+    return ModelBundle(nn.Linear(4, 1), TensorDataset(inputs, inputs.sum(1, keepdim=True)), None,
+                       lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1]).detach())
+
+
+@pytest.mark.parametrize(("builder", "returned"), [
+    ("per_sample_losses", "a tensor of shape (4, 1)"),
+    ("detached_loss", "a tensor that autograd does not track (made under torch.no_grad, or with .detach() or .item())"),
+])
+def test_a_loss_fn_that_returns_no_trainable_scalar_is_named_as_the_fault(tmp_path: Path, single_rank_group: None,
+                                                                           builder: str, returned: str) -> None:
+    spec = JobSpec(name="bad-loss", model=f"test_training:{builder}", data="user",
+                   train={"steps": 2, "global_batch_size": 4, "micro_batch_size": 4})
+    with pytest.raises(JobInputError) as raised:
+        run_training(spec, TrainContext(0, 1, torch.device("cpu"), "bad-loss", str(tmp_path)))
+    assert raised.value.reason == (f"the model's loss_fn returned {returned}: it must return the batch's mean loss, one "
+                                   "number as a tensor that autograd tracks (for per-sample losses, their .mean())")

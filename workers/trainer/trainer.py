@@ -300,8 +300,22 @@ def _forward_backward(parallel: ParallelModel, loss_fn: LossFn, batch: Any, accu
         return torch.stack(losses).detach().mean() if parallel.holds_loss else None
     with autocast:
         loss = loss_fn(parallel.parts[0], batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise JobInputError(_not_a_loss(loss))
     (loss / accumulation).backward()
     return loss.detach() if parallel.holds_loss else None
+
+
+def _not_a_loss(returned: Any) -> str:
+    """Why what a model's loss_fn returned cannot be trained on, in the words of its author's code."""
+    if not isinstance(returned, torch.Tensor):
+        what = f"a {type(returned).__name__}"
+    elif returned.numel() != 1:
+        what = f"a tensor of shape {tuple(returned.shape)}"
+    else:
+        what = "a tensor that autograd does not track (made under torch.no_grad, or with .detach() or .item())"
+    return (f"the model's loss_fn returned {what}: it must return the batch's mean loss, one number as a tensor that "
+            f"autograd tracks (for per-sample losses, their .mean())")
 
 
 def _data_workers(spec: JobSpec) -> int:
