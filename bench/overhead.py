@@ -155,15 +155,24 @@ class BareRank:
         return out.getvalue()
 
 
+BARE_LOOP_TIMEOUT_S = 600.0
+
+
 def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = False) -> float:
     """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker): in the actors'
     own processes, or (`in_child`) in a child process of each."""
     argv = ["--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
             "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
     meeting = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(ranks))}
-    outputs = ray.get([(rank.run_in_child if in_child else rank.run).remote(
-                           argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)})
-                       for index, rank in enumerate(ranks)])
+    runs = [(rank.run_in_child if in_child else rank.run).remote(argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)})
+            for index, rank in enumerate(ranks)]
+    try:
+        outputs = ray.get(runs, timeout=BARE_LOOP_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        # Seen once: one rank had returned while the other stayed in native code under bare_torchrun.main() for
+        # over 15 minutes; a round that never ends is an error, not a hang.
+        raise SystemExit(f"the bare loop in Ray actors ({'child processes' if in_child else 'in the actors'}) did not end "
+                         f"within {BARE_LOOP_TIMEOUT_S:.0f}s") from None
     return json.loads(outputs[0].strip().splitlines()[-1])["steps_per_s_steady"]
 
 
