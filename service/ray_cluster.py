@@ -21,7 +21,8 @@ from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, R
 log = logging.getLogger(__name__)
 
 # How long a warm pool's code package, once found on the cluster, is taken to be there still. Looking means hashing the
-# code zip and asking the dashboard (which logs each answer); Ray keeps a package while pool workers use it.
+# code zip and asking the dashboard (which logs each answer); a package the cluster lost meanwhile is uploaded again at
+# the next look.
 POOL_PACKAGE_RECHECK_S = 300.0
 
 
