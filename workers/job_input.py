@@ -1,6 +1,7 @@
 """The error for what a job names that only the cluster can find unusable: a data file missing on a node, a token
 file of another dtype, a dataset without the column, a model entrypoint that does not resolve or returns the wrong
-thing, model options the model refuses. The job fails once with the message alone, as a rejected spec is a 422 at
+thing, model options the model refuses, a loss_fn that returns no trainable number, training settings under which the
+loss stops being finite. The job fails once with the message alone, as a rejected spec is a 422 at
 submit: the fault is in the job's input, and a traceback through ringmaster would say nothing more to its author
 (the driver's log still has it: `ringmaster logs ID`). An exception the user's own code raises keeps its traceback."""
 
