@@ -169,8 +169,8 @@ def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = F
     try:
         outputs = ray.get(runs, timeout=BARE_LOOP_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        # Seen once: one rank had returned while the other stayed in native code under bare_torchrun.main() for
-        # over 15 minutes; a round that never ends is an error, not a hang.
+        # Seen once: one actor was idle while the other stayed in native code under bare_torchrun.main() for over
+        # 10 minutes; a round that never ends is an error, not a hang.
         raise SystemExit(f"the bare loop in Ray actors ({'child processes' if in_child else 'in the actors'}) did not end "
                          f"within {BARE_LOOP_TIMEOUT_S:.0f}s") from None
     return json.loads(outputs[0].strip().splitlines()[-1])["steps_per_s_steady"]
