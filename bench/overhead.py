@@ -1,6 +1,7 @@
 """What ringmaster costs over bare torchrun, for the same model, world size and steps.
 
-    python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5] [--model tiny-gpt|hf-gpt2] [--code DIR [--code-only]]
+    python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5] [--model tiny-gpt|hf-gpt2] [--without-ray-loops]
+                              [--code DIR [--code-only]]
 
 (a) trains tiny-gpt (--model hf-gpt2: `model: hf:GPT2LMHeadModel`, a 2-block GPT-2) through ringmaster: REST submit → queue → Ray job → worker actors;
 (b) trains it with bench/bare_torchrun.py under torchrun, beside the same idle Ray cluster and
@@ -10,9 +11,11 @@ cluster: what hosting the ranks in Ray worker processes costs by itself, with no
 (d) has the same actors run the loop in a child process each (a plain Python process, as torchrun's ranks are), as
 ringmaster's workers train (workers/rank_process.py): what a rank gains when its actor only supervises the process
 that trains.
-Each round runs b, c, d, then a, back to back, so the machine's slow spells (which move either by ±15% here) hit
-them alike. Prints steady-state steps/s of each (wall clock between
-step ends, first --skip-steps left out), each round's ratio a/b and their median (goal ≥ 0.97),
+Each round runs a and b next to each other, b first in even rounds and a first in odd ones, so a slow spell of the
+machine (one run's steps/s moves by ±15% here) falls on both more often than when other runs sit between them, and a
+drift within a round favours neither; then c and d (--without-ray-loops leaves them out, for more rounds in the
+time). Prints steady-state steps/s of each (wall clock between step ends, first --skip-steps left out), each round's
+ratio a/b, and their median (goal ≥ 0.97) with every round's ratio,
 and submit-to-first-step time on a warm cluster (goal ≤ 5 s): one whose warm pool
 (RINGMASTER_WARM_WORKERS_PER_NODE, default 2) has refilled since the last job. With
 RINGMASTER_WARM_WORKERS_PER_NODE=0 every job starts cold workers.
@@ -95,6 +98,8 @@ def parse_args() -> argparse.Namespace:
                         "directory as its code (e.g. examples/project).")
     parser.add_argument("--code-steps", type=int, default=20, help="Steps of each --code job (only its start is timed).")
     parser.add_argument("--code-only", action="store_true", help="Only the --code jobs' starts, no steady-state rounds.")
+    parser.add_argument("--without-ray-loops", action="store_true", help="Leave out (c) and (d), the bare loop in Ray "
+                        "actors and in their child processes: only ringmaster against torchrun, in shorter rounds.")
     return parser.parse_args()
 
 
@@ -317,7 +322,7 @@ def main() -> None:
         for server in running_control_plane(Path(data_dir), head=head):
             client = server.client()
             through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
-            bare_ranks = [] if args.code_only else [BareRank.remote() for _ in range(args.workers)]
+            bare_ranks = [] if args.code_only or args.without_ray_loops else [BareRank.remote() for _ in range(args.workers)]
             ray.get([rank.__ray_ready__.remote() for rank in bare_ranks])
             code_pool = None
             if args.code:  # the package is uploaded and unpacked once; its env's pool fills after it
@@ -325,27 +330,33 @@ def main() -> None:
                 code_pool = JobSpec.model_validate(job["spec"]).warm_pool
             for round_index in range(args.rounds):
                 if not args.code_only:
-                    # The pool refills after each job (its workers import torch): both runs start once it is idle.
-                    if Settings().warm_workers_per_node:
-                        wait_for_warm_pool(args.workers)
-                    idle.append(idle_cpu_rate(sampler))
-                    bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
-                    bare.append(bare_rate)
-                    bare_cpu.append(bare_cpu_now)
-                    in_ray.append(bare_in_ray_actors(args, bare_ranks))
-                    in_child.append(bare_in_ray_actors(args, bare_ranks, in_child=True))
-                    steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
-                    managed.append(steady)
-                    managed_cpu.append(cpu)
+                    pair = []  # (bare, ringmaster), run next to each other in the round's order
+                    for run in ("bare", "ringmaster") if round_index % 2 == 0 else ("ringmaster", "bare"):
+                        # The pool refills after each job (its workers import torch): each run starts once it is idle.
+                        if Settings().warm_workers_per_node:
+                            wait_for_warm_pool(args.workers)
+                        if run == "bare":
+                            idle.append(idle_cpu_rate(sampler))
+                            bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
+                            bare.append(bare_rate)
+                            bare_cpu.append(bare_cpu_now)
+                        else:
+                            steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
+                            managed.append(steady)
+                            managed_cpu.append(cpu)
+                            first_step.append(to_first_step)
+                        pair.append(run)
                     ratios.append(steady / bare[-1])
-                    first_step.append(to_first_step)
-                    print(f"round {round_index}: bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} steps/s, "
-                          f"ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
-                    print(f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
-                          f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}; in a child "
-                          f"process of each actor {in_child[-1]:.2f} steps/s ({in_child[-1] / bare[-1]:.3f} of torchrun, "
-                          f"{in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)", flush=True)
+                    print(f"round {round_index} ({' then '.join(pair)}): bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} "
+                          f"steps/s, ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
+                    if not args.without_ray_loops:
+                        in_ray.append(bare_in_ray_actors(args, bare_ranks))
+                        in_child.append(bare_in_ray_actors(args, bare_ranks, in_child=True))
+                        print(f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
+                              f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}; in a "
+                              f"child process of each actor {in_child[-1]:.2f} steps/s ({in_child[-1] / bare[-1]:.3f} of "
+                              f"torchrun, {in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)", flush=True)
                 if code_pool is not None:
                     pooled, cold = code_round(client, args, round_index, code_pool)
                     code_pooled.append(pooled)
@@ -357,14 +368,17 @@ def main() -> None:
             "bare_steps_per_s_median": round(statistics.median(bare), 3),
             "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
             "ratio": round(statistics.median(ratios), 3), "ratio_goal": 0.97,
+            "round_ratios": [round(ratio, 3) for ratio in ratios],
             "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
-            "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
-            "bare_in_ray_actors_over_torchrun": round(statistics.median(x / y for x, y in zip(in_ray, bare)), 3),
-            "ringmaster_over_bare_in_ray_actors": round(statistics.median(x / y for x, y in zip(managed, in_ray)), 3),
-            "bare_in_child_of_actor_over_torchrun": round(statistics.median(x / y for x, y in zip(in_child, bare)), 3),
-            "bare_in_child_of_actor_over_in_actor": round(statistics.median(x / y for x, y in zip(in_child, in_ray)), 3),
             "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
             **_cpu_summary(bare_cpu, managed_cpu, idle)})
+        if in_ray:
+            summary.update({
+                "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
+                "bare_in_ray_actors_over_torchrun": round(statistics.median(x / y for x, y in zip(in_ray, bare)), 3),
+                "ringmaster_over_bare_in_ray_actors": round(statistics.median(x / y for x, y in zip(managed, in_ray)), 3),
+                "bare_in_child_of_actor_over_torchrun": round(statistics.median(x / y for x, y in zip(in_child, bare)), 3),
+                "bare_in_child_of_actor_over_in_actor": round(statistics.median(x / y for x, y in zip(in_child, in_ray)), 3)})
     if code_pooled:
         summary.update({"warm_runtime_envs": Settings().warm_runtime_envs,
                         "code_submit_to_first_step_s_median": {"pooled": round(statistics.median(code_pooled), 2),
