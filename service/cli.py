@@ -1,10 +1,12 @@
-"""The `ringmaster` command line: serve, submit, status, watch, logs, cancel, plan, demo; db, token and tenant administration."""
+"""The `ringmaster` command line: serve, submit, status, watch, logs, cancel, export, plan, demo; db, token and tenant
+administration."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -307,6 +309,39 @@ def tensorboard(job_ids: Annotated[Optional[list[str]], typer.Argument(help="Job
     sys.stdout.flush()
     # This process becomes TensorBoard: a signal to it (Ctrl-C, a kill) reaches TensorBoard itself, leaving no child.
     os.execv(sys.executable, [sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec, "--port", str(port)])
+
+
+@app.command()
+@_handled
+def export(job_id: str,
+           out: Annotated[Path, typer.Option("--out", help="A new (or empty) directory to write the model into.")],
+           step: Annotated[Optional[int], typer.Option(help="The checkpoint's step; default: the newest.")] = None,
+           api: ApiOption = None) -> None:
+    """Write a job's checkpointed model weights as OUT/model.safetensors (an hf: model's config.json beside it), for
+    plain PyTorch, transformers' from_pretrained or another job's model_options.pretrained. Reads the checkpoint from
+    the job's storage, which must be reachable from here."""
+    client = _client(api)
+    job = client.job(_job_id(client, job_id))
+    checkpoints = {checkpoint["step"]: checkpoint for checkpoint in client.checkpoints(job["id"])["items"]}
+    if not checkpoints:
+        _fail(f"job {job['id']} has no checkpoint on storage to export (checkpoint.every_steps saves them during "
+              "training; every job that finishes saves a final one)")
+    chosen = checkpoints.get(max(checkpoints) if step is None else step)
+    if chosen is None:
+        _fail(f"job {job['id']} has no checkpoint at step {step}; it has steps {', '.join(map(str, sorted(checkpoints)))}")
+    command = [sys.executable, "-m", "ringmaster.workers.export", chosen["uri"], str(out)]
+    model = job["spec"]["model"]
+    if model.startswith("hf:"):
+        command += ["--hf-class", model.removeprefix("hf:"), "--model-options", json.dumps(job["spec"].get("model_options") or {})]
+    # Its own process: reading the checkpoint takes torch, which this command line never imports.
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or [f"the export ended with code {result.returncode}"]
+        _fail(lines[-1].removeprefix("error: "))
+    written = json.loads(result.stdout.strip().splitlines()[-1])
+    files = ", ".join(Path(path).name for path in (written["weights"], written["config"]) if path)
+    console.print(f"job {job['id']} step {chosen['step']}: {written['tensors']} tensors, "
+                  f"{format_bytes(written['parameter_bytes'])}, in {out} ({files})", soft_wrap=True)
 
 
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}

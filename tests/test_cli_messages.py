@@ -1,6 +1,6 @@
 """The real `ringmaster` CLI, in a subprocess, against a real HTTP server: every expected failure is one clear line
 and exit code 1, never a traceback; ids may be shortened; `status ID` says where training stands; tables fit 80
-columns; `logs --follow` prints a log as it grows."""
+columns; `logs --follow` prints a log as it grows; `export` writes a checkpoint's weights."""
 
 from __future__ import annotations
 
@@ -307,3 +307,54 @@ def _command_line(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:  # it ended meanwhile
         return ""
+
+
+def _train_one_rank(rank: int, world_size: int, storage: str) -> None:
+    import torch
+
+    from harness.sinks import CallbackSink
+    from ringmaster.workers.trainer import TrainContext, run_training
+
+    spec = JobSpec.model_validate({**SPEC, "train": {**SPEC["train"], "steps": 2}, "checkpoint": {"every_steps": 1, "keep": 2}})
+    run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "cli-export", storage, sink=CallbackSink()))
+
+
+def test_export_writes_a_checkpoints_weights_and_refuses_in_one_line_what_it_cannot(server: Server, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from harness.checkpoints import load_model_weights, usable_checkpoints
+    from harness.process_group import run_on_ranks
+    from ringmaster.service.models import Checkpoint
+    from ringmaster.workers.models import build_bundle
+
+    run_on_ranks(_train_one_rank, 1, str(tmp_path / "storage"))
+    saved = {checkpoint.step: checkpoint.path for checkpoint in usable_checkpoints(tmp_path / "storage")}
+    assert sorted(saved) == [1, 2]
+    job_id, bare_job_id = submitted(server, 2)
+    with session_scope(server.sessions()) as session:
+        session.get(Job, job_id).state = JobState.SUCCEEDED.value
+        for step, path in saved.items():
+            session.add(Checkpoint(job_id=job_id, attempt=1, step=step, uri=path, world_size=1, final=step == 2,
+                                   created_at=utcnow(), best=False))
+
+    exported = ringmaster("export", job_id[:10], "--out", str(tmp_path / "newest"), env=at(server))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert exported.stdout.startswith(f"job {job_id} step 2: ") and exported.stdout.endswith(
+        f"in {tmp_path / 'newest'} (model.safetensors)\n"), exported.stdout
+    weights = load_file(tmp_path / "newest" / "model.safetensors")
+    trained = build_bundle(JobSpec.model_validate(SPEC)).model
+    load_model_weights(saved[2], trained)
+    assert set(weights) == set(trained.state_dict())
+    assert all(torch.equal(weights[name], tensor) for name, tensor in trained.state_dict().items())
+
+    assert ringmaster("export", job_id, "--out", str(tmp_path / "first"), "--step", "1", env=at(server)).returncode == 0
+    assert not torch.equal(load_file(tmp_path / "first" / "model.safetensors")["output.weight"], weights["output.weight"])
+
+    assert one_line_failure(ringmaster("export", job_id, "--out", str(tmp_path / "newest"), env=at(server))) == (
+        f"error: {tmp_path / 'newest'} already exists and is not an empty directory: give a new one")
+    assert one_line_failure(ringmaster("export", job_id, "--out", str(tmp_path / "x"), "--step", "7", env=at(server))) == (
+        f"error: job {job_id} has no checkpoint at step 7; it has steps 1, 2")
+    assert one_line_failure(ringmaster("export", bare_job_id, "--out", str(tmp_path / "y"), env=at(server))).startswith(
+        f"error: job {bare_job_id} has no checkpoint on storage to export")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
