@@ -64,7 +64,7 @@ PRECISIONS: dict[str, Precision] = {
     "mixed": Precision(
         "mixed", 2, 2, 12, 2,
         "mixed-precision Adam (the ZeRO paper and the seeds): bf16 parameters and gradients, an fp32 master copy "
-        "and two fp32 moments: 2 + 2 + (4 + 8) = 16 bytes/parameter; ZeRO-1 shards the 12",
+        "and two fp32 moments: 2 + 2 + (4 + 8) = 16 bytes/parameter, of which ZeRO-1 shards the optimizer's 12",
     ),
 }
 
