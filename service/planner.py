@@ -109,7 +109,9 @@ def mlp_parameters(in_dim: int, hidden: int, out_dim: int, depth: int) -> int:
 def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
     """A built-in's size from its model_options, so a job on a built-in never has to state it."""
     if name not in BUILTIN_MODELS:
-        raise PlanError(f"model must be a built-in ({', '.join(BUILTIN_MODELS)}), got {name!r}", field="model")
+        raise PlanError(f"model must be a built-in ({', '.join(BUILTIN_MODELS)}), got {name!r}; size any other model (your "
+                        "own, an hf: one) by its parameters instead, with layers, hidden, heads and seq_len for its "
+                        "activations and traffic", field="model")
     builtin = BUILTIN_MODELS[name]
     defaults, data_options = builtin.size_defaults, builtin.data_options
     unknown = sorted(set(options) - set(defaults) - set(data_options))
