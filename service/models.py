@@ -23,6 +23,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -209,7 +210,13 @@ class Metric(Base):
     world_size: Mapped[int | None] = mapped_column(Integer)
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
-    __table_args__ = (UniqueConstraint("job_id", "attempt", "step"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "step"),
+        # The newest validation of a job (its progress) among its steps' rows, most without one: read without
+        # scanning every step the job ran.
+        Index("ix_metrics_validated", "job_id", "attempt", "step", sqlite_where=text("val_loss IS NOT NULL"),
+              postgresql_where=text("val_loss IS NOT NULL")),
+    )
 
 
 class Checkpoint(Base):
