@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from ringmaster.service.jobs import get_job
@@ -63,7 +63,9 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
             select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > cursor.event_id).order_by(JobEvent.id).limit(limit)
         )
     )
-    after = or_(Metric.attempt > cursor.attempt, and_(Metric.attempt == cursor.attempt, Metric.step > cursor.step))
+    # A row-value comparison, which both databases answer from the (job_id, attempt, step) index: the OR of the two
+    # cases it stands for scanned every step the job ran, at each poll of each stream.
+    after = tuple_(Metric.attempt, Metric.step) > tuple_(cursor.attempt, cursor.step)
     metrics = list(
         session.scalars(select(Metric).where(Metric.job_id == job_id, after).order_by(Metric.attempt, Metric.step).limit(limit))
     )

@@ -172,34 +172,3 @@ def test_a_recovery_past_max_failures_fails_the_job_and_ends_the_attempt(db: Dat
     with session_scope(db.sessions) as session:
         job = session.get(Job, job_id)
         assert job.failures == 2 and job.error == "RECOVERING 4; failure 2, max_failures 1"
-
-
-def test_a_jobs_progress_reads_the_same_few_rows_however_many_steps_it_ran(tmp_path) -> None:
-    """Its newest validation is found through an index of the validated rows, not by a scan of every step (which took
-    95 ms per status request at 300,000 steps). Counted in SQLite's virtual-machine instructions, which a row read
-    adds to and wall time on a shared machine would blur."""
-    from sqlalchemy import insert
-
-    from ringmaster.service.db import upgrade_schema
-    from ringmaster.service.jobs import job_progress
-    from ringmaster.service.models import Metric, utcnow
-
-    url = f"sqlite:///{tmp_path / 'progress.db'}"
-    upgrade_schema(url)
-    db = Database.connect(url)
-    job_id = _submit(db)
-    instructions = {}
-    for steps in (200, 20_000):
-        with session_scope(db.sessions) as session:
-            have = session.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == job_id))
-            session.execute(insert(Metric), [{"job_id": job_id, "attempt": 1, "step": step, "loss": 1.0 / step,
-                                              "val_loss": 2.0 if step == 100 else None, "recorded_at": utcnow()}
-                                             for step in range(have + 1, steps + 1)])
-        with db.sessions() as session:
-            ticks = []
-            session.connection().connection.dbapi_connection.set_progress_handler(lambda: ticks.append(1), 100)
-            progress = job_progress(session, get_job(session, job_id))
-            instructions[steps] = len(ticks)
-        assert (progress.step, progress.val_step, progress.val_loss) == (steps, 100, 2.0)
-    db.dispose()
-    assert instructions[20_000] < 2 * instructions[200], instructions
