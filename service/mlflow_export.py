@@ -46,6 +46,11 @@ def spec_params(spec: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return params
 
 
+def metric_rows_after(session: Session, job_id: str, cursor: int, limit: int = _ROWS_PER_PASS) -> list[Metric]:
+    """The job's metric rows stored after row `cursor`, oldest first (read through the (job_id, id) index)."""
+    return list(session.scalars(select(Metric).where(Metric.job_id == job_id, Metric.id > cursor).order_by(Metric.id)
+                                .limit(limit)))
+
 class MlflowExporter:
     def __init__(self, sessions: sessionmaker[Session], tracking_uri: str, experiment: str) -> None:
         from mlflow.tracking import MlflowClient
@@ -96,8 +101,7 @@ class MlflowExporter:
                 params = [Param(key, value) for key, value in spec_params(job.spec).items()]
                 for start in range(0, len(params), _BATCH_PARAMS):
                     self.client.log_batch(row.run_id, params=params[start:start + _BATCH_PARAMS])
-            metrics = list(session.scalars(select(Metric).where(Metric.job_id == job_id, Metric.id > row.metric_cursor)
-                                           .order_by(Metric.id).limit(_ROWS_PER_PASS)))
+            metrics = metric_rows_after(session, job_id, row.metric_cursor)
             batch = [MlflowMetric(field, float(getattr(metric, field)), int((metric.wall_time or metric.recorded_at.timestamp()) * 1000),
                                   metric.step)
                      for metric in metrics for field in _METRIC_FIELDS if getattr(metric, field) is not None]

@@ -216,6 +216,8 @@ class Metric(Base):
         # scanning every step the job ran.
         Index("ix_metrics_validated", "job_id", "attempt", "step", sqlite_where=text("val_loss IS NOT NULL"),
               postgresql_where=text("val_loss IS NOT NULL")),
+        # The MLflow export's next rows of a job after its cursor, in the order they were stored.
+        Index("ix_metrics_job_id_id", "job_id", "id"),
     )
 
 

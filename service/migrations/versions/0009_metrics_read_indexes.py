@@ -1,5 +1,6 @@
-"""A partial index on the metric rows that carry a validation loss: a job's newest validation without a scan of
-every step it ran.
+"""Indexes for what is read of a job's metric rows again and again, so that no read goes through every step it ran: the
+rows that carry a validation loss (a job's newest validation, at every status request), and a job's rows in the
+order they were stored (the MLflow export's next rows after its cursor).
 
 Revision ID: 0009
 Revises: 0008
@@ -21,7 +22,9 @@ _VALIDATED = sa.text("val_loss IS NOT NULL")
 def upgrade() -> None:
     op.create_index("ix_metrics_validated", "metrics", ["job_id", "attempt", "step"], sqlite_where=_VALIDATED,
                     postgresql_where=_VALIDATED)
+    op.create_index("ix_metrics_job_id_id", "metrics", ["job_id", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_metrics_job_id_id", table_name="metrics")
     op.drop_index("ix_metrics_validated", table_name="metrics")
