@@ -1,6 +1,7 @@
-"""Indexes for what is read of a job's metric rows again and again, so that no read goes through every step it ran: the
-rows that carry a validation loss (a job's newest validation, at every status request), and a job's rows in the
-order they were stored (the MLflow export's next rows after its cursor).
+"""Metric read indexes: a job's validated rows, and its rows in the order they were stored.
+
+What is read of a job's metric rows again and again then reads no row of every step it ran: its newest validation (at
+every status request), and the MLflow export's next rows after its cursor.
 
 Revision ID: 0009
 Revises: 0008
