@@ -51,6 +51,7 @@ def metric_rows_after(session: Session, job_id: str, cursor: int, limit: int = _
     return list(session.scalars(select(Metric).where(Metric.job_id == job_id, Metric.id > cursor).order_by(Metric.id)
                                 .limit(limit)))
 
+
 class MlflowExporter:
     def __init__(self, sessions: sessionmaker[Session], tracking_uri: str, experiment: str) -> None:
         from mlflow.tracking import MlflowClient

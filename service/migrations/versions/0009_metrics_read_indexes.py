@@ -1,7 +1,7 @@
 """Metric read indexes: a job's validated rows, and its rows in the order they were stored.
 
-What is read of a job's metric rows again and again then reads no row of every step it ran: its newest validation (at
-every status request), and the MLflow export's next rows after its cursor.
+Two reads repeated while a job trains then no longer go through every step it ran: its newest validation (at every
+status request), and the MLflow export's next rows after its cursor.
 
 Revision ID: 0009
 Revises: 0008
