@@ -190,7 +190,11 @@ class Attempt(Base):
     # The most workers the tenant's quota granted at admission: the driver never grows past it.
     max_workers: Mapped[int | None] = mapped_column(Integer)
 
-    __table_args__ = (UniqueConstraint("job_id", "number"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "number"),
+        # The few attempts still open, which every dispatcher pass reads (attempts_to_close) among every one ever run.
+        Index("ix_attempts_open", "id", sqlite_where=text("ended_at IS NULL"), postgresql_where=text("ended_at IS NULL")),
+    )
 
 
 class Metric(Base):

@@ -1,10 +1,11 @@
-"""What is read of a job's metric rows again and again (its progress at every `GET /v1/jobs/{id}`, the event stream's
-next batch at every poll, the MLflow export's next rows at every pass) costs the same few row reads however many
-steps the job has run. Counted in SQLite's virtual-machine instructions, which each row read adds to and which wall
-time on a shared machine would blur."""
+"""What the control plane reads again and again costs the same few row reads however many steps a job has run (its
+progress at every `GET /v1/jobs/{id}`, the event stream's next batch at every poll, the MLflow export's next rows at
+every pass) and however many jobs have run before (the open attempts, at every dispatcher pass). Counted in SQLite's
+virtual-machine instructions, which each row read adds to and which wall time on a shared machine would blur."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,12 @@ import pytest
 from sqlalchemy import func, insert, select
 
 from ringmaster.service.db import Database, session_scope, upgrade_schema
-from ringmaster.service.jobs import get_job, job_progress, submit_job
+from ringmaster.service.jobs import (attempts_to_close, cancel_job, close_attempt, get_job, job_progress, mark_admitted,
+                                     submit_job)
 from ringmaster.service.mlflow_export import metric_rows_after
-from ringmaster.service.models import Metric, utcnow
+from ringmaster.service.models import Attempt, Job, Metric, utcnow
 from ringmaster.service.spec import JobSpec
+from ringmaster.service.states import JobState
 from ringmaster.service.stream import Cursor, read_batch
 
 FEW, MANY = 200, 20_000
@@ -93,4 +96,29 @@ def test_the_mlflow_exports_next_rows_after_its_cursor_are_read_without_the_rows
             cursor = session.scalar(select(Metric.id).where(Metric.job_id == job_id, Metric.step == steps - 2))
         counted[steps], rows = _instructions(db, lambda session: metric_rows_after(session, job_id, cursor))
         assert [row.step for row in rows] == [steps - 1, steps]
+    assert counted[MANY] < 2 * counted[FEW], counted
+
+
+def test_a_dispatcher_pass_finds_the_open_attempts_without_reading_every_attempt_ever_run(db: Database) -> None:
+    # Before the open attempts had an index of their own, 18 ms per pass (two a second) after 100,000 jobs.
+    closed_job_ids = []
+    counted = {}
+    for jobs_run in (FEW, MANY):
+        with session_scope(db.sessions) as session:
+            ids = [uuid.uuid4().hex for _ in range(jobs_run - len(closed_job_ids))]
+            now = utcnow()
+            session.execute(insert(Job), [{"id": job_id, "name": "done", "spec": {"name": "done", "model": "mlp"},
+                                           "state": JobState.SUCCEEDED.value, "attempt": 1, "created_at": now,
+                                           "updated_at": now} for job_id in ids])
+            session.execute(insert(Attempt), [{"job_id": job_id, "number": 1, "submission_id": f"ringmaster-{job_id}-1",
+                                               "started_at": now, "ended_at": now} for job_id in ids])
+            closed_job_ids += ids
+        open_job_id = _submit(db)
+        with session_scope(db.sessions) as session:
+            mark_admitted(session, get_job(session, open_job_id), 1, f"ringmaster-{open_job_id}-1", "pg-1", 1)
+            cancel_job(session, open_job_id)  # its attempt stays open until a dispatcher closes it
+        counted[jobs_run], to_close = _instructions(db, attempts_to_close)
+        assert [attempt.job_id for attempt in to_close][-1] == open_job_id
+        with session_scope(db.sessions) as session:
+            close_attempt(session, to_close[-1], "cancelled")
     assert counted[MANY] < 2 * counted[FEW], counted
