@@ -330,8 +330,8 @@ def main() -> None:
                 code_pool = JobSpec.model_validate(job["spec"]).warm_pool
             for round_index in range(args.rounds):
                 if not args.code_only:
-                    pair = []  # (bare, ringmaster), run next to each other in the round's order
-                    for run in ("bare", "ringmaster") if round_index % 2 == 0 else ("ringmaster", "bare"):
+                    order = ("bare", "ringmaster") if round_index % 2 == 0 else ("ringmaster", "bare")
+                    for run in order:
                         # The pool refills after each job (its workers import torch): each run starts once it is idle.
                         if Settings().warm_workers_per_node:
                             wait_for_warm_pool(args.workers)
@@ -345,9 +345,8 @@ def main() -> None:
                             managed.append(steady)
                             managed_cpu.append(cpu)
                             first_step.append(to_first_step)
-                        pair.append(run)
                     ratios.append(steady / bare[-1])
-                    print(f"round {round_index} ({' then '.join(pair)}): bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} "
+                    print(f"round {round_index} ({' then '.join(order)}): bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} "
                           f"steps/s, ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
                     if not args.without_ray_loops:

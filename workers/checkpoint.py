@@ -111,6 +111,15 @@ def committed_checkpoints(storage_root: str | Path) -> list[CommittedCheckpoint]
     return sorted(found, key=lambda checkpoint: checkpoint.step)
 
 
+def checkpoint_at(path: str | Path) -> CommittedCheckpoint | None:
+    """The committed checkpoint in one step folder (a path or URI), or None where it has no valid manifest."""
+    storage, location = storage_for(path)
+    manifest = _read_manifest(storage, storage.join(location, MANIFEST_NAME))
+    if manifest is None or not isinstance(manifest.get("step"), int):
+        return None
+    return CommittedCheckpoint(manifest["step"], location, manifest)
+
+
 def verify_checkpoint(checkpoint: CommittedCheckpoint) -> str | None:
     """None when the checkpoint's files match its manifest, else what is wrong (the first mismatch).
     A manifest without a file list (written before lists existed) is trusted."""

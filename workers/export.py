@@ -25,8 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ringmaster.workers.checkpoint import MANIFEST_NAME, CommittedCheckpoint, verify_checkpoint
+from ringmaster.workers.checkpoint import MANIFEST_NAME, checkpoint_at, verify_checkpoint
 from ringmaster.workers.checkpoint_storage import storage_for
+from ringmaster.workers.models.hf import DATA_OPTIONS, PRETRAINED_OPTION, model_class_and_config
+from ringmaster.workers.models.registry import EntrypointError
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -74,14 +76,13 @@ def export_checkpoint(checkpoint: str, out_dir: Path, hf_class: str | None = Non
 
 def _model_weights(checkpoint: str) -> dict[str, torch.Tensor]:
     """Every model tensor of a committed checkpoint, whole, on the CPU."""
-    storage, location = storage_for(checkpoint)
-    try:
-        manifest = json.loads(storage.read_bytes(storage.join(location, MANIFEST_NAME)) or b"")
-    except ValueError:
-        raise ExportError(f"{checkpoint} is not a committed checkpoint: it has no readable {MANIFEST_NAME}") from None
-    problem = verify_checkpoint(CommittedCheckpoint(int(manifest.get("step", -1)), location, manifest))
+    committed = checkpoint_at(checkpoint)
+    if committed is None:
+        raise ExportError(f"{checkpoint} is not a committed checkpoint: it has no readable {MANIFEST_NAME}")
+    problem = verify_checkpoint(committed)
     if problem is not None:
         raise ExportError(f"{checkpoint} does not match its manifest: {problem}")
+    storage, location = storage_for(committed.path)
     reader = storage.reader(location)
     saved = reader.read_metadata().state_dict_metadata
     template = {key.removeprefix(_MODEL_PREFIX): torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -104,15 +105,11 @@ def _umask() -> int:
 
 def _hf_config(hf_class: str, model_options: dict[str, Any]):
     """The transformers config an `hf:` job built its model from, naming the class so Auto* classes find it."""
-    import transformers
-
-    from ringmaster.workers.models.hf import DATA_OPTIONS, PRETRAINED_OPTION
-
-    cls = getattr(transformers, hf_class, None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise ExportError(f"transformers {transformers.__version__} has no model class {hf_class!r}")
     fields = {name: value for name, value in model_options.items() if name not in (PRETRAINED_OPTION, *DATA_OPTIONS)}
-    config = cls.config_class(**fields)
+    try:
+        _, config = model_class_and_config(hf_class, fields)
+    except EntrypointError as error:
+        raise ExportError(str(error)) from None
     config.architectures = [hf_class]
     return config
 

@@ -32,18 +32,9 @@ def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
     """``hf:<model_class>``: the model from its config's fields (the other model_options), with the weights of
     ``pretrained`` (a safetensors file, or a directory holding model.safetensors, at a path or fsspec URI) when given;
     trained on the built-in byte-level corpus unless the job names a data source (``corpus`` False)."""
-    import transformers
-
-    cls = getattr(transformers, model_class, None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise EntrypointError(f"model 'hf:{model_class}': transformers {transformers.__version__} has no model class {model_class!r}")
     pretrained = options.pop(PRETRAINED_OPTION, None)
     data_options = {name: options.pop(name) for name in DATA_OPTIONS if name in options}
-    accepted = set(inspect.signature(cls.config_class.__init__).parameters) - {"self", "kwargs"}
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise EntrypointError(f"model 'hf:{model_class}': model_options {unknown} are not fields of {cls.config_class.__name__}")
-    config = cls.config_class(**options)
+    cls, config = model_class_and_config(model_class, options)
     model = cls(config)
     if pretrained is not None:
         load_safetensors(model, pretrained)
@@ -52,6 +43,21 @@ def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
                               "corpus's 256 tokens")
     train, validation = pysource_splits(**data_options) if corpus else (None, None)
     return hf_bundle(model, train, validation)
+
+
+def model_class_and_config(model_class: str, config_options: dict[str, Any]) -> tuple[type, Any]:
+    """``hf:<model_class>``'s transformers class, and its config from the model_options that are config fields (those
+    without ``pretrained`` and the data options)."""
+    import transformers
+
+    cls = getattr(transformers, model_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise EntrypointError(f"model 'hf:{model_class}': transformers {transformers.__version__} has no model class {model_class!r}")
+    accepted = set(inspect.signature(cls.config_class.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(config_options) - accepted)
+    if unknown:
+        raise EntrypointError(f"model 'hf:{model_class}': model_options {unknown} are not fields of {cls.config_class.__name__}")
+    return cls, cls.config_class(**config_options)
 
 
 def hf_bundle(model: nn.Module, train_dataset, val_dataset) -> ModelBundle:
