@@ -48,6 +48,18 @@ _RAN_IN_ITS_ENV = [JobState.RUNNING.value, JobState.RECOVERING.value, JobState.S
 _REPORTING_DRIVER_ALIVE_S = 3.0
 
 
+def newest_jobs_that_ran_in_an_env_of_their_own(session: Session) -> list[tuple[str, JobSpec]]:
+    """(tenant, spec) of each job with code or a runtime_env of its own that ran in it, newest first, among the
+    `_RECENT_JOBS_FOR_POOLS` newest jobs. Only envs a job has run in: one that could not be set up (a failed pip
+    install) would fail each pool worker too. The state is checked here, not in SQL: filtered there, SQLite searches
+    the queue index for every job in those states and sorts them all (12 ms at 100,000 jobs, every upkeep), where
+    the newest few are read straight from the end of the created_at index."""
+    rows = session.execute(select(Job.tenant, Job.state, Job.spec).order_by(Job.created_at.desc())
+                           .limit(_RECENT_JOBS_FOR_POOLS))
+    return [(tenant, JobSpec.model_validate(raw)) for tenant, state, raw in rows
+            if state in _RAN_IN_ITS_ENV and (raw.get("code") or raw.get("runtime_env"))]
+
+
 class Dispatcher:
     def __init__(self, sessions: sessionmaker[Session], cluster: ClusterBackend, settings: Settings,
                  owner: str | None = None) -> None:
@@ -92,13 +104,7 @@ class Dispatcher:
         if self.settings.warm_runtime_envs == 0:
             return pools
         wanted = self.settings.warm_runtime_envs + 1
-        # Only envs a job has run in: one that could not be set up (a failed pip install) would fail each pool worker too.
-        rows = session.execute(select(Job.tenant, Job.spec).where(Job.state.in_(_RAN_IN_ITS_ENV))
-                               .order_by(Job.created_at.desc()).limit(_RECENT_JOBS_FOR_POOLS))
-        for tenant, raw in rows:
-            if not (raw.get("code") or raw.get("runtime_env")):
-                continue
-            spec = JobSpec.model_validate(raw)
+        for tenant, spec in newest_jobs_that_ran_in_an_env_of_their_own(session):
             if spec.warm_pool in pools or spec.workers.gpus_per_worker:  # GPU workers are never pooled
                 continue
             try:
