@@ -29,7 +29,7 @@ from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.stream import DataPosition, GlobalBatchStream
 from ringmaster.workers.data.tokens import TokenWindows
 from ringmaster.workers.job_input import JobInputError
-from ringmaster.workers.models import build_bundle
+from ringmaster.workers.models import EntrypointError, build_bundle
 from test_checkpoint_storage import BUCKET, s3_endpoint  # noqa: F401 (a fixture: a moto S3 server)
 
 # Learnable, deterministic text: ringmaster's own model source, as byte tokens.
@@ -143,6 +143,52 @@ def test_a_user_model_on_a_token_file_gets_its_windows(tmp_path: Path) -> None:
     assert isinstance(bundle.train_dataset, TokenWindows) and (len(bundle.train_dataset), len(bundle.val_dataset)) == (56, 6)
     assert bundle.train_dataset.seq_len == 16 and bundle.train_dataset.vocab_size is None
     assert bundle.loss_fn(bundle.model, bundle.train_dataset[0]).ndim == 0
+
+
+def build_llama_alone(context: int = 64) -> torch.nn.Module:
+    """A user entrypoint as a Hugging Face user writes it: the model from its config, nothing else."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context))
+
+
+def build_embedding_alone() -> torch.nn.Module:
+    return torch.nn.Embedding(256, 8)
+
+
+def test_a_user_model_returned_alone_trains_on_the_data_sources_windows_with_the_next_token_loss(tmp_path: Path) -> None:
+    directory = tmp_path / "hf"
+    datasets.Dataset.from_dict({"ids": [list(range(0, 150)), list(range(150, 190))]}).save_to_disk(str(directory))
+    spec = JobSpec(name="alone", model=f"{__name__}:build_llama_alone",
+                   data={"kind": "hf_dataset", "path": str(directory), "column": "ids", "seq_len": 8, "val_fraction": 0.2})
+
+    bundle = build_bundle(spec)
+
+    assert (len(bundle.train_dataset), len(bundle.val_dataset)) == (19, 4)
+    assert bundle.train_dataset.vocab_size == 200, "token ids are bounded by the model's own vocab"
+    inputs, targets = (torch.stack(pair) for pair in zip(*(bundle.train_dataset[i] for i in range(3))))
+    by_hand = torch.nn.functional.cross_entropy(bundle.model(input_ids=inputs).logits.reshape(-1, 200), targets.reshape(-1))
+    assert torch.equal(bundle.loss_fn(bundle.model, (inputs, targets)), by_hand)
+    assert bundle.tensor_parallel is not None and bundle.pipeline_stage is not None, "the transformers hooks as for hf:"
+
+
+@pytest.mark.parametrize(("entrypoint", "fields", "message"), [
+    ("build_embedding_alone", {}, "model entrypoint '{module}:build_embedding_alone' returned a Embedding alone, and "
+     "with data 'user' it must also return its datasets and loss"),
+    ("build_embedding_alone", {"data": "synthetic"}, "with data 'synthetic' it must also return its datasets and loss"),
+    ("build_llama_alone", {"data": {"kind": "tokens", "path": "{path}", "seq_len": 100}},
+     "data.seq_len (100) exceeds the context length of model '{module}:build_llama_alone': its config's "
+     "max_position_embeddings is 64"),
+])
+def test_a_model_alone_where_it_cannot_train_is_a_clear_error(tmp_path: Path, entrypoint: str, fields: dict, message: str) -> None:
+    path = _token_file(tmp_path / "train.bin", np.arange(1000) % 200)
+    fields = json.loads(json.dumps(fields).replace("{path}", str(path)))
+    with pytest.raises(EntrypointError) as raised:
+        build_bundle(JobSpec(name="alone", model=f"{__name__}:{entrypoint}", **fields))
+
+    assert message.format(module=__name__) in str(raised.value)
 
 
 def test_token_windows_pickle_as_their_path_not_their_tokens(tmp_path: Path) -> None:

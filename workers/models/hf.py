@@ -12,14 +12,13 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.job_input import JobInputError
-from ringmaster.workers.models.registry import EntrypointError, ModelBundle
+from ringmaster.workers.models.registry import EntrypointError, ModelBundle, logits_loss, model_logits, next_token_loss
 from ringmaster.workers.strategies.blocks import block_container, repeated_blocks
 
 # model_options of an hf: model that are not fields of its config
@@ -77,19 +76,6 @@ def without_generation_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None):
         config.use_cache = False
-
-
-def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    return logits_loss(_logits(model(inputs)), targets)
-
-
-def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _logits(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output.logits
 
 
 def load_safetensors(model: nn.Module, location: str) -> None:
@@ -163,7 +149,7 @@ class _StageForward:
         self._forward, self._first = forward, first
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return _logits(self._forward(input_ids=inputs) if self._first else self._forward(inputs_embeds=inputs))
+        return model_logits(self._forward(input_ids=inputs) if self._first else self._forward(inputs_embeds=inputs))
 
 
 def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Module:

@@ -1,7 +1,9 @@
 """The model plug-in contract: every model, built-in or user's, is a builder returning a ModelBundle.
 
 ``spec.model`` is a built-in name or ``package.module:function``; the function is called with
-``spec.model_options`` as keyword arguments. Built-ins go through exactly the same path.
+``spec.model_options`` as keyword arguments. Built-ins go through exactly the same path. A builder may return its
+model alone where the job's data is token windows (a data source, or the pysource corpus): it then trains on the
+next-token loss of the logits it returns.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
@@ -80,13 +83,19 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
         inspect.signature(builder).bind(**spec.model_options)
     except TypeError as error:
         raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
-    bundle = _as_bundle(builder(**spec.model_options), entrypoint)
+    token_windows = isinstance(spec.data, DataSourceSpec) or spec.data == "pysource"
+    bundle = _as_bundle(builder(**spec.model_options), entrypoint, spec.data if not token_windows else None)
     _with_hf_hooks(bundle)
+    config = getattr(bundle.model, "config", None)  # a transformers model's
     if isinstance(spec.data, DataSourceSpec):
         if builtin and builtin.vocab_option:
             vocab_size = builtin.option(builtin.vocab_option, spec.model_options)
         else:
-            vocab_size = spec.model_options.get("vocab_size") if spec.model.startswith(HF_PREFIX) else None
+            vocab_size = getattr(config, "vocab_size", None)
+        context = getattr(config, "max_position_embeddings", None)
+        if isinstance(context, int) and spec.data.seq_len is not None and spec.data.seq_len > context:
+            raise EntrypointError(f"data.seq_len ({spec.data.seq_len}) exceeds the context length of model "
+                                  f"{entrypoint!r}: its config's max_position_embeddings is {context}")
         bundle.train_dataset, bundle.val_dataset = data_source_splits(spec.data, vocab_size)
     elif spec.data != USER_DATA and builtin is None:
         corpus = BUILTIN_CORPORA[spec.data]
@@ -153,18 +162,42 @@ def _with_hf_hooks(bundle: ModelBundle) -> None:
         bundle.output_loss_fn = bundle.output_loss_fn or hf.logits_loss
 
 
-def _as_bundle(result: Any, entrypoint: str) -> ModelBundle:
-    """Accept a ModelBundle or a tuple (model, train_dataset, loss_fn[, val_dataset])."""
+def _as_bundle(result: Any, entrypoint: str, not_token_windows: str | None) -> ModelBundle:
+    """Accept a ModelBundle, a tuple (model, train_dataset, loss_fn[, val_dataset]), or a model alone unless the job's
+    data is `not_token_windows` (its name: what a model alone cannot train on)."""
+    if isinstance(result, nn.Module):
+        if not_token_windows is not None:
+            raise EntrypointError(
+                f"model entrypoint {entrypoint!r} returned a {type(result).__name__} alone, and with data "
+                f"{not_token_windows!r} it must also return its datasets and loss: a ModelBundle or a tuple (model, "
+                "train_dataset, loss_fn[, val_dataset]). A model alone trains on token windows with the next-token "
+                "loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: pysource")
+        result = ModelBundle(result, None, None, next_token_loss)
     if isinstance(result, tuple) and len(result) in (3, 4):
         model, train_dataset, loss_fn, *rest = result
         result = ModelBundle(model, train_dataset, rest[0] if rest else None, loss_fn)
     if not isinstance(result, ModelBundle):
         raise EntrypointError(
-            f"model entrypoint {entrypoint!r} returned {type(result).__name__}; expected a ModelBundle "
-            "or a tuple (model, train_dataset, loss_fn[, val_dataset])"
+            f"model entrypoint {entrypoint!r} returned {type(result).__name__}; expected a ModelBundle, "
+            "a tuple (model, train_dataset, loss_fn[, val_dataset]), or a torch.nn.Module alone (on token windows)"
         )
     if not isinstance(result.model, nn.Module):
         raise EntrypointError(f"model entrypoint {entrypoint!r}: model is a {type(result.model).__name__}, not a torch.nn.Module")
     if not callable(result.loss_fn):
         raise EntrypointError(f"model entrypoint {entrypoint!r}: loss_fn is a {type(result.loss_fn).__name__}, not callable")
     return result
+
+
+def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss of a model given alone, and of every transformers causal LM: the mean cross-entropy of the logits it
+    returns (a tensor, or an output with ``.logits``) against the window's next tokens."""
+    inputs, targets = batch
+    return logits_loss(model_logits(model(inputs)), targets)
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def model_logits(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
