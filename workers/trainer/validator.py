@@ -1,10 +1,10 @@
-"""The validation loss: evaluated over the validation set, sharded over data-parallel ranks, once per step at most."""
+"""The validation loss: evaluated over the whole validation set, sharded over data-parallel ranks, once per step at most."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import LossFn
@@ -16,14 +16,16 @@ VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-
 
 class Validator:
     def __init__(self, parallel: ParallelModel, loss_fn: LossFn, dataset: Dataset, device: torch.device,
-                 autocast: torch.autocast, *, dp_rank: int, dp: int, pipeline_batch_size: int, num_workers: int = 0) -> None:
+                 autocast: torch.autocast, *, dp_rank: int, dp: int, pipeline_batch_size: int, microbatches: int,
+                 num_workers: int = 0) -> None:
+        """`pipeline_batch_size`, `microbatches`: a pipeline's batch shape, `microbatches` micro-batches a step."""
         self._parallel = parallel
         self._loss_fn = loss_fn
         self._dataset = dataset
         self._device = device
         self._autocast = autocast
         self._dp_rank, self._dp = dp_rank, dp
-        self._pipeline_batch_size = pipeline_batch_size
+        self._pipeline_batch_size, self._microbatches = pipeline_batch_size, microbatches
         self._num_workers = num_workers
         self._evaluated: tuple[int, float] | None = None  # (step, value): the end of training reuses a checkpoint's
 
@@ -37,38 +39,71 @@ class Validator:
 
     @torch.no_grad()
     def _evaluate(self) -> float:
-        """Mean loss over the validation set; all ranks run the same number of batches (drop_last drops fewer than dp
-        samples) so sharded strategies cannot hang. Under a pipeline every batch must have the training shape, so a
-        last partial batch is left out."""
+        """The mean loss over every sample of the validation set, whatever the strategy and world size (which a
+        resize changes): each data-parallel rank takes every dp-th sample, and every rank runs the same number of
+        batches (sharded strategies gather in each forward), those past its own samples counting for nothing."""
         parallel, dataset = self._parallel, self._dataset
+        if len(dataset) == 0:
+            raise JobInputError("the validation set holds no samples")
         pipelined = parallel.schedule is not None
-        batch_size = self._pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE
-        sampler = DistributedSampler(dataset, num_replicas=self._dp, rank=self._dp_rank, shuffle=False, drop_last=True)
-        # A private generator: evaluating between training steps must not draw from the training RNG.
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=pipelined, generator=torch.Generator(),
+        batches = validation_batches(len(dataset), self._dp, self._dp_rank,
+                                     self._pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE,
+                                     self._microbatches if pipelined else None)
+        # A private generator: the loader draws a seed for its workers, and evaluating between training steps must not
+        # draw from the training RNG.
+        loader = DataLoader(dataset, batch_sampler=[ids for ids, _ in batches], generator=torch.Generator(),
                             num_workers=self._num_workers)
-        batch_sizes = (min(batch_size, len(sampler) - start) for start in range(0, len(sampler), batch_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of per-sample losses, samples]
         for part in parallel.parts:
             part.eval()
-        for batch, samples in zip(loader, batch_sizes):
+        for batch, (_, counted) in zip(loader, batches):
             batch = to_device(batch, self._device)
             with self._autocast:
                 if pipelined:
                     inputs, targets = batch
                     losses: list[torch.Tensor] = []
                     parallel.schedule.eval(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
-                    batch_loss = torch.stack(losses).mean() if parallel.holds_loss else None
                 else:
-                    batch_loss = self._loss_fn(parallel.parts[0], batch)
+                    losses = [self._loss_fn(parallel.parts[0], batch)]
             if parallel.holds_loss:
-                totals[0] += batch_loss.double() * samples
-                totals[1] += samples
+                totals[0] += sum(loss.double() * samples for loss, samples in zip(losses, counted) if samples)
+                totals[1] += sum(counted)
         for part in parallel.parts:
             part.train()
         dist.all_reduce(totals)
         summed, samples = totals.tolist()
-        if samples == 0:
-            raise JobInputError(f"validation set of {len(dataset)} samples holds no full batch of {batch_size} for each of "
-                             f"{self._dp} data-parallel ranks")
         return summed / samples
+
+
+def validation_batches(samples: int, dp: int, dp_rank: int, batch_size: int,
+                       microbatches: int | None) -> list[tuple[list[int], list[int]]]:
+    """The batches data-parallel rank `dp_rank` of `dp` evaluates, as (sample ids, samples counted in each of its
+    micro-batches): it takes samples dp_rank, dp_rank + dp, …, and pads to the batch count of the rank with the most
+    with batches that count nothing. Unpipelined (`microbatches` None) a batch is one micro-batch and the last may be
+    short. A pipeline's every batch has its training shape, `microbatches` micro-batches of batch_size / microbatches
+    samples: the samples that fill no whole batch each fill a micro-batch with copies of themselves, which in eval
+    mode has that one sample's loss."""
+
+    def batches_of(rank: int, build: bool) -> list[tuple[list[int], list[int]]] | int:
+        ids = list(range(rank, samples, dp))
+        if microbatches is None:
+            chunks = [ids[start:start + batch_size] for start in range(0, len(ids), batch_size)]
+            return [(chunk, [len(chunk)]) for chunk in chunks] if build else len(chunks)
+        per_micro = batch_size // microbatches
+        whole = len(ids) // batch_size * batch_size
+        tail = ids[whole:]
+        count = whole // batch_size + -(-len(tail) // microbatches)
+        if not build:
+            return count
+        built = [(ids[start:start + batch_size], [per_micro] * microbatches) for start in range(0, whole, batch_size)]
+        for start in range(0, len(tail), microbatches):
+            singles = tail[start:start + microbatches]
+            padding = microbatches - len(singles)
+            built.append(([sample for sample in singles for _ in range(per_micro)] + [0] * (padding * per_micro),
+                          [1] * len(singles) + [0] * padding))
+        return built
+
+    mine = batches_of(dp_rank, build=True)
+    most = max(batches_of(rank, build=False) for rank in range(dp))
+    filler = ([0] * batch_size, [0] * microbatches) if microbatches is not None else ([0], [0])
+    return mine + [filler] * (most - len(mine))
