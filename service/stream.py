@@ -1,4 +1,5 @@
-"""What a job's event stream sends next: events by id, metric rows by (attempt, step), read in one short transaction.
+"""What a job's event stream sends next: events by id, metric rows by (attempt, step), read in one short transaction
+and sent in the order they happened, the job's end last.
 
 The cursor is what the client has seen; it travels as the SSE event id ("<event id>:<attempt>:<step>") so a
 client that reconnects with Last-Event-ID resumes exactly where it left off.
@@ -6,6 +7,7 @@ client that reconnects with Last-Event-ID resumes exactly where it left off.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,8 @@ from sqlalchemy.orm import Session
 from ringmaster.service.jobs import get_job
 from ringmaster.service.models import JobEvent, Metric
 from ringmaster.service.states import TERMINAL, JobState
+
+TERMINAL_VALUES = {state.value for state in TERMINAL}
 
 
 @dataclass(frozen=True)
@@ -69,18 +73,32 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
     metrics = list(
         session.scalars(select(Metric).where(Metric.job_id == job_id, after).order_by(Metric.attempt, Metric.step).limit(limit))
     )
-    items: list[StreamItem] = []
-    for row in events:
-        cursor = Cursor(row.id, cursor.attempt, cursor.step)
-        data = {"id": row.id, "at": _iso(row.at), "kind": row.kind, "from_state": row.from_state, "to_state": row.to_state,
-                "message": row.message, "data": row.data}
-        items.append(StreamItem("state" if row.kind == "transition" else "event", cursor, data))
-    for metric in metrics:
-        cursor = Cursor(cursor.event_id, metric.attempt, metric.step)
-        data = {field: getattr(metric, field) for field in
-                ("attempt", "step", "loss", "val_loss", "samples_per_s", "step_time_s", "wall_time", "lr", "grad_norm",
-                                   "world_size")}
-        data["recorded_at"] = _iso(metric.recorded_at)
-        items.append(StreamItem("metric", cursor, data))
     more = len(events) == limit or len(metrics) == limit
+    # The job's end is the stream's last item: it waits for every metric row (a read cut short by the limit sends it
+    # in a later batch), and sorts after the rows its own final report stored.
+    ending = next((index for index, row in enumerate(events)
+                   if row.kind == "transition" and row.to_state in TERMINAL_VALUES), None)
+    if ending is not None and more:
+        events = events[:ending]
+    # In the order things happened (a checkpoint's event among the steps around it), each kind still in its own order;
+    # each item's cursor is what was sent up to it, events and metric rows counted apart.
+    def happened(row: JobEvent | Metric) -> tuple[bool, Any]:
+        if isinstance(row, Metric):
+            return False, row.recorded_at
+        return row.kind == "transition" and row.to_state in TERMINAL_VALUES, row.at
+
+    items: list[StreamItem] = []
+    for row in heapq.merge(events, metrics, key=happened):
+        if isinstance(row, JobEvent):
+            cursor = Cursor(row.id, cursor.attempt, cursor.step)
+            data = {"id": row.id, "at": _iso(row.at), "kind": row.kind, "from_state": row.from_state,
+                    "to_state": row.to_state, "message": row.message, "data": row.data}
+            items.append(StreamItem("state" if row.kind == "transition" else "event", cursor, data))
+        else:
+            cursor = Cursor(cursor.event_id, row.attempt, row.step)
+            data = {field: getattr(row, field) for field in
+                    ("attempt", "step", "loss", "val_loss", "samples_per_s", "step_time_s", "wall_time", "lr",
+                     "grad_norm", "world_size")}
+            data["recorded_at"] = _iso(row.recorded_at)
+            items.append(StreamItem("metric", cursor, data))
     return Batch(items, cursor, finished=state in TERMINAL and not more, more=more)

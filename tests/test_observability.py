@@ -221,7 +221,7 @@ def test_stream_sends_states_metrics_and_events_until_the_job_ends(client: TestC
     assert [(m["data"]["attempt"], m["data"]["step"], m["data"]["loss"]) for m in messages if m["event"] == "metric"] == [
         (1, 1, 2.0), (1, 2, 1.0), (1, 3, 0.5)]
     assert [m["data"]["kind"] for m in messages if m["event"] == "event"] == ["checkpoint"]
-    assert messages[-1]["event"] in ("state", "metric")
+    assert messages[-1]["event"] == "state"
 
     # Resuming from any message's id sends exactly the messages that followed it (all at once: the job is over).
     for index in (0, len(messages) // 2, len(messages) - 1):
@@ -230,6 +230,42 @@ def test_stream_sends_states_metrics_and_events_until_the_job_ends(client: TestC
         key = lambda m: (m["event"], json.dumps(m["data"], sort_keys=True))  # noqa: E731
         assert sorted(map(key, resumed)) == sorted(map(key, messages[index + 1:]))
     assert _parse_sse(client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "garbage"}).text) != []
+
+
+def _label(message: dict[str, Any]) -> str:
+    data = message["data"]
+    return {"state": lambda: data["to_state"], "metric": lambda: f"step {data['step']}",
+            "event": lambda: data["kind"]}[message["event"]]()
+
+
+def test_a_finished_jobs_stream_replays_in_the_order_things_happened_and_ends_with_its_end(client: TestClient) -> None:
+    job_id = _submit(client)
+    _drive(client, job_id)
+
+    messages = _parse_sse(client.get(f"/v1/jobs/{job_id}/stream").text)
+
+    # A report stores its metric rows before the state it brings; the checkpoint it reports after them.
+    assert [_label(m) for m in messages] == ["QUEUED", "ADMITTED", "step 1", "RUNNING", "step 2", "checkpoint", "step 3",
+                                             "SUCCEEDED"]
+
+
+def test_a_stream_read_in_short_batches_sends_the_jobs_end_after_every_metric(client: TestClient) -> None:
+    from ringmaster.service.stream import Cursor, read_batch
+
+    job_id = _submit(client)
+    _admit(client, job_id)
+    _report(client, job_id, state="RUNNING")
+    _report(client, job_id, state="SUCCEEDED", metrics=[{"step": step, "loss": 1.0 / step} for step in range(1, 8)])
+    cursor, sent, finished = Cursor(), [], False
+    while not finished:
+        with _db(client).sessions() as session:
+            batch = read_batch(session, job_id, cursor, limit=3)
+        sent += [(item.type, item.data.get("to_state") or item.data.get("step")) for item in batch.items]
+        cursor, finished = batch.cursor, batch.finished
+
+    assert sent[-1] == ("state", "SUCCEEDED")
+    assert [value for kind, value in sent if kind == "metric"] == list(range(1, 8))
+    assert [value for kind, value in sent if kind == "state"] == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
 
 
 def test_stream_of_unknown_job_is_404(client: TestClient) -> None:
