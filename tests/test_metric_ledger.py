@@ -33,3 +33,23 @@ def test_nothing_is_kept_without_checkpoints_to_keep_it() -> None:
     metrics = RankMetrics(1, lambda point: None, lambda: 0, keep_for_checkpoints=False)
     metrics.record(MetricPoint(step=1, loss=1.0))
     assert metrics.for_checkpoint() == [] and metrics.for_checkpoint_json() == "[]"
+
+
+def test_a_held_point_takes_its_steps_later_values_and_is_sent_once_in_its_place() -> None:
+    sent: list[MetricPoint] = []
+    acknowledged = [0]
+    metrics = RankMetrics(1, sent.append, lambda: acknowledged[0], keep_for_checkpoints=True)
+    metrics.record(MetricPoint(step=1, loss=2.0), hold=True)
+    assert sent == [] and metrics.for_checkpoint() == [{"attempt": 1, "step": 1, "loss": 2.0}], "kept while held"
+
+    metrics.record(MetricPoint(step=1, val_loss=2.5))  # the step's validation
+    assert sent == [] and metrics.for_checkpoint() == [{"attempt": 1, "step": 1, "loss": 2.0, "val_loss": 2.5}]
+    metrics.release()
+    metrics.release()  # nothing held: nothing sent
+    assert sent == [MetricPoint(step=1, loss=2.0, val_loss=2.5)]
+
+    metrics.record(MetricPoint(step=2, loss=1.5), hold=True)
+    metrics.record(MetricPoint(step=3, loss=1.0))  # another step's point sends the held one first
+    assert [(point.step, point.val_loss) for point in sent] == [(1, 2.5), (2, None), (3, None)]
+    acknowledged[0] = 2  # one acknowledgement per point sent: the merged validation took no place of its own
+    assert [point["step"] for point in metrics.for_checkpoint()] == [3]

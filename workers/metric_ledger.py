@@ -40,13 +40,37 @@ class RankMetrics:
         # (position in send order, point as stored, its JSON): encoded once, as in-memory snapshots keep the
         # unacknowledged points at every step
         self._unacknowledged: deque[tuple[int, dict[str, Any], str]] = deque()
+        self._held: MetricPoint | None = None  # recorded, kept, not yet sent (record's hold)
 
-    def record(self, point: MetricPoint) -> None:
-        self._send(point)
+    def record(self, point: MetricPoint, *, hold: bool = False) -> None:
+        """Send `point`, and keep it for checkpoints until acknowledged. `hold`: send it only at `release`, so that
+        a later point of its step (the step's validation) goes with it as one point: sent apart, the stream would have
+        passed the step's row before its val_loss arrived. A point of the held point's step merges into it."""
+        if self._held is not None and self._held.step == point.step and self._held.attempt == point.attempt:
+            self._held = point = MetricPoint.model_validate(self._held.model_dump(exclude_none=True)
+                                                             | point.model_dump(exclude_none=True))
+            if self._keep:
+                position = self._unacknowledged.pop()[0]
+                self._keep_point(position, point)
+            return
+        self.release()
         position, self._sent = self._sent, self._sent + 1
-        if self._keep:  # a replayed point keeps the attempt that ran it
-            stored = {"attempt": self._attempt} | point.model_dump(exclude_none=True)
-            self._unacknowledged.append((position, stored, json.dumps(stored)))
+        if self._keep:
+            self._keep_point(position, point)
+        if hold:
+            self._held = point
+        else:
+            self._send(point)
+
+    def release(self) -> None:
+        """Send the held point, if any."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._send(held)
+
+    def _keep_point(self, position: int, point: MetricPoint) -> None:
+        stored = {"attempt": self._attempt} | point.model_dump(exclude_none=True)  # a replayed point keeps its attempt
+        self._unacknowledged.append((position, stored, json.dumps(stored)))
 
     def replay(self, points: list[dict[str, Any]]) -> None:
         """Points a resumed checkpoint kept: sent again, and kept again until acknowledged."""

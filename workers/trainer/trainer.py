@@ -133,9 +133,11 @@ class Trainer:
                 self._snapshots.take(self.step, self._stream.position,
                                      metrics=self._metrics_for_snapshot(),
                                      changed_anywhere=self._snapshot_structure_changed)
-            if self._evaluation_due():
+            saving = stopped or self._checkpointer.due(self.step)
+            if self._validation_due(saving):
                 self._validate()
-            if stopped or self._checkpointer.due(self.step):
+            self._metrics.release()
+            if saving:
                 # Periodic saves run in the background; the one a stop asks for is written before returning.
                 self._checkpointer.save(self.step, self._stream.position, self._checkpoint_metric, final=False,
                                         asynchronous=not stopped)
@@ -148,7 +150,7 @@ class Trainer:
         uri = self._checkpointer.latest_uri
         if stopped:
             return TrainResult(self.step, self.loss, None, uri, stopped=True)
-        val_loss = self._validate() if self._validator is not None else None
+        val_loss = self._validate() if self._validator is not None else None  # the last step's, evaluated in the loop
         return TrainResult(self.step, self.loss, val_loss, uri, stopped=False)
 
     def train_step(self) -> bool:
@@ -227,7 +229,7 @@ class Trainer:
             self._metrics.record(MetricPoint(
                 step=self.step, loss=self.loss, samples_per_s=self.spec.train.global_batch_size / step_time,
                 step_time_s=step_time, wall_time=time.time(), lr=lr, grad_norm=self._optimizer.grad_norm.item(),
-                world_size=self.ctx.world_size))
+                world_size=self.ctx.world_size), hold=True)  # sent with the step's validation, if it has one
         return votes > 0 and self.step < self.spec.train.steps
 
     def _update(self, completed_steps: int) -> float:
@@ -257,10 +259,14 @@ class Trainer:
                             f"(rank {most['rank']}); each snapshot sends {sum(c['sent_bytes_per_snapshot'] for c in costs)} "
                             "bytes to buddies in all", {"snapshot_host_memory": costs})
 
-    def _evaluation_due(self) -> bool:
-        """train.eval_every_steps: evaluate after this step (the last step's is the final evaluation)."""
-        every = self.spec.train.eval_every_steps
-        return bool(every) and self.step % every == 0 and self.step < self.spec.train.steps
+    def _validation_due(self, saving: bool) -> bool:
+        """Whether to evaluate after this step, before its metric point is sent (which then carries the value): every
+        train.eval_every_steps, after the last step, and where checkpoint.keep_best chooses by val_loss, at a save."""
+        if self._validator is None:
+            return False
+        every, keep_best = self.spec.train.eval_every_steps, self.spec.checkpoint.keep_best
+        return ((bool(every) and self.step % every == 0) or self.step == self.spec.train.steps
+                or (saving and keep_best is not None and keep_best.metric == "val_loss"))
 
     def _validate(self) -> float:
         """Collective: the validation loss now (reused if this step was validated); rank 0 reports a new one."""
