@@ -59,6 +59,13 @@ def _iso(value: Any) -> str | None:
     return None if value is None else value.isoformat().replace("+00:00", "Z")
 
 
+def _happened(row: JobEvent | Metric) -> tuple[bool, Any]:
+    """When a row happened, the job's end after everything."""
+    if isinstance(row, Metric):
+        return False, row.recorded_at
+    return row.kind == "transition" and row.to_state in TERMINAL_VALUES, row.at
+
+
 def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) -> Batch:
     """Raises JobNotFound. The job's state is read first, so a terminal state implies its events are visible too."""
     state = JobState(get_job(session, job_id).state)
@@ -82,13 +89,8 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
         events = events[:ending]
     # In the order things happened (a checkpoint's event among the steps around it), each kind still in its own order;
     # each item's cursor is what was sent up to it, events and metric rows counted apart.
-    def happened(row: JobEvent | Metric) -> tuple[bool, Any]:
-        if isinstance(row, Metric):
-            return False, row.recorded_at
-        return row.kind == "transition" and row.to_state in TERMINAL_VALUES, row.at
-
     items: list[StreamItem] = []
-    for row in heapq.merge(events, metrics, key=happened):
+    for row in heapq.merge(events, metrics, key=_happened):
         if isinstance(row, JobEvent):
             cursor = Cursor(row.id, cursor.attempt, cursor.step)
             data = {"id": row.id, "at": _iso(row.at), "kind": row.kind, "from_state": row.from_state,

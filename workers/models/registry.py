@@ -162,14 +162,14 @@ def _with_hf_hooks(bundle: ModelBundle) -> None:
         bundle.output_loss_fn = bundle.output_loss_fn or hf.logits_loss
 
 
-def _as_bundle(result: Any, entrypoint: str, not_token_windows: str | None) -> ModelBundle:
-    """Accept a ModelBundle, a tuple (model, train_dataset, loss_fn[, val_dataset]), or a model alone unless the job's
-    data is `not_token_windows` (its name: what a model alone cannot train on)."""
+def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) -> ModelBundle:
+    """Accept a ModelBundle, a tuple (model, train_dataset, loss_fn[, val_dataset]), or a model alone unless
+    `data_needing_a_bundle` names the job's data (one a model alone cannot train on: not token windows)."""
     if isinstance(result, nn.Module):
-        if not_token_windows is not None:
+        if data_needing_a_bundle is not None:
             raise EntrypointError(
                 f"model entrypoint {entrypoint!r} returned a {type(result).__name__} alone, and with data "
-                f"{not_token_windows!r} it must also return its datasets and loss: a ModelBundle or a tuple (model, "
+                f"{data_needing_a_bundle!r} it must also return its datasets and loss: a ModelBundle or a tuple (model, "
                 "train_dataset, loss_fn[, val_dataset]). A model alone trains on token windows with the next-token "
                 "loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: pysource")
         result = ModelBundle(result, None, None, next_token_loss)

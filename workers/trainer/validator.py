@@ -83,27 +83,23 @@ def validation_batches(samples: int, dp: int, dp_rank: int, batch_size: int,
     short. A pipeline's every batch has its training shape, `microbatches` micro-batches of batch_size / microbatches
     samples: the samples that fill no whole batch each fill a micro-batch with copies of themselves, which in eval
     mode has that one sample's loss."""
-
-    def batches_of(rank: int, build: bool) -> list[tuple[list[int], list[int]]] | int:
-        ids = list(range(rank, samples, dp))
-        if microbatches is None:
-            chunks = [ids[start:start + batch_size] for start in range(0, len(ids), batch_size)]
-            return [(chunk, [len(chunk)]) for chunk in chunks] if build else len(chunks)
-        per_micro = batch_size // microbatches
-        whole = len(ids) // batch_size * batch_size
-        tail = ids[whole:]
-        count = whole // batch_size + -(-len(tail) // microbatches)
-        if not build:
-            return count
-        built = [(ids[start:start + batch_size], [per_micro] * microbatches) for start in range(0, whole, batch_size)]
-        for start in range(0, len(tail), microbatches):
-            singles = tail[start:start + microbatches]
-            padding = microbatches - len(singles)
-            built.append(([sample for sample in singles for _ in range(per_micro)] + [0] * (padding * per_micro),
-                          [1] * len(singles) + [0] * padding))
-        return built
-
-    mine = batches_of(dp_rank, build=True)
-    most = max(batches_of(rank, build=False) for rank in range(dp))
+    every_rank = [_batches_of(list(range(rank, samples, dp)), batch_size, microbatches) for rank in range(dp)]
     filler = ([0] * batch_size, [0] * microbatches) if microbatches is not None else ([0], [0])
-    return mine + [filler] * (most - len(mine))
+    mine = every_rank[dp_rank]
+    return mine + [filler] * (max(map(len, every_rank)) - len(mine))
+
+
+def _batches_of(ids: list[int], batch_size: int, microbatches: int | None) -> list[tuple[list[int], list[int]]]:
+    if microbatches is None:
+        chunks = [ids[start:start + batch_size] for start in range(0, len(ids), batch_size)]
+        return [(chunk, [len(chunk)]) for chunk in chunks]
+    per_micro = batch_size // microbatches
+    whole = len(ids) // batch_size * batch_size
+    batches = [(ids[start:start + batch_size], [per_micro] * microbatches) for start in range(0, whole, batch_size)]
+    tail = ids[whole:]
+    for start in range(0, len(tail), microbatches):
+        singles = tail[start:start + microbatches]
+        padding = microbatches - len(singles)
+        batches.append(([sample for sample in singles for _ in range(per_micro)] + [0] * (padding * per_micro),
+                        [1] * len(singles) + [0] * padding))
+    return batches
