@@ -198,34 +198,65 @@ def _print_job(job: dict[str, Any]) -> None:
 
 @app.command()
 @_handled
-def watch(job_id: str, api: ApiOption = None) -> None:
+def watch(job_id: str, api: ApiOption = None,
+          every_s: Annotated[float, typer.Option(help="Without a terminal (a pipe, a CI log): a line at each state "
+                                                      "and at most this often while the job trains.")] = 10.0) -> None:
     """Live progress (step, loss, samples/s) until the job ends."""
     client = _client(api)
-    job = _watch(client, _job_id(client, job_id))
+    job = _watch(client, _job_id(client, job_id), every_s)
     raise typer.Exit(code=0 if job["state"] == "SUCCEEDED" else 1)
 
 
-def _watch(client: RingmasterClient, job_id: str) -> dict:
+def _watch(client: RingmasterClient, job_id: str, every_s: float = 10.0) -> dict:
     total = client.job(job_id)["spec"]["train"]["steps"]
-    columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val_loss]}"),
-               TextColumn("{task.fields[speed]} samples/s"), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, state="…", loss="-", val_loss="-", speed="-")
-        for state, new_rows in _progress(client, job_id):
-            update: dict[str, Any] = {"state": state} if state else {}
-            for row in new_rows:
-                if row.get("loss") is not None:
-                    update.update(completed=row["step"], loss=_loss_text(row["loss"]), speed=f"{row.get('samples_per_s') or 0:.1f}")
-                if row.get("val_loss") is not None:
-                    update.update(val_loss=_loss_text(row["val_loss"]))
-            progress.update(task, **update)
+    if console.is_terminal:
+        columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+                   TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val_loss]}"),
+                   TextColumn("{task.fields[speed]} samples/s"), TimeElapsedColumn()]
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("train", total=total, state="…", loss="-", val_loss="-", speed="-")
+            for state, new_rows in _progress(client, job_id):
+                progress.update(task, **_shown(state, new_rows))
+    else:
+        _watch_in_lines(client, job_id, total, every_s)
     job = client.job(job_id)
     style = _STATE_STYLE.get(job["state"], "white")
     console.print(f"job {job_id}: [{style}]{job['state']}[/{style}]")
     if job.get("error"):
         console.print(job["error"])
     return job
+
+
+def _shown(state: str | None, new_rows: list[dict]) -> dict[str, Any]:
+    """What a progress message changes of the watched fields: state, step (`completed`), loss, val_loss, speed."""
+    shown: dict[str, Any] = {"state": state} if state else {}
+    for row in new_rows:
+        if row.get("loss") is not None:
+            shown.update(completed=row["step"], loss=_loss_text(row["loss"]), speed=f"{row.get('samples_per_s') or 0:.1f}")
+        if row.get("val_loss") is not None:
+            shown.update(val_loss=_loss_text(row["val_loss"]))
+    return shown
+
+
+def _watch_in_lines(client: RingmasterClient, job_id: str, total: int, every_s: float) -> None:
+    """Without a terminal a progress bar shows nothing until it ends: a plain line instead at each state, at most
+    every `every_s` while steps arrive, and at the end."""
+    fields: dict[str, Any] = {"state": "…", "completed": 0, "loss": "-", "val_loss": "-", "speed": "-"}
+    printed, printed_at = None, float("-inf")
+
+    def line() -> str:
+        return (f"{fields['state']}  step {fields['completed']}/{total}  loss {fields['loss']}  val {fields['val_loss']}  "
+                f"{fields['speed']} samples/s")
+
+    for state, new_rows in _progress(client, job_id):
+        state_changed = state is not None and state != fields["state"]
+        fields.update(_shown(state, new_rows))
+        if (state_changed or time.monotonic() - printed_at >= every_s) and line() != printed:
+            printed, printed_at = line(), time.monotonic()
+            console.print(printed, soft_wrap=True, highlight=False)
+    fields["state"] = client.job(job_id)["state"]
+    if line() != printed:
+        console.print(line(), soft_wrap=True, highlight=False)
 
 
 def _progress(client: RingmasterClient, job_id: str) -> Iterator[tuple[str | None, list[dict]]]:

@@ -190,7 +190,33 @@ def test_watch_shows_the_newest_loss_and_validation_loss(server: Server) -> None
                                val_loss=3.0 / step if step in (2, 3) else None))
     shown = ringmaster("watch", job_id, env=at(server))
     assert shown.returncode == 0, shown.stdout + shown.stderr
-    assert "step 4/10 loss 0.5000 val 1.0000 8.0 samples/s" in shown.stdout, shown.stdout
+    # Without a terminal, plain lines; the last holds the job's final state and numbers.
+    assert shown.stdout.splitlines()[-2:] == ["SUCCEEDED  step 4/10  loss 0.5000  val 1.0000  8.0 samples/s",
+                                              f"job {job_id}: SUCCEEDED"], shown.stdout
+
+
+def test_watch_without_a_terminal_prints_a_line_at_each_state_and_as_steps_arrive(server: Server) -> None:
+    [job_id] = submitted(server)
+    with session_scope(server.sessions()) as session:
+        job = session.get(Job, job_id)
+        jobs.mark_admitted(session, job, 1, f"ringmaster-{job_id}-1", None, 2)
+        jobs.transition(session, job, JobState.RUNNING, "training", {})
+    watcher = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "watch", job_id[:12], "--every-s", "0.2"],
+                               cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, **at(server)})
+    try:
+        assert [watcher.stdout.readline() for _ in range(3)] == [
+            f"{state}  step 0/10  loss -  val -  - samples/s\n" for state in ("QUEUED", "ADMITTED", "RUNNING")]
+        with session_scope(server.sessions()) as session:
+            session.add(Metric(job_id=job_id, attempt=1, step=1, loss=2.0, samples_per_s=8.0))
+        assert watcher.stdout.readline() == "RUNNING  step 1/10  loss 2.0000  val -  8.0 samples/s\n"
+        with session_scope(server.sessions()) as session:
+            jobs.transition(session, session.get(Job, job_id), JobState.SUCCEEDED, "done", {})
+        rest, errors = watcher.communicate(timeout=30)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, errors
+    assert rest == f"SUCCEEDED  step 1/10  loss 2.0000  val -  8.0 samples/s\njob {job_id}: SUCCEEDED\n", rest
 
 
 @pytest.mark.parametrize(("loss", "shown"), [(2.86984, "2.8698"), (0.0, "0.0000"), (5.5695e30, "5.569e+30"),
