@@ -18,8 +18,6 @@ from ringmaster.service.jobs import get_job
 from ringmaster.service.models import JobEvent, Metric
 from ringmaster.service.states import TERMINAL, JobState
 
-TERMINAL_VALUES = {state.value for state in TERMINAL}
-
 
 @dataclass(frozen=True)
 class Cursor:
@@ -59,11 +57,13 @@ def _iso(value: Any) -> str | None:
     return None if value is None else value.isoformat().replace("+00:00", "Z")
 
 
+def _ends_job(row: JobEvent | Metric) -> bool:
+    return isinstance(row, JobEvent) and row.kind == "transition" and row.to_state in TERMINAL
+
+
 def _happened(row: JobEvent | Metric) -> tuple[bool, Any]:
     """When a row happened, the job's end after everything."""
-    if isinstance(row, Metric):
-        return False, row.recorded_at
-    return row.kind == "transition" and row.to_state in TERMINAL_VALUES, row.at
+    return _ends_job(row), row.recorded_at if isinstance(row, Metric) else row.at
 
 
 def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) -> Batch:
@@ -83,8 +83,7 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
     more = len(events) == limit or len(metrics) == limit
     # The job's end is the stream's last item: it waits for every metric row (a read cut short by the limit sends it
     # in a later batch), and sorts after the rows its own final report stored.
-    ending = next((index for index, row in enumerate(events)
-                   if row.kind == "transition" and row.to_state in TERMINAL_VALUES), None)
+    ending = next((index for index, row in enumerate(events) if _ends_job(row)), None)
     if ending is not None and more:
         events = events[:ending]
     # In the order things happened (a checkpoint's event among the steps around it), each kind still in its own order;
