@@ -81,7 +81,7 @@ class Trainer:
         self._batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if self.parallel.schedule else 1)
         self._validator = None if bundle.val_dataset is None else Validator(
             self.parallel, bundle.loss_fn, bundle.val_dataset, ctx.device, self._autocast,
-            dp_rank=self._dp_rank, dp=dims.dp, pipeline_batch_size=self._batch_size,
+            dp_rank=self._dp_rank, dp=dims.dp, micro_batch_size=spec.train.micro_batch_size,
             microbatches=spec.parallel.microbatches, num_workers=_data_workers(spec))
         # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot]: one all-reduce per step carries
         # them. Only loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.

@@ -16,16 +16,16 @@ VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-
 
 class Validator:
     def __init__(self, parallel: ParallelModel, loss_fn: LossFn, dataset: Dataset, device: torch.device,
-                 autocast: torch.autocast, *, dp_rank: int, dp: int, pipeline_batch_size: int, microbatches: int,
+                 autocast: torch.autocast, *, dp_rank: int, dp: int, micro_batch_size: int, microbatches: int,
                  num_workers: int = 0) -> None:
-        """`pipeline_batch_size`, `microbatches`: a pipeline's batch shape, `microbatches` micro-batches a step."""
+        """`micro_batch_size`, `microbatches`: a pipeline's batch shape, `microbatches` micro-batches a step."""
         self._parallel = parallel
         self._loss_fn = loss_fn
         self._dataset = dataset
         self._device = device
         self._autocast = autocast
         self._dp_rank, self._dp = dp_rank, dp
-        self._pipeline_batch_size, self._microbatches = pipeline_batch_size, microbatches
+        self._pipeline_batch_size, self._microbatches = micro_batch_size * microbatches, microbatches
         self._num_workers = num_workers
         self._evaluated: tuple[int, float] | None = None  # (step, value): the end of training reuses a checkpoint's
 
