@@ -34,8 +34,9 @@ class JobOut(BaseModel):
     failures: int
     priority: int
     created_at: datetime
-    admitted_at: datetime | None
-    started_at: datetime | None
+    admitted_at: datetime | None = Field(description="When the current attempt was admitted.")
+    started_at: datetime | None = Field(description="When the job first started training; a recovery or a later "
+                                        "attempt leaves it as it is.")
     finished_at: datetime | None
     error: str | None
     ray_job_id: str | None = Field(description="Ray Jobs API submission id of the current attempt.")

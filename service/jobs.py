@@ -155,8 +155,8 @@ def transition(session: Session, job: Job, target: JobState, message: str, data:
     job.state = target
     if target == JobState.ADMITTED:
         job.admitted_at = now
-    elif target == JobState.RUNNING:
-        job.started_at = now
+    elif target == JobState.RUNNING and job.started_at is None:
+        job.started_at = now  # the first start: a recovery or a later attempt runs on within the same job
     elif target in TERMINAL:
         job.finished_at = now
     if target == JobState.FAILED:

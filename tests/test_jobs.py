@@ -172,3 +172,20 @@ def test_a_recovery_past_max_failures_fails_the_job_and_ends_the_attempt(db: Dat
     with session_scope(db.sessions) as session:
         job = session.get(Job, job_id)
         assert job.failures == 2 and job.error == "RECOVERING 4; failure 2, max_failures 1"
+
+
+def test_a_job_started_once_keeps_its_start_through_a_recovery_and_a_later_attempt(db: Database) -> None:
+    job_id = _submit(db)
+    _admit(db, job_id, 1)
+    with session_scope(db.sessions) as session:
+        started = transition(session, get_job(session, job_id), JobState.RUNNING, "driver up").started_at
+    with session_scope(db.sessions) as session:
+        job = transition(session, get_job(session, job_id), JobState.RECOVERING, "lost a worker")
+        job = transition(session, job, JobState.RUNNING, "re-formed")
+        assert job.started_at == started
+        requeue(session, job, "the driver died", failure=True)
+    _admit(db, job_id, 2)
+    with session_scope(db.sessions) as session:
+        job = transition(session, get_job(session, job_id), JobState.RUNNING, "attempt 2 up")
+        assert (job.attempt, job.started_at) == (2, started)
+        assert job.admitted_at > started
