@@ -24,7 +24,7 @@ from ringmaster.service.job_plan import ClusterShape, plan_submission, predicted
 from ringmaster.service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
 from ringmaster.service.naming import JOB_ID_LENGTH
 from ringmaster.service.planner import StateMemory
-from ringmaster.service.reports import DriverReport, MetricPoint
+from ringmaster.service.reports import CheckpointRecord, DriverReport, MetricPoint, StoredCheckpoint
 from ringmaster.service.spec import JobSpec
 from ringmaster.service.states import ACTIVE, TERMINAL, JobState, check_transition
 
@@ -340,46 +340,47 @@ def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
 def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> None:
     """A checkpoint is known by its URI: its first report is stored and announced as an event. Each record
     also says what retention did on storage, and the rows follow: a deleted checkpoint's row goes, and
-    ``best`` marks the one kept as the best by checkpoint.keep_best's metric."""
+    ``best`` marks the one kept as the best by checkpoint.keep_best's metric. Where a record lists every checkpoint
+    kept on storage, the rows become exactly those: a worker lost between a commit and its report took that record
+    (the commit, and what its retention deleted) with it."""
     if not report.checkpoints:
         return
     rows = {row.uri: row for row in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id))}
     now = utcnow()
+
+    def store(record: CheckpointRecord | StoredCheckpoint, final: bool, note: str = "") -> None:
+        telemetry.record_checkpoints(session, 1)
+        rows[record.uri] = Checkpoint(job_id=job.id, attempt=job.attempt, step=record.step, uri=record.uri,
+                                      world_size=record.world_size, final=final, created_at=now, metric=record.metric,
+                                      metric_value=record.metric_value, best=False)
+        session.add(rows[record.uri])
+        value = f" ({record.metric} {record.metric_value:.6g})" if record.metric and record.metric_value is not None else ""
+        session.add(JobEvent(job_id=job.id, at=now, kind="checkpoint",
+                             message=f"{'final ' if final else ''}checkpoint at step {record.step}{value}{note}",
+                             data={"attempt": job.attempt, **record.model_dump(mode="json", exclude={"kept"})}))
+
+    def drop(uri: str) -> None:
+        deleted = rows.pop(uri, None)
+        if deleted is None:
+            return
+        if deleted in session.new:
+            session.expunge(deleted)  # stored and deleted within this one report
+        else:
+            session.delete(deleted)
+
     for record in report.checkpoints:
         if record.uri not in rows:
-            telemetry.record_checkpoints(session, 1)
             telemetry.record_checkpoint_timing(session, save_s=record.save_s, blocked_s=record.blocked_s)
-            rows[record.uri] = Checkpoint(
-                job_id=job.id,
-                attempt=job.attempt,
-                step=record.step,
-                uri=record.uri,
-                world_size=record.world_size,
-                final=record.final,
-                created_at=now,
-                metric=record.metric,
-                metric_value=record.metric_value,
-                best=False,
-            )
-            session.add(rows[record.uri])
-            value = f" ({record.metric} {record.metric_value:.6g})" if record.metric and record.metric_value is not None else ""
-            session.add(
-                JobEvent(
-                    job_id=job.id,
-                    at=now,
-                    kind="checkpoint",
-                    message=f"{'final ' if record.final else ''}checkpoint at step {record.step}{value}",
-                    data={"attempt": job.attempt, **record.model_dump(mode="json")},
-                )
-            )
+            store(record, record.final)
         for uri in record.deleted_uris:
-            deleted = rows.pop(uri, None)
-            if deleted is None:
-                continue
-            if deleted in session.new:
-                session.expunge(deleted)  # stored and deleted within this one report
-            else:
-                session.delete(deleted)
+            drop(uri)
+        if record.kept is not None:
+            kept = {stored.uri: stored for stored in record.kept}
+            for uri in [uri for uri in rows if uri not in kept]:
+                drop(uri)
+            for stored in record.kept:
+                if stored.uri not in rows and stored.world_size is not None:
+                    store(stored, final=False, note=" (committed by a worker lost before it reported it)")
         if record.best_uri is not None:
             for row in rows.values():
                 row.best = row.uri == record.best_uri

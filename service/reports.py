@@ -31,6 +31,18 @@ class MetricPoint(JsonTyped):
                     "its checkpoint kept, which the attempt that wrote it may not have reported before it failed.")
 
 
+class StoredCheckpoint(JsonTyped):
+    """A committed checkpoint on the job's storage, as its manifest describes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0)
+    uri: str
+    world_size: int | None = Field(default=None, ge=1, description="None: the manifest does not say.")
+    metric: str | None = Field(default=None, max_length=32)
+    metric_value: float | None = None
+
+
 class CheckpointRecord(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
@@ -42,6 +54,10 @@ class CheckpointRecord(JsonTyped):
     metric_value: float | None = Field(default=None, description="This checkpoint's value of that metric.")
     best_uri: str | None = Field(default=None, description="The checkpoint retention keeps as the best by the metric, after this commit.")
     deleted_uris: list[str] = Field(default_factory=list, max_length=10_000, description="Checkpoints retention deleted right after this commit.")
+    kept: list[StoredCheckpoint] | None = Field(default=None, max_length=10_000, description=(
+        "Every committed checkpoint on the job's storage after this commit's retention, this one included: the "
+        "checkpoint rows become these, though a worker lost between its commit and its report took that record "
+        "with it (None: not said)."))
     blocked_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds training waited for the save to start (staging).")
     save_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds from the save's start to its commit.")
 

@@ -144,3 +144,38 @@ def test_checkpoint_rows_follow_retention_and_mark_the_best(db: Database) -> Non
         messages = [event.message for event in list_events(session, job_id).items if event.kind == "checkpoint"]
     assert out.metric == "val_loss" and out.uri == "s3://bucket/job/step-00000010"
     assert messages == [f"checkpoint at step {step} (val_loss {value:g})" for step, value in ((2, 3.0), (4, 1.0), (6, 2.0), (8, 2.5), (10, 0.5))]
+
+
+def test_checkpoint_rows_become_what_storage_keeps_when_a_commits_record_was_lost(db: Database, tmp_path: Path,
+                                                                                  single_rank_group: None) -> None:
+    # Rank 0 lost between its commit of step 3 (whose retention deleted step 1) and its report: that record never
+    # reaches the control plane, which would go on listing step 1 and never list step 3.
+    spec = JobSpec(name="lost-record", model="mlp", train={"steps": 5, "global_batch_size": 4, "micro_batch_size": 4},
+                   checkpoint={"every_steps": 1, "keep": 2})
+    records: list[CheckpointRecord] = []
+    on_storage: list[list[int]] = []  # after each commit
+
+    def committed(record: CheckpointRecord) -> None:
+        records.append(record)
+        on_storage.append([checkpoint.step for checkpoint in committed_checkpoints(tmp_path)])
+
+    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "lost-record", str(tmp_path),
+                                    sink=CallbackSink(on_checkpoint=committed)))
+    assert [record.step for record in records] == [1, 2, 3, 4, 5] and on_storage[2] == [2, 3]
+    with session_scope(db.sessions) as session:
+        job_id = submit_job(session, spec).id
+        mark_admitted(session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", "pg", 1)
+    listed = {}
+    for seq, record in enumerate(records, start=1):
+        if record.step == 3:
+            continue
+        with session_scope(db.sessions) as session:
+            assert apply_driver_report(session, job_id, 1, DriverReport(seq=seq, checkpoints=[record])).accepted
+        with session_scope(db.sessions) as session:
+            listed[record.step] = [(row.step, row.uri, row.world_size) for row in list_checkpoints(session, job_id).items]
+    assert {step: [row[0] for row in rows] for step, rows in listed.items()} == \
+        {1: [1], 2: [1, 2], 4: [3, 4], 5: [4, 5]}
+    assert listed[4][0] == (3, checkpoint_dir(tmp_path, 3), 1)
+    with session_scope(db.sessions) as session:
+        messages = [event.message for event in list_events(session, job_id).items if event.kind == "checkpoint"]
+    assert "checkpoint at step 3 (committed by a worker lost before it reported it)" in messages

@@ -75,11 +75,13 @@ class TrainingProgress:
 
 @dataclass(frozen=True)
 class Retention:
-    """What retention did: the committed checkpoints it deleted, and the one it keeps as the best by
-    ``checkpoint.keep_best``'s metric (None without keep_best or without a recorded value)."""
+    """What retention did: the committed checkpoints it deleted, the one it keeps as the best by
+    ``checkpoint.keep_best``'s metric (None without keep_best or without a recorded value), and every committed one it
+    kept, oldest first."""
 
     deleted: list[str] = field(default_factory=list)
     best: str | None = None
+    kept: list[CommittedCheckpoint] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -380,7 +382,8 @@ def apply_retention(storage_root: str | Path, keep: int, keep_best: KeepBestSpec
         location = storage.join(root, name)
         if match and int(match.group(1)) < newest and location not in committed_paths:
             storage.remove_tree(location)
-    return Retention(deleted, best.path if best is not None else None)
+    return Retention(deleted, best.path if best is not None else None,
+                     [checkpoint for checkpoint in committed if checkpoint.path in kept])
 
 
 def _finite(value: Any) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringmaster.service.reports import CheckpointRecord
+from ringmaster.service.reports import CheckpointRecord, StoredCheckpoint
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint import (CommittedCheckpoint, PendingSave, begin_save, checkpoint_dir,
                                            checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point,
@@ -173,6 +173,7 @@ class Checkpointer:
             step=pending.step, uri=committed.path, world_size=self._ctx.world_size, final=final,
             metric=pending.manifest.get("metric"), metric_value=pending.manifest.get("metric_value"),
             best_uri=committed.retention.best, deleted_uris=committed.retention.deleted,
+            kept=_stored(committed.retention.kept, committed.path),
             blocked_s=round(blocked_s, 4), save_s=round(time.perf_counter() - started, 4),
         ))
 
@@ -188,3 +189,13 @@ class Checkpointer:
             choice = [(latest, corrupt)]
         dist.broadcast_object_list(choice, src=0, group=self._restore_group())
         return choice[0]
+
+
+def _stored(kept: list[CommittedCheckpoint], committed_path: str) -> list[StoredCheckpoint] | None:
+    """What retention kept, for the record; None where a listing of storage missed the save just committed (a
+    store whose listings lag its writes), which would otherwise read as that save gone."""
+    if committed_path not in {checkpoint.path for checkpoint in kept}:
+        return None
+    return [StoredCheckpoint(step=checkpoint.step, uri=checkpoint.path, world_size=checkpoint.manifest.get("world_size"),
+                             metric=checkpoint.manifest.get("metric"), metric_value=checkpoint.manifest.get("metric_value"))
+            for checkpoint in kept]
