@@ -160,14 +160,17 @@ async function jobsPage() {
 }
 
 function chart(title, series, id, options = {}) {
-  // series: [{label, stroke}]; the x axis is the step.
+  // series: [{label, stroke, points}]; the x axis is the step. points: dots at the values, for a sparse series (a
+  // validation loss every few hundred steps), where a lone value draws no line. options.yValue: the y axis's labels
+  // (uPlot's default rounds a learning rate's 0.0008 and 0.001 to the same "0.001").
   const box = el("div", { class: "chart", id, "data-points": "0" }, el("div", { class: "title" }, title));
   const data = [[], ...series.map(() => [])];
   const plot = new uPlot({
     width: 540, height: 210, scales: { x: { time: false } },
     series: [{ label: "step" }, ...series.map(s => ({ label: s.label, stroke: s.stroke, width: 1.5, spanGaps: true,
-      paths: options.stepped ? uPlot.paths.stepped({ align: 1 }) : undefined }))],
-    axes: [{ label: "step" }, {}],
+      paths: options.stepped ? uPlot.paths.stepped({ align: 1 }) : undefined,
+      points: s.points ? { show: true, size: 6, fill: s.stroke } : undefined }))],
+    axes: [{ label: "step" }, options.yValue ? { values: (u, splits) => splits.map(options.yValue), size: 60 } : {}],
     hooks: options.marks ? { draw: [u => drawMarks(u, options.marks())] } : {},
   }, data, box);
   return {
@@ -213,9 +216,10 @@ async function jobPage(jobId) {
   const recoveries = [];
   let lastStep = 0;
   const charts = {
-    loss: chart("Loss", [{ label: "loss", stroke: "#3056d3" }, { label: "validation loss", stroke: "#e67e22" }], "chart-loss"),
+    loss: chart("Loss", [{ label: "loss", stroke: "#3056d3" }, { label: "validation loss", stroke: "#e67e22", points: true }],
+      "chart-loss"),
     speed: chart("Samples/s", [{ label: "samples/s", stroke: "#1e8e3e" }], "chart-speed"),
-    lr: chart("Learning rate", [{ label: "lr", stroke: "#8e44ad" }], "chart-lr"),
+    lr: chart("Learning rate", [{ label: "lr", stroke: "#8e44ad" }], "chart-lr", { yValue: v => v.toExponential(1) }),
     norm: chart("Gradient norm", [{ label: "grad norm", stroke: "#16a085" }], "chart-grad-norm"),
     world: chart("World size (red: recoveries)", [{ label: "workers", stroke: "#34495e" }], "chart-world-size",
       { stepped: true, marks: () => recoveries }),
