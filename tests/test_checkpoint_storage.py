@@ -124,6 +124,9 @@ def test_two_ranks_on_s3_save_async_resume_skip_corrupt_and_keep_newest_plus_bes
     assert records[-1]["best_uri"] == checkpoint_dir(s3_root, best_step)
     assert [c.step for c in committed_checkpoints(s3_root)] == kept
     assert records[-1]["deleted_uris"] == ([checkpoint_dir(s3_root, 2)] if best_step != 2 else [])
+    # What the control plane's checkpoint rows become: the same URIs as the records name.
+    assert [(stored["step"], stored["uri"], stored["world_size"]) for stored in records[-1]["kept"]] == \
+        [(step, checkpoint_dir(s3_root, step), 2) for step in kept]
     s3 = fsspec.filesystem("s3")
     s3.invalidate_cache()
     assert sorted(name.rsplit("/", 1)[-1] for name in s3.ls(s3_root)) == [f"step-{step:08d}" for step in kept]
