@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ringmaster.service.reports import CheckpointRecord, MetricPoint
+from ringmaster.service.reports import CheckpointRecord, MetricPoint, StoredCheckpoint
 from ringmaster.service.spec import JobSpec, parse_spec_text
 from ringmaster.workers.checkpoint import checkpoint_metrics, committed_checkpoints
 from harness.process_group import run_on_ranks
@@ -50,7 +50,8 @@ def test_bf16_run_reports_each_step_warmup_lr_validation_and_final_checkpoint(tm
     assert step_points[-1].val_loss == result.val_loss and math.isfinite(result.val_loss)
     [record] = checkpoints
     assert record.model_copy(update={"blocked_s": None, "save_s": None}) == \
-        CheckpointRecord(step=4, uri=str(tmp_path / "step-00000004"), world_size=1, final=True)
+        CheckpointRecord(step=4, uri=str(tmp_path / "step-00000004"), world_size=1, final=True,
+                         kept=[StoredCheckpoint(step=4, uri=str(tmp_path / "step-00000004"), world_size=1)])
     assert 0 < record.blocked_s <= record.save_s  # the final save is synchronous: it blocks for all of its time
     assert (result.step, result.loss, result.checkpoint_uri, result.stopped) == (4, step_points[-1].loss, checkpoints[0].uri, False)
 
