@@ -38,7 +38,7 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / _TICKS_PER_S
 
 
-def _stat(pid: int) -> tuple[int, int, float] | None:
+def process_stat(pid: int) -> tuple[int, int, float] | None:
     """(parent pid, start time in ticks, utime+stime in seconds) of a process, or None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -62,7 +62,7 @@ class ProcessTree:
         """Read every member's counters now (and admit the processes started below a member since the last call)."""
         seen: dict[int, tuple[int, int, float]] = {}
         for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in self._strangers and (stat := _stat(int(entry))) is not None:
+            if entry.isdigit() and int(entry) not in self._strangers and (stat := process_stat(int(entry))) is not None:
                 seen[int(entry)] = stat
         alive: set[int] = set()
         # Parents start before their children: in start order, a new process's parent is decided before it.

@@ -30,10 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cpu_time import process_stat  # noqa: E402
 from bench.overhead import job_spec, production_head, wait_for_warm_pool  # noqa: E402
 from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # (what the command line holds, the kind reported), first match wins; Ray names its actors' processes ray::<Class>.
 _KINDS = [
     ("ringmaster.workers.rank_process", "ranks"),
@@ -80,14 +80,9 @@ def _cpu_by_process() -> dict[tuple[int, int], tuple[str, float]]:
     """(pid, start time) -> (kind, utime+stime seconds) of every process now."""
     readings = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        readings[(int(entry), int(fields[19]))] = (_kind(int(entry)), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S)
+        if entry.isdigit() and (stat := process_stat(int(entry))) is not None:
+            _parent, started, seconds = stat
+            readings[(int(entry), started)] = (_kind(int(entry)), seconds)
     return readings
 
 
