@@ -23,8 +23,8 @@ from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
 from test_checkpoint import SPEC, STEPS
 from ringmaster.workers.checkpoint import checkpoint_dir, committed_checkpoints
-from ringmaster.workers.driver.controller import checkpoint_records
 from ringmaster.workers.models import ModelBundle, build_bundle
+from ringmaster.workers.rank_process import RankOutbox
 from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training
 
@@ -186,13 +186,16 @@ def test_checkpoint_rows_become_what_storage_keeps_when_a_commits_record_was_los
 def test_a_drain_of_many_commits_reports_what_storage_keeps_once_within_the_api_limit() -> None:
     # checkpoint.keep at its largest (1000) and a commit every step: 45 commits in one second's drain.
     uri = lambda s: f"s3://bucket/job/step-{s:08d}"  # noqa: E731
-    drained = [CheckpointRecord(step=step, uri=uri(step), world_size=2, kept=[
-        StoredCheckpoint(step=kept, uri=uri(kept), world_size=2) for kept in range(step - 999, step + 1)]).model_dump()
+    committed = [CheckpointRecord(step=step, uri=uri(step), world_size=2, kept=[
+        StoredCheckpoint(step=kept, uri=uri(kept), world_size=2) for kept in range(step - 999, step + 1)])
         for step in range(2000, 2045)]
-    records = checkpoint_records(drained)
+    outbox = RankOutbox()
+    for record in committed:
+        outbox.checkpoint(record)
+    records = [CheckpointRecord(**record) for record in outbox.drain(None)["checkpoints"]]
     assert [record.step for record in records] == list(range(2000, 2045))
     assert [record.kept is None for record in records] == [True] * 44 + [False]
     assert [stored.step for stored in records[-1].kept] == list(range(1045, 2045))
     limit = Settings.model_fields["max_request_bytes"].default
     assert len(DriverReport(seq=1, checkpoints=records).model_dump_json()) < limit
-    assert len(DriverReport(seq=1, checkpoints=[CheckpointRecord(**record) for record in drained]).model_dump_json()) > limit
+    assert len(DriverReport(seq=1, checkpoints=committed).model_dump_json()) > limit

@@ -252,7 +252,13 @@ class RankOutbox:
         self._put("metrics", point.model_dump(exclude_none=True))
 
     def checkpoint(self, record) -> None:
-        self._put("checkpoints", record.model_dump())
+        """A commit's record. Its list of what storage kept supersedes those of the commits still waiting here, which
+        are dropped: with checkpoint.keep in the hundreds and a commit every step, a drain holding every record's list
+        would outgrow the report the API reads."""
+        with self._lock:
+            for waiting in self._drained["checkpoints"]:
+                waiting["kept"] = None
+            self._drained["checkpoints"].append(record.model_dump())
 
     def memory(self, measured) -> None:
         self._put("memory", measured.model_dump())

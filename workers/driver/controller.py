@@ -254,7 +254,7 @@ class Controller:
         if first["metrics"] or first["checkpoints"] or memory:
             seq = self._report(
                 metrics=[MetricPoint(**point) for point in first["metrics"]],
-                checkpoints=checkpoint_records(first["checkpoints"]),
+                checkpoints=[CheckpointRecord(**record) for record in first["checkpoints"]],
                 memory=memory,
             )
             self._rank0_metrics.forwarded(seq, len(first["metrics"]))
@@ -406,11 +406,3 @@ class Controller:
         if self._poll is not None:
             self._forward(PollResult(drained=self._poll.drain(self._rank0_metrics.acknowledged(self.reporter.handled_seq))))
         self._report(state="FAILED", message=reason[-_MAX_MESSAGE:])
-
-
-def checkpoint_records(drained: list[dict]) -> list[CheckpointRecord]:
-    """A drain's commits for one report. Only the last keeps its list of what storage kept, which supersedes the
-    earlier ones': with checkpoint.keep in the hundreds and a commit every step, every record's list would make a
-    report larger than the API reads."""
-    records = [CheckpointRecord(**record) for record in drained]
-    return [record.model_copy(update={"kept": None}) for record in records[:-1]] + records[-1:]
