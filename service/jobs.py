@@ -372,10 +372,11 @@ def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> Non
         if record.uri not in rows:
             telemetry.record_checkpoint_timing(session, save_s=record.save_s, blocked_s=record.blocked_s)
             store(record, record.final)
-        for uri in record.deleted_uris:
-            drop(uri)
-        if record.kept is not None:
-            kept = {stored.uri: stored for stored in record.kept}
+        if record.kept is None:
+            for uri in record.deleted_uris:
+                drop(uri)
+        else:  # what retention deleted is not among what it kept
+            kept = {stored.uri for stored in record.kept}
             for uri in [uri for uri in rows if uri not in kept]:
                 drop(uri)
             for stored in record.kept:
