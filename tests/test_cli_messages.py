@@ -298,8 +298,8 @@ def test_tensorboard_serves_the_jobs_event_files(server: Server) -> None:
 
     [job_id] = submitted(server)
     events = TensorBoardEvents(str(server.data_dir / "checkpoints" / job_id / "tensorboard" / "attempt-1"))
-    for step in range(1, 4):
-        events.point(MetricPoint(step=step, loss=1.0 / step, lr=0.01, world_size=2, wall_time=time.time()), recoveries=0)
+    events.points([MetricPoint(step=step, loss=1.0 / step, lr=0.01, world_size=2, wall_time=time.time())
+                   for step in range(1, 4)], recoveries=0)
     events.close()
     port = free_port()
     board = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "tensorboard", job_id[:10], "--port", str(port)],

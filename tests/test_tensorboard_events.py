@@ -1,0 +1,50 @@
+"""The driver's TensorBoard event file, read back by tensorboard's own loader, which checks every record's CRC."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ringmaster.service.reports import MetricPoint
+from ringmaster.workers.driver.training_log import TensorBoardEvents
+
+
+def _read(directory: Path) -> dict[int, dict[str, float]]:
+    """Each step's scalars as TensorBoard's data loader gives them (simple values migrated to the scalars plugin's
+    tensors). A record whose CRC does not match ends the loader's read of the file there."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util.tensor_util import make_ndarray
+
+    [path] = directory.iterdir()
+    steps: dict[int, dict[str, float]] = {}
+    for event in EventFileLoader(str(path)).Load():
+        for value in event.summary.value:
+            assert value.metadata.plugin_data.plugin_name == "scalars", value
+            steps.setdefault(event.step, {})[value.tag] = float(make_ndarray(value.tensor))
+    return steps
+
+
+def test_every_batch_of_points_is_readable_as_written_before_the_file_is_closed(tmp_path: Path) -> None:
+    events = TensorBoardEvents(str(tmp_path))
+    rng = np.random.default_rng(0)
+    written = [MetricPoint(step=step, loss=float(rng.random()), lr=float(rng.random()) * 1e-3, grad_norm=float(rng.random()),
+                           samples_per_s=700.5, world_size=2, wall_time=time.time()) for step in range(1, 101)]
+    written.append(MetricPoint(step=100, val_loss=3.25))  # a validation point beside its step's training point
+    events.points(written[:50], recoveries=0)
+    assert sorted(_read(tmp_path)) == list(range(1, 51))  # flushed with its batch: a live TensorBoard sees it
+    events.points(written[50:], recoveries=1)
+    events.close()
+
+    read = _read(tmp_path)
+    assert sorted(read) == list(range(1, 101))
+    for point in written[:-1]:
+        assert read[point.step]["train/loss"] == np.float32(point.loss)
+        assert read[point.step]["train/lr"] == np.float32(point.lr)
+        assert read[point.step]["train/grad_norm"] == np.float32(point.grad_norm)
+        assert read[point.step]["train/samples_per_s"] == np.float32(700.5)
+        assert read[point.step]["train/world_size"] == 2.0
+        assert read[point.step]["train/recoveries"] == (0.0 if point.step <= 50 else 1.0)
+    assert read[100]["train/val_loss"] == 3.25
+    assert "train/val_loss" not in read[99]
