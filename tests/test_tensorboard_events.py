@@ -48,3 +48,40 @@ def test_every_batch_of_points_is_readable_as_written_before_the_file_is_closed(
         assert read[point.step]["train/recoveries"] == (0.0 if point.step <= 50 else 1.0)
     assert read[100]["train/val_loss"] == 3.25
     assert "train/val_loss" not in read[99]
+
+
+def test_events_for_remote_storage_are_copied_there_whole_at_the_end(tmp_path: Path) -> None:
+    import fsspec
+
+    events = TensorBoardEvents("memory://tensorboard-test/job/attempt-1")
+    events.points([MetricPoint(step=step, loss=1.0 / step, wall_time=time.time()) for step in range(1, 4)], recoveries=0)
+    events.close()
+    remote = fsspec.filesystem("memory")
+    [name] = remote.ls("/tensorboard-test/job/attempt-1", detail=False)
+    assert "tfevents" in name
+    (tmp_path / "copy").mkdir()
+    remote.get_file(name, str(tmp_path / "copy" / Path(name).name))
+    read = _read(tmp_path / "copy")
+    assert {step: values["train/loss"] for step, values in read.items()} == {1: 1.0, 2: 0.5, 3: np.float32(1 / 3)}
+
+
+def test_a_failed_copy_to_remote_storage_is_logged_and_retried_not_raised(tmp_path: Path, monkeypatch, caplog) -> None:
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    events = TensorBoardEvents("memory://tensorboard-outage/job/attempt-1")
+    real_put_file = MemoryFileSystem.put_file
+    def storage_outage(*args, **kwargs) -> None:
+        raise OSError("outage")
+
+    monkeypatch.setattr(MemoryFileSystem, "put_file", storage_outage)
+    monkeypatch.setattr("ringmaster.workers.driver.training_log._UPLOAD_EVERY_S", 0.0)
+    events.points([MetricPoint(step=1, loss=1.0, wall_time=time.time())], recoveries=0)
+    assert "TensorBoard event files not copied to memory://tensorboard-outage/job/attempt-1" in caplog.text
+    monkeypatch.setattr(MemoryFileSystem, "put_file", real_put_file)
+    events.points([MetricPoint(step=2, loss=0.5, wall_time=time.time())], recoveries=0)
+    events.close()
+    [name] = fsspec.filesystem("memory").ls("/tensorboard-outage/job/attempt-1", detail=False)
+    (tmp_path / "copy").mkdir()
+    fsspec.filesystem("memory").get_file(name, str(tmp_path / "copy" / Path(name).name))
+    assert sorted(_read(tmp_path / "copy")) == [1, 2]

@@ -169,13 +169,16 @@ class TensorBoardEvents:
         self._file.write(length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data)))
 
     def _upload(self) -> None:
+        """Copy the file as last flushed; a failed copy is retried at the next, never fails the job."""
         import fsspec
 
-        self._file.flush()
-        filesystem, root = fsspec.core.url_to_fs(self._remote)
-        for path in self._local.iterdir():
-            filesystem.put_file(str(path), f"{root.rstrip('/')}/{path.name}")
         self._uploaded_at = time.monotonic()
+        try:
+            filesystem, root = fsspec.core.url_to_fs(self._remote)
+            for path in self._local.iterdir():
+                filesystem.put_file(str(path), f"{root.rstrip('/')}/{path.name}")
+        except Exception:  # noqa: BLE001 — the event files are an aid: training never waits on them
+            log.warning("TensorBoard event files not copied to %s", self._remote, exc_info=True)
 
     def close(self) -> None:
         self._file.close()
