@@ -171,10 +171,10 @@ class Controller:
         finally:
             if isinstance(self.state, Failed):
                 self._report_failure(self.state.reason)
+            self.training_log.close()
             self.group.shutdown()
             self.standby.shutdown()
             self.bundles.release()
-            self.training_log.close()
         return 1 if isinstance(self.state, Failed) else 0
 
     def step(self, state: State) -> State:
