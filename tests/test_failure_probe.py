@@ -3,12 +3,14 @@ period, not the whole timeout; a live but slow one is not, nor one slower than a
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
 from ray.exceptions import RayActorError
 
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.driver.poll import GroupPoll
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 
 
@@ -20,6 +22,10 @@ class Peer:
     def heartbeat(self) -> int:
         time.sleep(self.answer_after_s)
         return 0
+
+    def train(self) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:9366. This is typically caused by a remote process "
+                           "dying.\nException raised from recvBytes")
 
 
 def _group(answer_after_s: list[float]) -> WorkerGroup:
@@ -77,3 +83,21 @@ def _wait_until_ray_knows_it_dead(actor, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"Ray still reports the killed actor alive after {timeout_s}s")
+
+
+def test_a_survivors_call_broken_before_its_peers_loss_is_seen_is_one_line_of_the_log(local_ray, caplog) -> None:
+    """The survivor's collective can fail (its peer's socket closed) before Ray reports the peer's death: the poll
+    then sees the error first, probes, and finds the peer lost. The survivor's ended call is still one line."""
+    group = _group([0.0, 30.0])
+    survivor, silent = group.workers
+    ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
+    call = survivor.actor.train.remote()
+    ray.wait([call], timeout=30)
+    poll = GroupPoll(group, {call: survivor}, interval_s=0.1, drain_every_s=1000.0, heartbeat_interval_s=1000.0,
+                     heartbeat_timeout_s=1000.0, probe_timeout_s=10.0, probe_grace_s=0.5)
+    with caplog.at_level(logging.INFO, logger="ringmaster.driver"):
+        result = poll.poll(metrics_acknowledged=0)
+    assert result.lost == [silent] and len(result.errors) == 1
+    assert "rank 0's interrupted training call ended: RuntimeError: Connection closed by peer [127.0.0.1]:9366. This " \
+           "is typically caused by a remote process dying." in caplog.text
+    assert "recvBytes" not in caplog.text and "Traceback" not in caplog.text

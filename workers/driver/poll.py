@@ -86,6 +86,7 @@ class GroupPoll:
         now = time.monotonic()
         timeout = min(self._interval_s, max(0.0, min(self._next_drain, self._heartbeats.next_due) - now))
         done: list[Any] = []
+        errored: list[tuple[RankedWorker, RayTaskError]] = []
         if self._pending:
             done, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
         if done and self._pending:  # the others that ended meanwhile
@@ -98,6 +99,7 @@ class GroupPoll:
                 result.lost.append(self._futures[ref])
             except RayTaskError as error:
                 result.errors.append(error)
+                errored.append((self._futures[ref], error))
         result.lost += [worker for worker in self._heartbeats.check(self._group.workers) if worker not in result.lost]
         if result.errors and not result.lost:
             probing = time.monotonic()
@@ -106,6 +108,9 @@ class GroupPoll:
                      time.monotonic() - probing)
         elif result.lost:
             log.info("lost %d worker(s): actor death or a missed heartbeat", len(result.lost))
+        if result.lost:  # the survivors whose call the loss broke, seen ending before the loss was
+            for worker, error in errored:
+                _log_ended(worker, error)
         finished = not self._pending and not result.broken
         if finished or time.monotonic() >= self._next_drain:
             result.drained = self.drain(metrics_acknowledged)
@@ -145,9 +150,15 @@ def _log_interrupted(calls: dict[Any, RankedWorker], timeout_s: float) -> None:
     for ref, worker in calls.items():
         try:
             ray.get(ref, timeout=timeout_s)
-        except RayTaskError as error:
-            cause = error.cause if error.cause is not None else error
-            first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-            log.info("rank %d's interrupted training call ended: %s: %s", worker.rank, type(cause).__name__, first_line[:300])
         except Exception as error:  # noqa: BLE001 — lost with its actor, or still running when the driver moved on
-            log.info("rank %d's interrupted training call ended: %s", worker.rank, type(error).__name__)
+            _log_ended(worker, error)
+
+
+def _log_ended(worker: RankedWorker, error: Exception) -> None:
+    """One line for a training call a lost peer interrupted: its error's first line, not its traceback."""
+    if isinstance(error, RayTaskError):
+        cause = error.cause if error.cause is not None else error
+        first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        log.info("rank %d's interrupted training call ended: %s: %s", worker.rank, type(cause).__name__, first_line[:300])
+    else:
+        log.info("rank %d's interrupted training call ended: %s", worker.rank, type(error).__name__)
