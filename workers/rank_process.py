@@ -255,10 +255,11 @@ class RankOutbox:
         """A commit's record. Its list of what storage kept supersedes those of the commits still waiting here, which
         are dropped: with checkpoint.keep in the hundreds and a commit every step, a drain holding every record's list
         would outgrow the report the API reads."""
+        dumped = record.model_dump()  # before the lock, which the training thread takes for every step's metric
         with self._lock:
             for waiting in self._drained["checkpoints"]:
                 waiting["kept"] = None
-            self._drained["checkpoints"].append(record.model_dump())
+            self._drained["checkpoints"].append(dumped)
 
     def memory(self, measured) -> None:
         self._put("memory", measured.model_dump())
