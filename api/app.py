@@ -19,7 +19,7 @@ from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
 from ringmaster.api.limits import JSON_VALUE, BodySizeLimit, state_document_rules, json_value_schema
 from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants, web
 from ringmaster.service import telemetry
-from ringmaster.service.auth import ensure_local_admin_token
+from ringmaster.service.auth import CheckedReportTokens, ensure_local_admin_token
 from ringmaster.service.db import Database, upgrade_schema
 from ringmaster.service.errors import RULES_BEYOND_SCHEMA
 from ringmaster.service.job_plan import ClusterShapeProvider
@@ -76,6 +76,7 @@ def create_app(
     app.state.telemetry = telemetry.Telemetry(registry)
     registry.register(telemetry.DatabaseCollector(lambda: getattr(app.state, "db", None)))
     app.state.stream_poll_s = 0.5
+    app.state.checked_report_tokens = CheckedReportTokens()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        per_path={code.UPLOAD_PATH: (settings.max_code_bytes, "RINGMASTER_MAX_CODE_BYTES")})

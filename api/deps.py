@@ -76,11 +76,14 @@ async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> 
     return principal
 
 
-def check_report_token(request: Request, job_id: str, attempt: int,
-                       credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_report_token)]) -> None:
-    """Only the driver of this very attempt may report for it (path: /jobs/{job_id}/attempts/{attempt}/...)."""
-    with session_scope(request.app.state.db.sessions) as session:
-        auth.check_report_token(session, job_id, attempt, credentials.credentials if credentials else None)
+async def check_report_token(request: Request, job_id: str, attempt: int,
+                             credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_report_token)]) -> None:
+    """Only the driver of this very attempt may report for it (path: /jobs/{job_id}/attempts/{attempt}/...); a token
+    already found good is not looked up again."""
+    secret = credentials.credentials if credentials else None
+    checked: auth.CheckedReportTokens = request.app.state.checked_report_tokens
+    if not checked.known(job_id, attempt, secret):
+        await run_in_threadpool(checked.check, request.app.state.db.sessions, job_id, attempt, secret)
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]

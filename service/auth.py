@@ -220,6 +220,29 @@ def check_report_token(session: Session, job_id: str, attempt: int, secret: str 
         raise Unauthorized(f"this report token does not belong to attempt {attempt} of job {job_id[:32]!r}")
 
 
+class CheckedReportTokens:
+    """The report tokens this process has found good, by (job id, attempt, the secret's hash). An attempt's secret is
+    minted with the attempt and never changes, so a driver reporting every second is looked up once, not at every
+    report; a wrong secret is never remembered."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self.max_entries = max_entries
+        self._good: set[tuple[str, int, str]] = set()
+        self._lock = threading.Lock()
+
+    def known(self, job_id: str, attempt: int, secret: str | None) -> bool:
+        return bool(secret) and (job_id, attempt, hash_secret(secret)) in self._good
+
+    def check(self, sessions: sessionmaker[Session], job_id: str, attempt: int, secret: str | None) -> None:
+        """check_report_token in a short transaction of its own; remembered when good."""
+        with session_scope(sessions) as session:
+            check_report_token(session, job_id, attempt, secret)
+        with self._lock:
+            if len(self._good) >= self.max_entries:
+                self._good.clear()  # attempts end; whichever still report are looked up again once
+            self._good.add((job_id, attempt, hash_secret(secret)))
+
+
 def ensure_local_admin_token(sessions: sessionmaker[Session], path: Path) -> str:
     """The admin token in path, minted and written (mode 0600) unless the file holds one that still works."""
     existing = _read(path)

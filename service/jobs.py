@@ -8,12 +8,13 @@ PostgreSQL, the BEGIN IMMEDIATE write lock on SQLite.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import ColumnElement, Select, func, insert, or_, select
+from sqlalchemy import ColumnElement, Insert, Select, func, insert, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, make_transient_to_detached
 
@@ -326,15 +327,21 @@ def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
             point.model_dump(exclude={"step", "attempt"}, exclude_none=True))
     if not merged:
         return
-    table = Metric.__table__
-    statement = _DIALECT_INSERTS[session.get_bind().dialect.name](table)
-    statement = statement.on_conflict_do_update(
-        index_elements=[table.c.job_id, table.c.attempt, table.c.step],
-        set_={name: func.coalesce(statement.excluded[name], table.c[name]) for name in _METRIC_VALUES})
     now = utcnow()
-    session.execute(statement, [{"job_id": job.id, "attempt": attempt, "step": step, "recorded_at": now,
+    session.execute(_metric_upsert(session.get_bind().dialect.name), [{"job_id": job.id, "attempt": attempt, "step": step, "recorded_at": now,
                                  **{name: values.get(name) for name in _METRIC_VALUES}}
                                 for (attempt, step), values in merged.items()])
+
+
+@functools.cache
+def _metric_upsert(dialect: str) -> Insert:
+    """The metric rows' INSERT … ON CONFLICT DO UPDATE in this dialect, built once: building it for every report cost
+    half as much again as running it for a second's points."""
+    table = Metric.__table__
+    statement = _DIALECT_INSERTS[dialect](table)
+    return statement.on_conflict_do_update(
+        index_elements=[table.c.job_id, table.c.attempt, table.c.step],
+        set_={name: func.coalesce(statement.excluded[name], table.c[name]) for name in _METRIC_VALUES})
 
 
 def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> None:

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from ringmaster.api.app import create_app
 from api_tokens import authorize, table_rows
+from ringmaster.service import auth
 from ringmaster.service.auth import new_report_token
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import LogsUnavailable
@@ -183,6 +184,30 @@ def test_one_attempts_secret_cannot_report_for_another(client: TestClient) -> No
                          headers={"Authorization": f"Bearer {_report_tokens[(first, 1)]}"})
     assert forged.status_code == 401 and "attempt 1 of job" in forged.json()["detail"]
     assert client.get(f"/v1/jobs/{second}").json()["state"] == "ADMITTED"
+
+
+def test_a_report_token_found_good_is_looked_up_once_and_a_wrong_one_is_refused_after_it(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    job_id = _submit(client)["id"]
+    _admit(client, job_id)
+    lookups: list[str | None] = []
+    look_up = auth.check_report_token
+
+    def counted(session: Any, job: str, attempt: int, secret: str | None) -> None:
+        lookups.append(secret)
+        look_up(session, job, attempt, secret)
+
+    monkeypatch.setattr(auth, "check_report_token", counted)
+    for step in (1, 2, 3):
+        assert _report(client, job_id, {"seq": step, "state": "RUNNING", "metrics": [{"step": step, "loss": 1.0}]}).status_code == 200
+    wrong = new_report_token()[0]
+    for seq in (4, 5):
+        forged = client.post(f"/v1/internal/jobs/{job_id}/attempts/1/report", json={"seq": seq, "metrics": [{"step": seq, "loss": 9.0}]},
+                             headers={"Authorization": f"Bearer {wrong}"})
+        assert forged.status_code == 401
+    # The first report's token was looked up and the next two were not; the wrong secret each time, never taken as good.
+    assert lookups == [_report_tokens[(job_id, 1)], wrong, wrong]
+    assert [row["step"] for row in client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]] == [1, 2, 3]
 
 
 def test_cancel_queued_job_then_cancel_again_is_409(client: TestClient) -> None:
