@@ -86,7 +86,7 @@ class GroupPoll:
         now = time.monotonic()
         timeout = min(self._interval_s, max(0.0, min(self._next_drain, self._heartbeats.next_due) - now))
         done: list[Any] = []
-        errored: list[tuple[RankedWorker, RayTaskError]] = []
+        errored: list[RankedWorker] = []  # whose call raised each of result.errors, in order
         if self._pending:
             done, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout)
         if done and self._pending:  # the others that ended meanwhile
@@ -99,7 +99,7 @@ class GroupPoll:
                 result.lost.append(self._futures[ref])
             except RayTaskError as error:
                 result.errors.append(error)
-                errored.append((self._futures[ref], error))
+                errored.append(self._futures[ref])
         result.lost += [worker for worker in self._heartbeats.check(self._group.workers) if worker not in result.lost]
         if result.errors and not result.lost:
             probing = time.monotonic()
@@ -109,7 +109,7 @@ class GroupPoll:
         elif result.lost:
             log.info("lost %d worker(s): actor death or a missed heartbeat", len(result.lost))
         if result.lost:  # the survivors whose call the loss broke, seen ending before the loss was
-            for worker, error in errored:
+            for worker, error in zip(errored, result.errors):
                 _log_ended(worker, error)
         finished = not self._pending and not result.broken
         if finished or time.monotonic() >= self._next_drain:
