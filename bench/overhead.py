@@ -30,8 +30,10 @@ cold in the cached package. The warm-up before the rounds has uploaded the packa
 --code-only measures just these two.
 
 The Ray head is configured as `ringmaster serve` starts one (Ray's default interval between metrics exports), not
-as the tests start theirs. The script asks for the job's state every --poll-s seconds while it trains, as a user's
-`ringmaster watch` would (each request takes CPU on the same two cores).
+as the tests start theirs. The script asks for the job's state (GET /v1/jobs/{id}) every --poll-s seconds while it
+trains, as a script polling the API would (each request takes CPU on the same two cores). `ringmaster watch` and the
+web page read the job's event stream instead, which cost the server more than this poll here: 26 against 15 ms/s with
+and without one stream reader, for a job reporting every second (a stand-in cluster, not this script).
 
 Wall clock swings between rounds on a shared machine (0.78-1.21 for the same pair here), so each round also
 prints the CPU seconds per training step of each run, which a slow spell changes far less, in bench/cpu_time.py's

@@ -7,9 +7,10 @@ bench/overhead.py compares steps/s, which swing ±15% from run to run on a share
 ranks fill (2 CPU ranks on 2 cores here), each CPU-second another process takes is one the ranks wait for, so the
 CPU-seconds per second the job adds beside its ranks are the overhead's cause, read far more steadily. Each round:
 the warm pool refilled, --sample-s seconds of the idle cluster; then a job (bench/overhead.py's) trains, and after its
-first steps --sample-s seconds of it, while this script asks for the job's state every --poll-s seconds as a watcher
-would. Prints, per kind of process, CPU milliseconds per second idle and training (medians over rounds), and their
-difference; the sum of the differences beside the ranks, and that sum as a share of the machine's cores.
+first steps --sample-s seconds of it, while this script asks for the job's state every --poll-s seconds (as
+bench/overhead.py does; not the event stream `ringmaster watch` reads). Prints, per kind of process, CPU milliseconds
+per second idle and training (medians over rounds), and their difference; the sum of the differences beside the
+ranks, and that sum as a share of the machine's cores.
 
 Read from /proc: utime+stime of every process alive at both ends of a window. A process that starts and ends inside
 one (Ray's JobSupervisor forks a `sleep` every second) is missed.
