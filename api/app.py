@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 
 from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
-from ringmaster.api.limits import JSON_VALUE, BodySizeLimit, state_document_rules, json_value_schema
+from ringmaster.api.limits import JSON_VALUE, BodySizeLimit, json_value_schema, state_document_rules
 from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants, web
 from ringmaster.service import telemetry
 from ringmaster.service.auth import CheckedReportTokens, ensure_local_admin_token
@@ -66,8 +66,15 @@ def create_app(
             app.state.db.dispose()
 
     # docs_url and redoc_url off: FastAPI's pages load their scripts from a CDN; routes/web.py serves /docs itself.
-    app = FastAPI(title="ringmaster", version="0.1.0", summary="Elastic distributed training as a service.", lifespan=lifespan,
-                  default_response_class=FiniteJSONResponse, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="ringmaster",
+        version="0.1.0",
+        summary="Elastic distributed training as a service.",
+        lifespan=lifespan,
+        default_response_class=FiniteJSONResponse,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.logs_provider = logs_provider
     app.state.cluster_shape_provider = cluster_shape_provider
@@ -78,8 +85,11 @@ def create_app(
     app.state.stream_poll_s = 0.5
     app.state.checked_report_tokens = CheckedReportTokens()
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
-                       per_path={code.UPLOAD_PATH: (settings.max_code_bytes, "RINGMASTER_MAX_CODE_BYTES")})
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_request_bytes,
+        per_path={code.UPLOAD_PATH: (settings.max_code_bytes, "RINGMASTER_MAX_CODE_BYTES")},
+    )
     app.include_router(jobs.router)
     app.include_router(code.router)
     app.include_router(tenants.router)
@@ -124,10 +134,13 @@ def _document_validation_errors(components: dict[str, Any]) -> None:
     schema itself cannot state (a request valid by this schema may break only those)."""
     entry = components["ValidationError"]
     entry["properties"]["field"] = {
-        "type": "string", "title": "Field",
+        "type": "string",
+        "title": "Field",
         "description": "The dotted path of the value at fault in the body, query or path (e.g. train.global_batch_size), "
-                       "or the part's own name (body) when the part as a whole is at fault: not JSON, not a zip."}
+        "or the part's own name (body) when the part as a whole is at fault: not JSON, not a zip.",
+    }
     entry["required"] = [*entry["required"], "field"]
     entry["properties"]["type"]["description"] = (
         "The rule broken. Those this schema cannot state: " + ", ".join(RULES_BEYOND_SCHEMA) + " (a rule between "
-        "fields; the cluster's nodes or GPUs; the tenant's quota; a job, code archive or model class that does not exist).")
+        "fields; the cluster's nodes or GPUs; the tenant's quota; a job, code archive or model class that does not exist)."
+    )

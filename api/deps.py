@@ -21,10 +21,16 @@ from ringmaster.service.db import Database, session_scope
 from ringmaster.service.job_plan import ClusterShape
 from ringmaster.service.settings import Settings
 
-_user_token = HTTPBearer(auto_error=False, scheme_name="token",
-                         description="An API token (`ringmaster token create`) as `Authorization: Bearer <token>`.")
-_report_token = HTTPBearer(auto_error=False, scheme_name="reportToken",
-                           description="The job driver's per-attempt secret, which the dispatcher hands it at submission.")
+_user_token = HTTPBearer(
+    auto_error=False,
+    scheme_name="token",
+    description="An API token (`ringmaster token create`) as `Authorization: Bearer <token>`.",
+)
+_report_token = HTTPBearer(
+    auto_error=False,
+    scheme_name="reportToken",
+    description="The job driver's per-attempt secret, which the dispatcher hands it at submission.",
+)
 
 
 async def get_database(request: Request) -> Database:
@@ -56,13 +62,16 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_database)]
 
 
-async def get_principal(request: Request,
-                        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_user_token)]) -> Principal:
+async def get_principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_user_token)]
+) -> Principal:
     """The caller behind the bearer token: from the token cache, else looked up in a short transaction before the route's."""
     if credentials is None:
         if request.headers.get("authorization"):
             raise auth.Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
-        raise auth.Unauthorized("missing API token: send 'Authorization: Bearer <token>' (`ringmaster token create` makes one)")
+        raise auth.Unauthorized(
+            "missing API token: send 'Authorization: Bearer <token>' (`ringmaster token create` makes one)"
+        )
     sessions = request.app.state.db.sessions
     cache = auth.token_cache(sessions)
     principal = cache.get(credentials.credentials)
@@ -76,8 +85,12 @@ async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> 
     return principal
 
 
-async def check_report_token(request: Request, job_id: str, attempt: int,
-                             credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_report_token)]) -> None:
+async def check_report_token(
+    request: Request,
+    job_id: str,
+    attempt: int,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_report_token)],
+) -> None:
     """Only the driver of this very attempt may report for it (path: /jobs/{job_id}/attempts/{attempt}/...); a token
     already found good is not looked up again."""
     secret = credentials.credentials if credentials else None

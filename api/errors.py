@@ -19,13 +19,21 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount
-from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
 from ringmaster.service.auth import Forbidden, OwnTokenRevocation, TokenNotFound, Unauthorized
-from ringmaster.service.errors import (CodeNotFound, CodeTooLarge, InvalidCode, InvalidSpec, JobConflict, JobNotFound,
-                                       LogsUnavailable, PlanError)
+from ringmaster.service.errors import (
+    CodeNotFound,
+    CodeTooLarge,
+    InvalidCode,
+    InvalidSpec,
+    JobConflict,
+    JobNotFound,
+    LogsUnavailable,
+    PlanError,
+)
 from ringmaster.service.states import IllegalTransition
 from ringmaster.service.tenants import InvalidTenant, TenantNotFound
 
@@ -43,7 +51,9 @@ class FiniteJSONResponse(JSONResponse):
         try:
             return super().render(content)
         except ValueError:  # "Out of range float values are not JSON compliant"
-            return json.dumps(finite_values(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+            return json.dumps(
+                finite_values(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            ).encode("utf-8")
 
 
 def finite_values(value: Any) -> Any:
@@ -101,8 +111,11 @@ async def _conflict(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 
 async def _unauthorized(_request: Request, exc: Exception) -> FiniteJSONResponse:
-    return FiniteJSONResponse(status_code=status.HTTP_401_UNAUTHORIZED, content={"detail": str(exc)},
-                        headers={"WWW-Authenticate": 'Bearer realm="ringmaster"'})
+    return FiniteJSONResponse(
+        status_code=status.HTTP_401_UNAUTHORIZED,
+        content={"detail": str(exc)},
+        headers={"WWW-Authenticate": 'Bearer realm="ringmaster"'},
+    )
 
 
 async def _forbidden(_request: Request, exc: Exception) -> FiniteJSONResponse:
@@ -111,15 +124,22 @@ async def _forbidden(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 async def _invalid_tenant(_request: Request, exc: Exception) -> FiniteJSONResponse:
     assert isinstance(exc, InvalidTenant)
-    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "tenant_invalid", "loc": [exc.field],
-                                                                    "field": exc.field, "msg": str(exc)}]})
+    return FiniteJSONResponse(
+        status_code=422,
+        content={"detail": [{"type": "tenant_invalid", "loc": [exc.field], "field": exc.field, "msg": str(exc)}]},
+    )
 
 
 async def _data_error(_request: Request, exc: Exception) -> FiniteJSONResponse:
     """A value the database refused (out of its column's range, a NUL in text): the input's fault, not the server's."""
     assert isinstance(exc, DataError)
     reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value rejected"
-    error = {"type": "database_value", "loc": ["body"], "field": "body", "msg": f"a value does not fit the database: {reason}"}
+    error = {
+        "type": "database_value",
+        "loc": ["body"],
+        "field": "body",
+        "msg": f"a value does not fit the database: {reason}",
+    }
     return FiniteJSONResponse(status_code=422, content={"detail": [error]})
 
 
@@ -128,8 +148,10 @@ async def _too_large(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 
 async def _invalid_code(_request: Request, exc: Exception) -> FiniteJSONResponse:
-    return FiniteJSONResponse(status_code=422, content={"detail": [{"type": "code_invalid", "loc": ["body"], "field": "body",
-                                                                    "msg": str(exc)}]})
+    return FiniteJSONResponse(
+        status_code=422,
+        content={"detail": [{"type": "code_invalid", "loc": ["body"], "field": "body", "msg": str(exc)}]},
+    )
 
 
 async def _unavailable(_request: Request, exc: Exception) -> FiniteJSONResponse:
@@ -138,10 +160,17 @@ async def _unavailable(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 async def _database_unavailable(request: Request, exc: Exception) -> FiniteJSONResponse:
     """The database went away (restarting, failing over, locked): the client should retry, and the log needs one line."""
-    log.warning("database unavailable during %s %s: %s", request.method, request.url.path,
-                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    return FiniteJSONResponse(status_code=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "1"},
-                              content={"detail": "the database is unavailable for the moment; retry the request"})
+    log.warning(
+        "database unavailable during %s %s: %s",
+        request.method,
+        request.url.path,
+        str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+    )
+    return FiniteJSONResponse(
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": "1"},
+        content={"detail": "the database is unavailable for the moment; retry the request"},
+    )
 
 
 async def _invalid_spec(_request: Request, exc: Exception) -> FiniteJSONResponse:
@@ -163,10 +192,16 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         return await http_exception_handler(request, exc)
     routes = [route for route in request.app.router.routes if not isinstance(route, Mount)]  # a Mount takes any method
     # Each method is tried on the router as the request's path: those some route takes in full are the allowed ones.
-    allowed = [method for method in _METHODS
-               if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)]
-    return FiniteJSONResponse(status_code=exc.status_code, content={"detail": exc.detail},
-                              headers={"Allow": ", ".join(allowed or ("GET", "HEAD"))})  # no route: a static file's
+    allowed = [
+        method
+        for method in _METHODS
+        if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)
+    ]
+    return FiniteJSONResponse(
+        status_code=exc.status_code,
+        content={"detail": exc.detail},
+        headers={"Allow": ", ".join(allowed or ("GET", "HEAD"))},
+    )  # no route: a static file's
 
 
 async def _invalid_request(_request: Request, exc: Exception) -> FiniteJSONResponse:

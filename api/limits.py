@@ -103,8 +103,10 @@ class _BoundedLoader(yaml.SafeLoader):
 
 
 _BoundedLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"))
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
 
 
 def load_yaml(body: bytes) -> Any:
@@ -116,7 +118,9 @@ def load_yaml(body: bytes) -> Any:
         finally:
             loader.dispose()
     except UnicodeDecodeError as exc:
-        raise _invalid(f"not a YAML job spec: the body is not UTF-8 ({exc.reason} at byte {exc.start})", kind="yaml_invalid") from exc
+        raise _invalid(
+            f"not a YAML job spec: the body is not UTF-8 ({exc.reason} at byte {exc.start})", kind="yaml_invalid"
+        ) from exc
     except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as exc:
         raise _invalid(f"not a YAML job spec: {exc}", kind="yaml_invalid") from exc
 
@@ -151,7 +155,9 @@ def check_document(document: Any, *, finite: bool = True, loc: Sequence[str | in
         if isinstance(value, dict):
             for key, item in value.items():
                 if "\x00" in str(key):
-                    raise _invalid("a key holding a NUL character (\\u0000) is not accepted", path, kind="string_invalid")
+                    raise _invalid(
+                        "a key holding a NUL character (\\u0000) is not accepted", path, kind="string_invalid"
+                    )
                 text += len(str(key))
                 stack.append((item, (*path, str(key))))
         elif isinstance(value, (list, tuple)):
@@ -160,13 +166,17 @@ def check_document(document: Any, *, finite: bool = True, loc: Sequence[str | in
             raise _invalid(f"{value} is not a JSON number", path, kind="json_invalid")
         elif isinstance(value, str):
             if "\x00" in value:  # PostgreSQL's text and jsonb hold no NUL
-                raise _invalid("a string holding a NUL character (\\u0000) is not accepted", path, kind="string_invalid")
+                raise _invalid(
+                    "a string holding a NUL character (\\u0000) is not accepted", path, kind="string_invalid"
+                )
             text += len(value)
         elif isinstance(value, bool) or value is None:
             pass
         elif isinstance(value, int):
             if not -MAX_INT <= value <= MAX_INT:
-                raise _invalid(f"an integer of {value.bit_length()} bits does not fit in 64", path, kind="int_too_large")
+                raise _invalid(
+                    f"an integer of {value.bit_length()} bits does not fit in 64", path, kind="int_too_large"
+                )
         elif isinstance(value, float):
             if finite and not math.isfinite(value):
                 raise _invalid(f"{value} is not a finite number", path, kind="finite_number")
@@ -209,11 +219,15 @@ def state_document_rules(schema: dict[str, Any], json_value_ref: str) -> None:
 
 def json_value_schema(json_value_ref: str) -> dict[str, Any]:
     """The JSON_VALUE component: any JSON value check_document accepts, but for its document-wide limits (size, depth)."""
-    return {"description": f"Any JSON value; integers within ±{MAX_INT}, no string or key holding NUL.", "anyOf": [
-        {"type": "integer", "minimum": -MAX_INT, "maximum": MAX_INT},
-        {"type": "number", "not": {"type": "integer"}},
-        {"type": "string", "pattern": NO_NUL},
-        {"type": "boolean"}, {"type": "null"},
-        {"type": "array", "items": {"$ref": json_value_ref}},
-        {"type": "object", "additionalProperties": {"$ref": json_value_ref}, "propertyNames": {"pattern": NO_NUL}},
-    ]}
+    return {
+        "description": f"Any JSON value; integers within ±{MAX_INT}, no string or key holding NUL.",
+        "anyOf": [
+            {"type": "integer", "minimum": -MAX_INT, "maximum": MAX_INT},
+            {"type": "number", "not": {"type": "integer"}},
+            {"type": "string", "pattern": NO_NUL},
+            {"type": "boolean"},
+            {"type": "null"},
+            {"type": "array", "items": {"$ref": json_value_ref}},
+            {"type": "object", "additionalProperties": {"$ref": json_value_ref}, "propertyNames": {"pattern": NO_NUL}},
+        ],
+    }

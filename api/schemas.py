@@ -9,11 +9,10 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ringmaster.api.limits import check_document
-from ringmaster.service import jobs, planner, tenants
+from ringmaster.service import code_store, jobs, planner, tenants
 from ringmaster.service.catalogue import BUILTIN_MODELS, builtin_options_rules
 from ringmaster.service.errors import InvalidSpec
 from ringmaster.service.json_types import JsonTyped
-from ringmaster.service import code_store
 from ringmaster.service.models import ApiToken, Checkpoint, CodeArchive, Job, JobEvent, Metric, Tenant
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import conflict
@@ -28,15 +27,18 @@ class JobOut(BaseModel):
     name: str
     tenant: str = Field(description="The tenant whose token submitted the job; only it (and admins) can see the job.")
     state: JobState
-    waiting_reason: str | None = Field(description="Why a QUEUED job was not admitted at the dispatcher's last pass "
-                                       "(over its tenant's quota, no room on the cluster); null otherwise.")
+    waiting_reason: str | None = Field(
+        description="Why a QUEUED job was not admitted at the dispatcher's last pass "
+        "(over its tenant's quota, no room on the cluster); null otherwise."
+    )
     attempt: int = Field(description="Current attempt number; 0 before the first dispatch.")
     failures: int
     priority: int
     created_at: datetime
     admitted_at: datetime | None = Field(description="When the current attempt was admitted.")
-    started_at: datetime | None = Field(description="When the job first started training; a recovery or a later "
-                                        "attempt leaves it as it is.")
+    started_at: datetime | None = Field(
+        description="When the job first started training; a recovery or a later attempt leaves it as it is."
+    )
     finished_at: datetime | None
     error: str | None
     ray_job_id: str | None = Field(description="Ray Jobs API submission id of the current attempt.")
@@ -44,7 +46,7 @@ class JobOut(BaseModel):
     spec: dict[str, Any] = Field(description="The submitted JobSpec, with defaults filled in.")
 
     @classmethod
-    def from_row(cls, job: Job, settings: Settings) -> "JobOut":
+    def from_row(cls, job: Job, settings: Settings) -> JobOut:
         return cls(**cls._fields(job, settings))
 
     @staticmethod
@@ -95,10 +97,14 @@ class RankMemoryOut(BaseModel):
     recorded_at: datetime
 
     @classmethod
-    def from_comparison(cls, comparison: jobs.RankMemoryComparison) -> "RankMemoryOut":
+    def from_comparison(cls, comparison: jobs.RankMemoryComparison) -> RankMemoryOut:
         row, predicted = comparison.measurement, comparison.predicted
-        measured = StateBytesOut(parameters_bytes=row.parameters_bytes, gradients_bytes=row.gradients_bytes,
-                                 optimizer_bytes=row.optimizer_bytes, total_bytes=comparison.measured_total)
+        measured = StateBytesOut(
+            parameters_bytes=row.parameters_bytes,
+            gradients_bytes=row.gradients_bytes,
+            optimizer_bytes=row.optimizer_bytes,
+            total_bytes=comparison.measured_total,
+        )
         return cls(
             attempt=row.attempt,
             rank=row.rank,
@@ -107,9 +113,14 @@ class RankMemoryOut(BaseModel):
             tp=row.tp,
             pp=row.pp,
             measured=measured,
-            predicted=None if predicted is None else StateBytesOut(
-                parameters_bytes=round(predicted.parameters), gradients_bytes=round(predicted.gradients),
-                optimizer_bytes=round(predicted.optimizer), total_bytes=round(predicted.total)),
+            predicted=None
+            if predicted is None
+            else StateBytesOut(
+                parameters_bytes=round(predicted.parameters),
+                gradients_bytes=round(predicted.gradients),
+                optimizer_bytes=round(predicted.optimizer),
+                total_bytes=round(predicted.total),
+            ),
             ratio=comparison.ratio,
             recorded_at=row.recorded_at,
         )
@@ -122,21 +133,30 @@ class ProgressOut(BaseModel):
     world_size: int | None = Field(description="Workers training at the newest step.")
     samples_per_s: float | None
     recoveries: int = Field(description="Times the job went RECOVERING (a worker was lost and the group re-formed).")
-    eta_s: float | None = Field(description="Seconds left at the pace of the newest 20 steps; null unless the job is active.")
-    val_loss: float | None = Field(description="The newest validation loss (train.eval_every_steps, and at the end); "
-                                               "null before the first.")
+    eta_s: float | None = Field(
+        description="Seconds left at the pace of the newest 20 steps; null unless the job is active."
+    )
+    val_loss: float | None = Field(
+        description="The newest validation loss (train.eval_every_steps, and at the end); null before the first."
+    )
     val_step: int | None = Field(description="The step val_loss was measured after.")
 
 
 class JobDetailOut(JobOut):
-    memory: list[RankMemoryOut] = Field(description="Per attempt and rank: training-state bytes measured beside predicted.")
+    memory: list[RankMemoryOut] = Field(
+        description="Per attempt and rank: training-state bytes measured beside predicted."
+    )
     progress: ProgressOut
 
     @classmethod
-    def from_job(cls, job: Job, settings: Settings, memory: list[jobs.RankMemoryComparison],
-                 progress: jobs.Progress) -> "JobDetailOut":
-        return cls(**cls._fields(job, settings), memory=[RankMemoryOut.from_comparison(m) for m in memory],
-                   progress=ProgressOut(**vars(progress)))
+    def from_job(
+        cls, job: Job, settings: Settings, memory: list[jobs.RankMemoryComparison], progress: jobs.Progress
+    ) -> JobDetailOut:
+        return cls(
+            **cls._fields(job, settings),
+            memory=[RankMemoryOut.from_comparison(m) for m in memory],
+            progress=ProgressOut(**vars(progress)),
+        )
 
 
 class EventOut(BaseModel):
@@ -150,7 +170,7 @@ class EventOut(BaseModel):
     data: dict[str, Any] | None
 
     @classmethod
-    def from_row(cls, event: JobEvent) -> "EventOut":
+    def from_row(cls, event: JobEvent) -> EventOut:
         return cls(
             id=event.id,
             job_id=event.job_id,
@@ -177,7 +197,7 @@ class MetricOut(BaseModel):
     recorded_at: datetime
 
     @classmethod
-    def from_row(cls, metric: Metric) -> "MetricOut":
+    def from_row(cls, metric: Metric) -> MetricOut:
         return cls(
             attempt=metric.attempt,
             step=metric.step,
@@ -207,7 +227,7 @@ class CheckpointOut(BaseModel):
     best: bool = Field(description="Retention keeps this one as the best by the metric.")
 
     @classmethod
-    def from_row(cls, checkpoint: Checkpoint) -> "CheckpointOut":
+    def from_row(cls, checkpoint: Checkpoint) -> CheckpointOut:
         return cls(
             attempt=checkpoint.attempt,
             step=checkpoint.step,
@@ -231,9 +251,14 @@ class CodeArchiveOut(BaseModel):
     created_at: datetime
 
     @classmethod
-    def from_row(cls, row: CodeArchive) -> "CodeArchiveOut":
-        return cls(code=code_store.ref_of(row.sha256), size_bytes=row.size_bytes, unpacked_bytes=row.unpacked_bytes,
-                   files=row.files, created_at=row.created_at)
+    def from_row(cls, row: CodeArchive) -> CodeArchiveOut:
+        return cls(
+            code=code_store.ref_of(row.sha256),
+            size_bytes=row.size_bytes,
+            unpacked_bytes=row.unpacked_bytes,
+            files=row.files,
+            created_at=row.created_at,
+        )
 
 
 class Page(BaseModel, Generic[Item]):
@@ -243,22 +268,31 @@ class Page(BaseModel, Generic[Item]):
     offset: int
 
     @classmethod
-    def convert(cls, page: jobs.Page[Row], item: Callable[[Row], Item]) -> "Page[Item]":
+    def convert(cls, page: jobs.Page[Row], item: Callable[[Row], Item]) -> Page[Item]:
         return cls(items=[item(row) for row in page.items], total=page.total, limit=page.limit, offset=page.offset)
 
 
 class MetricsPage(Page[MetricOut]):
-    memory: list[RankMemoryOut] = Field(description="Per attempt and rank: training-state bytes measured beside predicted.")
+    memory: list[RankMemoryOut] = Field(
+        description="Per attempt and rank: training-state bytes measured beside predicted."
+    )
 
     @classmethod
-    def build(cls, page: jobs.Page[Metric], memory: list[jobs.RankMemoryComparison]) -> "MetricsPage":
-        return cls(items=[MetricOut.from_row(row) for row in page.items], total=page.total, limit=page.limit,
-                   offset=page.offset, memory=[RankMemoryOut.from_comparison(m) for m in memory])
+    def build(cls, page: jobs.Page[Metric], memory: list[jobs.RankMemoryComparison]) -> MetricsPage:
+        return cls(
+            items=[MetricOut.from_row(row) for row in page.items],
+            total=page.total,
+            limit=page.limit,
+            offset=page.offset,
+            memory=[RankMemoryOut.from_comparison(m) for m in memory],
+        )
 
 
 class ReportAck(BaseModel):
     state: JobState = Field(description="The job's state after the report; CANCELLED tells the driver to stop.")
-    accepted: bool = Field(description="False when the report came from a superseded attempt or a finished job and was ignored.")
+    accepted: bool = Field(
+        description="False when the report came from a superseded attempt or a finished job and was ignored."
+    )
 
 
 class Health(BaseModel):
@@ -274,22 +308,44 @@ class PlanRequest(JsonTyped):
     """A model (a parameter count, or a built-in and its options) and a cluster to plan it on."""
 
     # Either a parameter count (with the transformer's whole shape, or none of it) or a built-in: the schema states it.
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "oneOf": [
-            {"required": ["parameters"], "properties": {"parameters": {"type": "integer"}, "model": _NULL},
-             "anyOf": [{"required": list(_SHAPE), "properties": {name: {"type": "integer"} for name in _SHAPE}},
-                       {"properties": {name: _NULL for name in _SHAPE}}]},
-            {"required": ["model"], "properties": {"model": {"type": "string"}, "parameters": _NULL,
-                                                   **{name: _NULL for name in _SHAPE}}},
-        ],
-        "allOf": builtin_options_rules(),
-    })
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["parameters"],
+                    "properties": {"parameters": {"type": "integer"}, "model": _NULL},
+                    "anyOf": [
+                        {"required": list(_SHAPE), "properties": {name: {"type": "integer"} for name in _SHAPE}},
+                        {"properties": {name: _NULL for name in _SHAPE}},
+                    ],
+                },
+                {
+                    "required": ["model"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "parameters": _NULL,
+                        **{name: _NULL for name in _SHAPE},
+                    },
+                },
+            ],
+            "allOf": builtin_options_rules(),
+        },
+    )
 
-    parameters: int | None = Field(default=None, ge=1, le=10**15, description="Parameter count of the model; or name a built-in in model.")
-    model: str | None = Field(default=None, max_length=64, description="Built-in model (tiny-gpt, mlp), sized from model_options.",
-                              json_schema_extra={"anyOf": [{"enum": list(BUILTIN_MODELS)}, {"type": "null"}]})
+    parameters: int | None = Field(
+        default=None, ge=1, le=10**15, description="Parameter count of the model; or name a built-in in model."
+    )
+    model: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Built-in model (tiny-gpt, mlp), sized from model_options.",
+        json_schema_extra={"anyOf": [{"enum": list(BUILTIN_MODELS)}, {"type": "null"}]},
+    )
     model_options: dict[str, Any] = Field(default_factory=dict, description="The built-in's options, as in a JobSpec.")
-    layers: int | None = Field(default=None, ge=1, le=100_000, description="Transformer blocks, for activations and TP/PP traffic.")
+    layers: int | None = Field(
+        default=None, ge=1, le=100_000, description="Transformer blocks, for activations and TP/PP traffic."
+    )
     hidden: int | None = Field(default=None, ge=1, le=10**7, description="Hidden size h.")
     heads: int | None = Field(default=None, ge=1, le=100_000, description="Attention heads a.")
     seq_len: int | None = Field(default=None, ge=1, le=10**8, description="Sequence length s.")
@@ -297,10 +353,16 @@ class PlanRequest(JsonTyped):
     gpus_per_node: int = Field(default=8, ge=1, le=64)
     nodes: int = Field(default=1, ge=1, le=4096)
     precision: Literal["fp32", "bf16", "mixed"] = Field(
-        default="mixed", description="mixed: the seeds' 2+2+4+8 (bf16 parameters, fp32 master); bf16: ringmaster's autocast "
-        "over fp32 state (4+4+8); fp32: 4+4+8.")
-    micro_batch_size: int | None = Field(default=None, ge=1, le=10**7, description="Sequences per micro-batch; with the "
-                                         "shape it gives activations and tensor/pipeline traffic.")
+        default="mixed",
+        description="mixed: the seeds' 2+2+4+8 (bf16 parameters, fp32 master); bf16: ringmaster's autocast "
+        "over fp32 state (4+4+8); fp32: 4+4+8.",
+    )
+    micro_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=10**7,
+        description="Sequences per micro-batch; with the shape it gives activations and tensor/pipeline traffic.",
+    )
     microbatches: int = Field(default=8, ge=1, le=4096, description="Pipeline micro-batches per step.")
     schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
     stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks per pipeline rank.")
@@ -315,14 +377,18 @@ class PlanRequest(JsonTyped):
         return value
 
     @model_validator(mode="after")
-    def _one_model(self) -> "PlanRequest":
+    def _one_model(self) -> PlanRequest:
         if (self.parameters is None) == (self.model is None):
-            raise conflict("parameters" if self.parameters is not None else "model",
-                           "give either parameters (a count) or model (a built-in name), not both or neither")
+            raise conflict(
+                "parameters" if self.parameters is not None else "model",
+                "give either parameters (a count) or model (a built-in name), not both or neither",
+            )
         shape = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads, "seq_len": self.seq_len}
         given = [name for name, value in shape.items() if value is not None]
         if self.model is not None and given:
-            raise conflict(given[0], "a built-in's layers, hidden, heads and seq_len come from its model_options; do not give them")
+            raise conflict(
+                given[0], "a built-in's layers, hidden, heads and seq_len come from its model_options; do not give them"
+            )
         if given and len(given) < len(shape):
             missing = next(name for name in shape if name not in given)
             raise conflict(missing, "give layers, hidden, heads and seq_len together, or none of them")
@@ -338,15 +404,22 @@ class PlanRequest(JsonTyped):
         shape = None
         if self.layers and self.hidden and self.heads and self.seq_len:
             shape = planner.TransformerShape(self.layers, self.hidden, self.heads, self.seq_len)
-        described = f"transformer (layers={self.layers}, hidden={self.hidden}, heads={self.heads}, seq_len={self.seq_len})"
+        described = (
+            f"transformer (layers={self.layers}, hidden={self.hidden}, heads={self.heads}, seq_len={self.seq_len})"
+        )
         return planner.ModelSize(self.parameters, shape, described if shape else "model")
 
     def cluster(self) -> planner.Cluster:
         return planner.Cluster(self.gpus_per_node * self.nodes, self.gpus_per_node, self.gpu_memory_gb * planner.GB)
 
     def workload(self) -> planner.Workload:
-        return planner.Workload(planner.PRECISIONS[self.precision], self.micro_batch_size, self.microbatches,
-                                self.schedule, self.stages_per_rank)
+        return planner.Workload(
+            planner.PRECISIONS[self.precision],
+            self.micro_batch_size,
+            self.microbatches,
+            self.schedule,
+            self.stages_per_rank,
+        )
 
 
 def _gb(value: float | None) -> float | None:
@@ -357,7 +430,9 @@ class MemoryGBOut(BaseModel):
     parameters_gb: float
     gradients_gb: float
     optimizer_gb: float
-    activations_gb: float | None = Field(description="Null when the transformer's shape or the micro-batch size is not known.")
+    activations_gb: float | None = Field(
+        description="Null when the transformer's shape or the micro-batch size is not known."
+    )
     total_gb: float = Field(description="State plus activations where known.")
 
 
@@ -377,14 +452,16 @@ class PlanOptionOut(BaseModel):
     pp: int
     spec: dict[str, Any] = Field(description="The JobSpec strategy and parallel fields that run this option.")
     memory_per_gpu: MemoryGBOut
-    communication_per_step: CommunicationGBOut = Field(description="GB each GPU sends per step (no gradient accumulation).")
+    communication_per_step: CommunicationGBOut = Field(
+        description="GB each GPU sends per step (no gradient accumulation)."
+    )
     bubble: float | None = Field(description="Pipeline idle fraction (p−1)/(p+m−1); null without a pipeline.")
     bubble_fraction: str | None = Field(description="The same as an exact fraction, e.g. 3/11.")
     fits: bool | None
     reasons: list[str]
 
     @classmethod
-    def from_option(cls, option: planner.Option) -> "PlanOptionOut":
+    def from_option(cls, option: planner.Option) -> PlanOptionOut:
         state, traffic, bubble = option.state, option.communication, option.bubble
         return cls(
             label=option.label,
@@ -395,11 +472,18 @@ class PlanOptionOut(BaseModel):
             pp=option.layout.pp,
             spec=option.spec_fields(),
             memory_per_gpu=MemoryGBOut(
-                parameters_gb=state.parameters / planner.GB, gradients_gb=state.gradients / planner.GB,
-                optimizer_gb=state.optimizer / planner.GB, activations_gb=_gb(option.activations), total_gb=option.memory / planner.GB),
+                parameters_gb=state.parameters / planner.GB,
+                gradients_gb=state.gradients / planner.GB,
+                optimizer_gb=state.optimizer / planner.GB,
+                activations_gb=_gb(option.activations),
+                total_gb=option.memory / planner.GB,
+            ),
             communication_per_step=CommunicationGBOut(
-                data_parallel_gb=traffic.data_parallel / planner.GB, tensor_parallel_gb=_gb(traffic.tensor_parallel),
-                pipeline_gb=_gb(traffic.pipeline), total_gb=_gb(traffic.total)),
+                data_parallel_gb=traffic.data_parallel / planner.GB,
+                tensor_parallel_gb=_gb(traffic.tensor_parallel),
+                pipeline_gb=_gb(traffic.pipeline),
+                total_gb=_gb(traffic.total),
+            ),
             bubble=None if bubble is None else float(bubble),
             bubble_fraction=None if bubble is None else f"{bubble.numerator}/{bubble.denominator}",
             fits=option.fits,
@@ -422,7 +506,7 @@ class PlanOut(BaseModel):
     reasons: list[str] = Field(description="Why the pick, or what would fit when nothing does.")
 
     @classmethod
-    def from_plan(cls, plan: planner.Plan, request: PlanRequest) -> "PlanOut":
+    def from_plan(cls, plan: planner.Plan, request: PlanRequest) -> PlanOut:
         precision = plan.workload.precision
         return cls(
             model=plan.model.description,
@@ -446,8 +530,12 @@ class QuotaIn(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
     gpus: int | None = Field(default=None, ge=0, le=1_000_000, description="GPUs its admitted jobs may hold at once.")
-    cpus: float | None = Field(default=None, ge=0, le=1_000_000, allow_inf_nan=False, description="CPUs its admitted jobs may hold at once.")
-    jobs: int | None = Field(default=None, ge=0, le=1_000_000, description="Jobs it may have admitted or running at once.")
+    cpus: float | None = Field(
+        default=None, ge=0, le=1_000_000, allow_inf_nan=False, description="CPUs its admitted jobs may hold at once."
+    )
+    jobs: int | None = Field(
+        default=None, ge=0, le=1_000_000, description="Jobs it may have admitted or running at once."
+    )
 
     def quota(self) -> tenants.Quota:
         return tenants.Quota(self.gpus, self.cpus, self.jobs)
@@ -468,13 +556,19 @@ class UsageOut(BaseModel):
 class TenantOut(BaseModel):
     name: str
     quota: QuotaOut = Field(description="Null is unlimited.")
-    usage: UsageOut = Field(description="What its ADMITTED, RUNNING and RECOVERING jobs hold, each at its granted size.")
+    usage: UsageOut = Field(
+        description="What its ADMITTED, RUNNING and RECOVERING jobs hold, each at its granted size."
+    )
     created_at: datetime
 
     @classmethod
-    def from_row(cls, tenant: Tenant, usage: tenants.Usage) -> "TenantOut":
-        return cls(name=tenant.name, quota=QuotaOut(gpus=tenant.quota_gpus, cpus=tenant.quota_cpus, jobs=tenant.quota_jobs),
-                   usage=UsageOut(gpus=usage.gpus, cpus=usage.cpus, jobs=usage.jobs), created_at=tenant.created_at)
+    def from_row(cls, tenant: Tenant, usage: tenants.Usage) -> TenantOut:
+        return cls(
+            name=tenant.name,
+            quota=QuotaOut(gpus=tenant.quota_gpus, cpus=tenant.quota_cpus, jobs=tenant.quota_jobs),
+            usage=UsageOut(gpus=usage.gpus, cpus=usage.cpus, jobs=usage.jobs),
+            created_at=tenant.created_at,
+        )
 
 
 class PrincipalOut(BaseModel):
@@ -487,7 +581,9 @@ class TokenIn(JsonTyped):
     model_config = ConfigDict(extra="forbid")
 
     tenant: str = Field(pattern=tenants.NAME_PATTERN, max_length=64, description="Created without quotas when missing.")
-    admin: bool = Field(default=False, description="An admin token sees and manages every tenant's jobs, tenants and tokens.")
+    admin: bool = Field(
+        default=False, description="An admin token sees and manages every tenant's jobs, tenants and tokens."
+    )
     description: str | None = Field(default=None, max_length=255, description="Who or what holds it.")
 
 
@@ -500,9 +596,15 @@ class TokenOut(BaseModel):
     revoked_at: datetime | None
 
     @classmethod
-    def from_row(cls, token: ApiToken) -> "TokenOut":
-        return cls(id=token.id, tenant=token.tenant, admin=token.admin, description=token.description,
-                   created_at=token.created_at, revoked_at=token.revoked_at)
+    def from_row(cls, token: ApiToken) -> TokenOut:
+        return cls(
+            id=token.id,
+            tenant=token.tenant,
+            admin=token.admin,
+            description=token.description,
+            created_at=token.created_at,
+            revoked_at=token.revoked_at,
+        )
 
 
 class TokenCreatedOut(TokenOut):

@@ -32,23 +32,31 @@ class ControlPlane:
     def __init__(self, settings: Settings) -> None:
         self.head: RayHead | None = None
         if settings.ray_address is None:
-            self.head = start_head(settings.data_dir, ray_client_server=settings.ray_client_server,
-                                   timeout_s=settings.ray_start_timeout_s)
-            settings = settings.model_copy(update={
-                "ray_address": self.head.gcs_address,
-                "ray_dashboard_url": self.head.dashboard_url,
-                # The embedded head runs drivers on this machine: use this very interpreter.
-                "driver_python": sys.executable,
-                "code_path": settings.code_path or os.getcwd(),
-            })
+            self.head = start_head(
+                settings.data_dir, ray_client_server=settings.ray_client_server, timeout_s=settings.ray_start_timeout_s
+            )
+            settings = settings.model_copy(
+                update={
+                    "ray_address": self.head.gcs_address,
+                    "ray_dashboard_url": self.head.dashboard_url,
+                    # The embedded head runs drivers on this machine: use this very interpreter.
+                    "driver_python": sys.executable,
+                    "code_path": settings.code_path or os.getcwd(),
+                }
+            )
         elif settings.ray_dashboard_url is None:
-            host = urlsplit(settings.ray_address if "://" in settings.ray_address else f"//{settings.ray_address}").hostname
+            host = urlsplit(
+                settings.ray_address if "://" in settings.ray_address else f"//{settings.ray_address}"
+            ).hostname
             settings = settings.model_copy(update={"ray_dashboard_url": f"http://{host}:8265"})
         self.settings = settings
         # The Ray agent with the warm pool: the control plane's Ray connection, in a process that can be replaced.
-        self.cluster = RayCluster(settings.ray_address, settings.ray_dashboard_url,
-                                  agent=agent_command("ringmaster.api.ray_agent", settings.ray_address),
-                                  driver_resources=settings.driver_resources)
+        self.cluster = RayCluster(
+            settings.ray_address,
+            settings.ray_dashboard_url,
+            agent=agent_command("ringmaster.api.ray_agent", settings.ray_address),
+            driver_resources=settings.driver_resources,
+        )
         self.cluster.connect()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,7 +64,7 @@ class ControlPlane:
     def logs(self, submission_id: str) -> str:
         try:
             return self.cluster.logs(submission_id)
-        except Exception as error:  # noqa: BLE001 — any cluster failure is "logs unavailable" to the caller
+        except Exception as error:
             raise LogsUnavailable(f"Ray could not serve logs for {submission_id}: {error}") from error
 
     def start_dispatcher(self, app: FastAPI) -> Callable[[], None]:
@@ -69,9 +77,14 @@ class ControlPlane:
         if self.settings.mlflow_tracking_uri:
             from ringmaster.service.mlflow_export import MlflowExporter  # imports mlflow: only when asked for
 
-            exporter = threading.Thread(target=MlflowExporter(app.state.db.sessions, self.settings.mlflow_tracking_uri,
-                                                              self.settings.mlflow_experiment).run,
-                                        args=(self._stop,), name="mlflow-export", daemon=True)
+            exporter = threading.Thread(
+                target=MlflowExporter(
+                    app.state.db.sessions, self.settings.mlflow_tracking_uri, self.settings.mlflow_experiment
+                ).run,
+                args=(self._stop,),
+                name="mlflow-export",
+                daemon=True,
+            )
             exporter.start()
 
         def stop() -> None:
@@ -117,8 +130,9 @@ class BackgroundServer:
         self.plane = ControlPlane(settings)
         self.ray_metrics_url: str | None = self.plane.head.metrics_url if self.plane.head else None
         self.app = self.plane.app()
-        config = uvicorn.Config(self.app, host=self.plane.settings.api_host,
-                                port=self.plane.settings.api_port, log_level="warning")
+        config = uvicorn.Config(
+            self.app, host=self.plane.settings.api_host, port=self.plane.settings.api_port, log_level="warning"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
 
@@ -139,7 +153,7 @@ class BackgroundServer:
         """A REST client of this server with its token."""
         return RingmasterClient(self.url, token=self.token, max_code_bytes=self.plane.settings.max_code_bytes)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         self._thread.start()
         deadline = time.monotonic() + 60
         while not self._server.started:

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -47,15 +47,15 @@ from sqlalchemy import create_engine, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.ports import free_port  # noqa: E402
-from harness.standin_cluster import StandInCluster  # noqa: E402
-from ringmaster.api.app import create_app  # noqa: E402
-from ringmaster.service import auth  # noqa: E402
-from ringmaster.service.db import session_scope  # noqa: E402
-from ringmaster.service.dispatcher import Dispatcher  # noqa: E402
-from ringmaster.service.logs import configure_logging  # noqa: E402
-from ringmaster.service.models import Job  # noqa: E402
-from ringmaster.service.settings import Settings  # noqa: E402
+from harness.ports import free_port
+from harness.standin_cluster import StandInCluster
+from ringmaster.api.app import create_app
+from ringmaster.service import auth
+from ringmaster.service.db import session_scope
+from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.logs import configure_logging
+from ringmaster.service.models import Job
+from ringmaster.service.settings import Settings
 
 T = TypeVar("T")
 SPEC: dict[str, object] = {"name": "bench", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"steps": 10}}
@@ -84,18 +84,22 @@ def _start_dispatcher(settings: Settings) -> Callable[[FastAPI], Callable[[], No
 
 
 class Server:
-    def __init__(self, database_url: str, data_dir: Path, *, dispatcher: bool, loop: str, http: str, access_log: bool) -> None:
+    def __init__(
+        self, database_url: str, data_dir: Path, *, dispatcher: bool, loop: str, http: str, access_log: bool
+    ) -> None:
         self.port = free_port()
         settings = Settings(database_url=database_url, data_dir=data_dir, api_port=self.port)
         self.app = app = create_app(settings, start_background=_start_dispatcher(settings) if dispatcher else None)
         self.token = ""
         # With the access log, log_config=None keeps the JSON handler configure_logging installed, as run_server does.
         logging_options = {"log_config": None, "log_level": "info"} if access_log else {"log_level": "warning"}
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop=loop, http=http, access_log=access_log, **logging_options)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, loop=loop, http=http, access_log=access_log, **logging_options
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -121,7 +125,12 @@ def _percentiles(values_s: list[float]) -> dict[str, float]:
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
-    return {"p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": ordered[-1] * 1000, "mean_ms": statistics.fmean(ordered) * 1000}
+    return {
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "max_ms": ordered[-1] * 1000,
+        "mean_ms": statistics.fmean(ordered) * 1000,
+    }
 
 
 WARM_UP = 20
@@ -135,8 +144,10 @@ class RawClient:
         parsed = urlsplit(url)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
         payload = json.dumps(body).encode()
-        self.request = (f"POST /v1/jobs HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Bearer {token}\r\n"
-                        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+        self.request = (
+            f"POST /v1/jobs HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode() + payload
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -216,8 +227,13 @@ def run(url: str, token: str, clients: int, count: int, max_s: float) -> dict[st
         return time.perf_counter() - started
 
     elapsed = _run_loop(main)
-    return {"submitted": len(latencies), "errors": errors, "seconds": elapsed, "per_s": len(latencies) / elapsed,
-            **_percentiles(latencies)}
+    return {
+        "submitted": len(latencies),
+        "errors": errors,
+        "seconds": elapsed,
+        "per_s": len(latencies) / elapsed,
+        **_percentiles(latencies),
+    }
 
 
 def run_paced(url: str, token: str, clients: int, count: int, rate: float) -> tuple[list[tuple[str, float]], int]:
@@ -266,7 +282,11 @@ def admission_latency(server: Server, clients: int, count: int, rate: float, wai
     deadline = time.monotonic() + wait_s
     while True:
         with session_scope(server.app.state.db.sessions) as session:
-            admitted = dict(session.execute(select(Job.id, Job.admitted_at).where(Job.id.in_(started), Job.admitted_at.is_not(None))).all())
+            admitted = dict(
+                session.execute(
+                    select(Job.id, Job.admitted_at).where(Job.id.in_(started), Job.admitted_at.is_not(None))
+                ).all()
+            )
         if len(admitted) == len(started) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -276,7 +296,7 @@ def admission_latency(server: Server, clients: int, count: int, rate: float, wai
 
 def _epoch(moment: datetime) -> float:
     """SQLite hands back naive datetimes; the control plane writes UTC."""
-    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
 def _cpu_seconds() -> float:
@@ -285,15 +305,20 @@ def _cpu_seconds() -> float:
 
 
 def _report(label: str, result: dict[str, float]) -> None:
-    print(f"{label:10s} {result['submitted']:6.0f} jobs in {result['seconds']:5.1f}s: {result['per_s']:7.1f}/s  "
-          f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}  "
-          f"server CPU {result['server_cpu_ms']:.2f} ms/job", flush=True)
+    print(
+        f"{label:10s} {result['submitted']:6.0f} jobs in {result['seconds']:5.1f}s: {result['per_s']:7.1f}/s  "
+        f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}  "
+        f"server CPU {result['server_cpu_ms']:.2f} ms/job",
+        flush=True,
+    )
 
 
 def _report_admission(label: str, rate: float, result: dict[str, float]) -> None:
-    print(f"{label:10s} {result['admitted']:4.0f}/{result['submitted']:.0f} admitted, submitted at {rate:g}/s: POST->ADMITTED "
-          f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}",
-          flush=True)
+    print(
+        f"{label:10s} {result['admitted']:4.0f}/{result['submitted']:.0f} admitted, submitted at {rate:g}/s: POST->ADMITTED "
+        f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}",
+        flush=True,
+    )
 
 
 @contextmanager
@@ -314,36 +339,50 @@ def _postgres_schema(admin_url: str) -> Iterator[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients in the throughput run")
-    parser.add_argument("--count", type=int, default=2000, help="submissions per database in the throughput run (0: skip it)")
+    parser.add_argument(
+        "--count", type=int, default=2000, help="submissions per database in the throughput run (0: skip it)"
+    )
     parser.add_argument("--max-seconds", type=float, default=30.0, help="stop each throughput run after this long")
-    parser.add_argument("--admit-count", type=int, default=300, help="jobs per database in the admission run (0: skip it)")
+    parser.add_argument(
+        "--admit-count", type=int, default=300, help="jobs per database in the admission run (0: skip it)"
+    )
     parser.add_argument("--admit-rate", type=float, default=10.0, help="submissions per second in the admission run")
     parser.add_argument("--postgres-url", default=os.environ.get("RINGMASTER_TEST_POSTGRES_URL"))
     parser.add_argument("--no-sqlite", action="store_true")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn's event loop")
     parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn's HTTP parser")
-    parser.add_argument("--access-log", action="store_true", help="log every request as `ringmaster serve` does (to /dev/null)")
+    parser.add_argument(
+        "--access-log", action="store_true", help="log every request as `ringmaster serve` does (to /dev/null)"
+    )
     args = parser.parse_args()
     if args.access_log:
         configure_logging(stream=open(os.devnull, "w"))  # noqa: SIM115 — lives as long as the process
-    print(f"{args.clients} clients, up to {args.count} submissions or {args.max_seconds:.0f}s per database, {os.cpu_count()} CPUs, "
-          f"loop={args.loop} http={args.http} access log {'on' if args.access_log else 'off'}", flush=True)
+    print(
+        f"{args.clients} clients, up to {args.count} submissions or {args.max_seconds:.0f}s per database, {os.cpu_count()} CPUs, "
+        f"loop={args.loop} http={args.http} access log {'on' if args.access_log else 'off'}",
+        flush=True,
+    )
     options = {"loop": args.loop, "http": args.http, "access_log": args.access_log}
 
     def bench(label: str, url_for: Callable[[], AbstractContextManager[str]], data_dir: Path) -> None:
         if args.count:
             with url_for() as url, Server(url, data_dir, dispatcher=False, **options) as server:
                 cpu_before = _cpu_seconds()
-                result: dict[str, float] = _elsewhere(run, server.url, server.token, args.clients, args.count, args.max_seconds)  # type: ignore[assignment]
+                result: dict[str, float] = _elsewhere(
+                    run, server.url, server.token, args.clients, args.count, args.max_seconds
+                )  # type: ignore[assignment]
                 # The server's own CPU per job (the clients run in a child): steadier than jobs/s on a shared machine.
                 result["server_cpu_ms"] = (_cpu_seconds() - cpu_before) * 1000 / (result["submitted"] + WARM_UP)
                 _report(label, result)
         if args.admit_count:
             with url_for() as url, Server(url, data_dir, dispatcher=True, **options) as server:
-                _report_admission(label, args.admit_rate, admission_latency(server, 4, args.admit_count, args.admit_rate))
+                _report_admission(
+                    label, args.admit_rate, admission_latency(server, 4, args.admit_count, args.admit_rate)
+                )
 
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_sqlite:
+
             @contextmanager
             def sqlite_url() -> Iterator[str]:
                 yield f"sqlite:///{tmp}/bench-{uuid.uuid4().hex[:8]}.db"

@@ -13,8 +13,8 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,17 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.models.tiny_gpt import TinyGPT, TinyGPTConfig
 
-
 # hf-gpt2: the model_options of ringmaster's `model: hf:GPT2LMHeadModel` in bench/overhead.py, and this script's GPT-2
-HF_GPT2_OPTIONS = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
-                   "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+HF_GPT2_OPTIONS = {
+    "vocab_size": 256,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
 SEQ_LEN = 64  # tiny-gpt's default, and GPT-2's n_positions above
 
 
@@ -57,7 +64,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def micro_batches(dataset: Dataset, sampler: DistributedSampler, batch_size: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(
+    dataset: Dataset, sampler: DistributedSampler, batch_size: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless micro-batches of this rank's shard; a new shuffle each epoch."""
     epoch = 0
     while True:
@@ -79,14 +88,18 @@ def main() -> None:
         device = torch.device("cpu")
         torch.set_num_threads(1)
     if args.global_batch_size % (args.micro_batch_size * world_size) or args.steps <= args.skip_steps:
-        raise SystemExit("global batch must be a multiple of micro batch × world size, and --steps must exceed --skip-steps")
+        raise SystemExit(
+            "global batch must be a multiple of micro batch × world size, and --steps must exceed --skip-steps"
+        )
     accumulation = args.global_batch_size // (args.micro_batch_size * world_size)
 
     torch.manual_seed(args.seed)
     model = DistributedDataParallel(build_model(args.model).to(device), device_ids=[device] if use_cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_dataset, _ = pysource_splits(seq_len=SEQ_LEN)
-    sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    sampler = DistributedSampler(
+        train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
     batches = micro_batches(train_dataset, sampler, args.micro_batch_size, device)
 
     loss_sum = torch.zeros((), device=device)
@@ -110,8 +123,13 @@ def main() -> None:
     if rank == 0:
         steady_steps = args.steps - args.skip_steps
         # The steady steps' wall-clock span (Unix time, as ringmaster's metrics give wall_time), for bench/overhead.py's CPU figure.
-        report = {"steps_per_s_steady": steady_steps / steady_seconds, "steady_wall": [steady_wall_start, steady_wall_end],
-                  "steps": args.steps, "world_size": world_size, "final_loss": global_loss}
+        report = {
+            "steps_per_s_steady": steady_steps / steady_seconds,
+            "steady_wall": [steady_wall_start, steady_wall_end],
+            "steps": args.steps,
+            "world_size": world_size,
+            "final_loss": global_loss,
+        }
         print(json.dumps(report), flush=True)
     dist.barrier()  # no rank tears the group down while a peer is still in a collective (seen: an abort at exit)
     dist.destroy_process_group()

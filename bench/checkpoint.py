@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.ports import free_port  # noqa: E402
+from harness.ports import free_port
 
 METRICS_ACKNOWLEDGED_AFTER_S = 1.0
 GLOBAL_BATCH = 16
@@ -66,10 +66,21 @@ def _spec(args: argparse.Namespace, steps: int):
         model="tiny-gpt",
         strategy=args.strategy,
         parallel={"shard": "zero3"} if args.strategy == "fsdp" else {},
-        model_options={"n_layers": args.layers, "dim": args.dim, "n_heads": 8, "seq_len": 64, "max_corpus_bytes": 262_144},
+        model_options={
+            "n_layers": args.layers,
+            "dim": args.dim,
+            "n_heads": 8,
+            "seq_len": 64,
+            "max_corpus_bytes": 262_144,
+        },
         workers={"min": args.world_size, "max": args.world_size},
-        train={"steps": steps, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // args.world_size,
-               "warmup_steps": 2, "seed": 1},
+        train={
+            "steps": steps,
+            "global_batch_size": GLOBAL_BATCH,
+            "micro_batch_size": GLOBAL_BATCH // args.world_size,
+            "warmup_steps": 2,
+            "seed": 1,
+        },
         checkpoint={"every_steps": args.every, "keep": 2},
     )
 
@@ -108,7 +119,19 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
         begin_times = []
         training.begin_save = lambda *a, **kw: timed_begin(*a, synchronous=mode == "sync", **kw)
         walls: list[float] = []
-        run_training(_spec(args, args.steps), TrainContext(rank, args.world_size, torch.device("cpu"), mode, f"{root}/{mode}", sink=CallbackSink(on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None)))
+        run_training(
+            _spec(args, args.steps),
+            TrainContext(
+                rank,
+                args.world_size,
+                torch.device("cpu"),
+                mode,
+                f"{root}/{mode}",
+                sink=CallbackSink(
+                    on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None
+                ),
+            ),
+        )
         results[mode] = walls
         results[f"{mode}_begin_s"] = begin_times[:-1]  # periodic saves only (the last is the final, synchronous one)
     training.begin_save = original_begin
@@ -125,7 +148,10 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
 
     training.load_checkpoint = timed_load
     # Resumes from the final checkpoint and trains one more step, then saves it (sync: final).
-    run_training(_spec(args, args.steps + 1), TrainContext(rank, args.world_size, torch.device("cpu"), "restore", f"{root}/async"))
+    run_training(
+        _spec(args, args.steps + 1),
+        TrainContext(rank, args.world_size, torch.device("cpu"), "restore", f"{root}/async"),
+    )
     if rank == 0:
         Path(root, "raw.json").write_text(json.dumps({**results, "load_s": load_times}))
     dist.destroy_process_group()
@@ -134,10 +160,17 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
 def _summarise(raw: dict, args: argparse.Namespace, root: Path) -> dict:
     every, steps = args.every, args.steps
     saves_after = [s for s in range(every, steps, every)]  # steps followed by a periodic save (1-based)
-    summary: dict = {"model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "world_size": args.world_size, "steps": steps, "every": every}
+    summary: dict = {
+        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers",
+        "world_size": args.world_size,
+        "steps": steps,
+        "every": every,
+    }
     for mode in ("sync", "async"):
         walls = raw[mode]
-        intervals = {step: walls[step] - walls[step - 1] for step in range(2, len(walls))}  # interval ending at metric step+1
+        intervals = {
+            step: walls[step] - walls[step - 1] for step in range(2, len(walls))
+        }  # interval ending at metric step+1
         # Interval ending at metric k+1 (index k) contains the save made after step k.
         save_intervals = [intervals[step] for step in saves_after if step in intervals]
         touched = {step + offset for step in saves_after for offset in range(0, every // 2 + 1)}
@@ -146,7 +179,12 @@ def _summarise(raw: dict, args: argparse.Namespace, root: Path) -> dict:
         summary[f"{mode}_step_baseline_s"] = round(baseline, 4)
         summary[f"{mode}_save_step_excess_s"] = round(statistics.median(save_intervals) - baseline, 4)
         if mode == "async":
-            after = [intervals[step + offset] - baseline for step in saves_after for offset in range(1, every // 2 + 1) if step + offset in intervals]
+            after = [
+                intervals[step + offset] - baseline
+                for step in saves_after
+                for offset in range(1, every // 2 + 1)
+                if step + offset in intervals
+            ]
             summary["async_inflight_excess_per_step_s"] = round(statistics.mean(after), 4)
     sync_save = statistics.median(raw["sync_begin_s"])
     blocking = statistics.median(raw["async_begin_s"])
@@ -157,7 +195,9 @@ def _summarise(raw: dict, args: argparse.Namespace, root: Path) -> dict:
     newest = max((root / "async").glob("step-*"))
     size = sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
     load_s = raw["load_s"][0]
-    summary.update(checkpoint_mb=round(size / 1e6, 1), restore_s=round(load_s, 4), restore_mb_per_s=round(size / 1e6 / load_s, 1))
+    summary.update(
+        checkpoint_mb=round(size / 1e6, 1), restore_s=round(load_s, 4), restore_mb_per_s=round(size / 1e6 / load_s, 1)
+    )
     return summary
 
 
@@ -182,8 +222,14 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
     store = SnapshotStore()
     one_per_node = (1,) * args.world_size  # as the trainer is told: snapshots go to the next "node"
 
-    def train(job: str, spec, stop_after: int | None = None, resume: SnapshotRef | None = None, generation: int = 1,
-              storage: str | None = None):
+    def train(
+        job: str,
+        spec,
+        stop_after: int | None = None,
+        resume: SnapshotRef | None = None,
+        generation: int = 1,
+        storage: str | None = None,
+    ):
         walls, events, recorded, cpu = [], [], [], []
         calls = iter(range(1, 10**9))
 
@@ -191,16 +237,33 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
             recorded.append(time.perf_counter())
             if point.loss is not None:
                 walls.append(recorded[-1])
-                cpu.append((_cpu_s(resource.RUSAGE_SELF), _cpu_s(resource.RUSAGE_THREAD)))  # called on the training thread
+                cpu.append(
+                    (_cpu_s(resource.RUSAGE_SELF), _cpu_s(resource.RUSAGE_THREAD))
+                )  # called on the training thread
 
         # As the driver does: rank 0's points are acknowledged about a second after they are recorded (it drains
         # them every second), so a snapshot keeps the last second's points, not all of them.
-        sink = CallbackSink(on_metric=on_metric, on_event=lambda message, details: events.append(details),
-                            should_stop=(lambda: next(calls) >= stop_after) if stop_after else (lambda: False),
-                            metrics_confirmed=lambda: bisect.bisect(recorded, time.perf_counter() - METRICS_ACKNOWLEDGED_AFTER_S))
-        run_training(spec, TrainContext(rank, args.world_size, torch.device("cpu"), job, f"{root}/{storage or job}", sink=sink,
-                                        ranks_per_node=one_per_node, generation=generation, snapshot_store=store,
-                                        memory_resume=resume))
+        sink = CallbackSink(
+            on_metric=on_metric,
+            on_event=lambda message, details: events.append(details),
+            should_stop=(lambda: next(calls) >= stop_after) if stop_after else (lambda: False),
+            metrics_confirmed=lambda: bisect.bisect(recorded, time.perf_counter() - METRICS_ACKNOWLEDGED_AFTER_S),
+        )
+        run_training(
+            spec,
+            TrainContext(
+                rank,
+                args.world_size,
+                torch.device("cpu"),
+                job,
+                f"{root}/{storage or job}",
+                sink=sink,
+                ranks_per_node=one_per_node,
+                generation=generation,
+                snapshot_store=store,
+                memory_resume=resume,
+            ),
+        )
         return walls, events, cpu
 
     results: dict = {"off": [], "on": [], "costs": [], "cpu_off": [], "cpu_on": []}
@@ -208,7 +271,7 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
         for mode in ("off", "on"):
             walls, events, cpu = train(f"{mode}-{index}", _snapshot_spec(args, args.steps, snapshots=mode == "on"))
             if rank == 0:  # the rank that records metric points
-                intervals = [b - a for a, b in zip(walls[STEADY_FROM:], walls[STEADY_FROM + 1:])]
+                intervals = [b - a for a, b in zip(walls[STEADY_FROM:], walls[STEADY_FROM + 1 :])]
                 results[mode].append(statistics.median(intervals))
                 # CPU seconds per step over the same steps: the process (every thread: the snapshot thread, gloo's
                 # I/O threads) and the training thread alone
@@ -222,8 +285,13 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
         train(job, _snapshot_spec(args, args.steps, snapshots=True, every_steps=half), stop_after=half)
         # The memory run writes its own final checkpoint elsewhere: the storage run must find step `half` the newest.
         for source, resume, storage in (("memory", SnapshotRef(1, half), f"{job}-memory"), ("storage", None, None)):
-            _, events, _ = train(job, _snapshot_spec(args, half + 1, snapshots=source == "memory"), resume=resume,
-                                 generation=2, storage=storage)
+            _, events, _ = train(
+                job,
+                _snapshot_spec(args, half + 1, snapshots=source == "memory"),
+                resume=resume,
+                generation=2,
+                storage=storage,
+            )
             results.setdefault(f"restore_{source}", []).extend(e for e in events if "restored_step" in e)
     if rank == 0:
         Path(root, "raw.json").write_text(json.dumps(results))
@@ -248,11 +316,14 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
     storage_s = statistics.median(event["restore_s"] for event in storage)
     snapshot_bytes = sum(cost["own_bytes_per_snapshot"] for cost in costs)
     return {
-        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers", "strategy": args.strategy,
-        "world_size": args.world_size, "rounds": args.rounds,
+        "model": f"tiny-gpt dim {args.dim}, {args.layers} layers",
+        "strategy": args.strategy,
+        "world_size": args.world_size,
+        "rounds": args.rounds,
         "step_s_snapshots_off": [round(value, 4) for value in raw["off"]],
         "step_s_snapshots_on": [round(value, 4) for value in raw["on"]],
-        "step_time_on_over_off": round(on / off, 3), "overhead_percent": round(100 * (on / off - 1), 1),
+        "step_time_on_over_off": round(on / off, 3),
+        "overhead_percent": round(100 * (on / off - 1), 1),
         # each round's on over the off run just before it (the machine's load drifts between rounds)
         "round_ratios": [round(b / a, 3) for a, b in zip(raw["off"], raw["on"], strict=True)],
         # Rank 0's CPU per step, which the machine's slow spells change far less than the wall clock: the process's
@@ -260,14 +331,16 @@ def _summarise_snapshots(raw: dict, args: argparse.Namespace) -> dict:
         # training thread's extra the part it does itself. Each as a share of the step time with snapshots off.
         **_snapshot_cpu(raw, off),
         # ddp's snapshot of its replicated state is the live state itself (made into a file only when read)
-        "bytes_copied_per_step": {cost["rank"]: cost["own_bytes_per_snapshot"] - cost["live_bytes_per_snapshot"]
-                                  for cost in costs},
+        "bytes_copied_per_step": {
+            cost["rank"]: cost["own_bytes_per_snapshot"] - cost["live_bytes_per_snapshot"] for cost in costs
+        },
         "bytes_kept_live_per_step": {cost["rank"]: cost["live_bytes_per_snapshot"] for cost in costs},
         "bytes_sent_to_peers_per_step": {cost["rank"]: cost["sent_bytes_per_snapshot"] for cost in costs},
         "host_bytes_held_per_rank": {cost["rank"]: cost["held_bytes"] for cost in costs},
         "full_dcp_saves_in_first_two_snapshots": {cost["rank"]: cost["full_saves"] for cost in costs},
         # medians over --restores pairs, each in its own list
-        "restore_from_memory_s": round(memory_s, 4), "restore_from_storage_s": round(storage_s, 4),
+        "restore_from_memory_s": round(memory_s, 4),
+        "restore_from_storage_s": round(storage_s, 4),
         "restores_from_memory_s": [event["restore_s"] for event in memory],
         "restores_from_storage_s": [event["restore_s"] for event in storage],
         "memory_storage_reads": sum(event["storage_reads"] for event in memory),
@@ -287,12 +360,25 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--snapshots", action="store_true", help="measure in-memory snapshots instead")
     parser.add_argument("--rounds", type=int, default=3, help="--snapshots: rounds of off and on")
-    parser.add_argument("--restores", type=int, default=3,
-                        help="--snapshots: runs stopped mid-way and resumed both ways (their medians are printed)")
-    parser.add_argument("--strategy", choices=("ddp", "zero1", "fsdp"), default="ddp",
-                        help="ddp (its replicated state is snapshotted live), zero1 or fsdp zero3 (shards copied to a buddy)")
-    parser.add_argument("--world-size", type=int, default=2, choices=(2, 4, 8, 16),
-                        help="ranks (local gloo processes; with --snapshots, one per node)")
+    parser.add_argument(
+        "--restores",
+        type=int,
+        default=3,
+        help="--snapshots: runs stopped mid-way and resumed both ways (their medians are printed)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=("ddp", "zero1", "fsdp"),
+        default="ddp",
+        help="ddp (its replicated state is snapshotted live), zero1 or fsdp zero3 (shards copied to a buddy)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        choices=(2, 4, 8, 16),
+        help="ranks (local gloo processes; with --snapshots, one per node)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         rank_main = _snapshot_rank if args.snapshots else _rank

@@ -83,10 +83,10 @@ class Cpu:
     machine: float
     tree: float
 
-    def __sub__(self, other: "Cpu") -> "Cpu":
+    def __sub__(self, other: Cpu) -> Cpu:
         return Cpu(self.machine - other.machine, self.tree - other.tree)
 
-    def __truediv__(self, steps: float) -> "Cpu":
+    def __truediv__(self, steps: float) -> Cpu:
         return Cpu(self.machine / steps, self.tree / steps)
 
 
@@ -113,7 +113,7 @@ class BusySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
 
-    def __enter__(self) -> "BusySampler":
+    def __enter__(self) -> BusySampler:
         self._sample()
         self._thread.start()
         return self
@@ -143,8 +143,10 @@ class BusySampler:
             return readings[after]
         before, after_reading = readings[after - 1], readings[after]
         share = (moment - times[after - 1]) / (times[after] - times[after - 1])
-        return Cpu(before.machine + share * (after_reading.machine - before.machine),
-                   before.tree + share * (after_reading.tree - before.tree))
+        return Cpu(
+            before.machine + share * (after_reading.machine - before.machine),
+            before.tree + share * (after_reading.tree - before.tree),
+        )
 
     def between(self, start: float, end: float) -> Cpu:
         """CPU seconds spent between two wall times (waiting for a sample past `end` if there is none yet)."""

@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.cpu_time import Cpu, CpuClock  # noqa: E402
 from harness.ports import free_port  # noqa: E402
+from harness.sinks import CallbackSink
 from ringmaster.service.reports import MetricPoint  # noqa: E402
 from ringmaster.service.spec import JobSpec  # noqa: E402
 from ringmaster.workers.models import build_bundle  # noqa: E402
-from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training  # noqa: E402
 
 GPU_MODEL = {"n_layers": 12, "dim": 768, "n_heads": 12, "seq_len": 512}
@@ -55,20 +55,34 @@ def parse_args() -> argparse.Namespace:
 
 
 def job_spec(args: argparse.Namespace) -> JobSpec:
-    return JobSpec(name="gpu-bench", model="tiny-gpt", model_options=DRY_RUN_MODEL if args.dry_run else GPU_MODEL,
-                   workers={"min": 1, "max": 1, "gpus_per_worker": 0 if args.dry_run else 1},
-                   train={"steps": args.steps, "global_batch_size": args.batch_size, "micro_batch_size": args.batch_size,
-                          "lr": 1e-3, "precision": "bf16", "seed": 0})
+    return JobSpec(
+        name="gpu-bench",
+        model="tiny-gpt",
+        model_options=DRY_RUN_MODEL if args.dry_run else GPU_MODEL,
+        workers={"min": 1, "max": 1, "gpus_per_worker": 0 if args.dry_run else 1},
+        train={
+            "steps": args.steps,
+            "global_batch_size": args.batch_size,
+            "micro_batch_size": args.batch_size,
+            "lr": 1e-3,
+            "precision": "bf16",
+            "seed": 0,
+        },
+    )
 
 
 def peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def through_ringmaster(spec: JobSpec, device: torch.device, skip: int, clock: CpuClock) -> tuple[float, int | None, Cpu]:
+def through_ringmaster(
+    spec: JobSpec, device: torch.device, skip: int, clock: CpuClock
+) -> tuple[float, int | None, Cpu]:
     """Steady step time from the loop's own metrics, the peak memory at the last step, and the machine's CPU
     seconds per steady step."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     points: list[MetricPoint] = []
     peak: list[int | None] = [None]
     cpu: dict[int, Cpu] = {}  # step -> the CPU readings as it ended
@@ -95,8 +109,13 @@ def bare_loop(spec: JobSpec, device: torch.device, skip: int, clock: CpuClock) -
     bundle = build_bundle(spec)
     model = bundle.model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
-    loader = DataLoader(bundle.train_dataset, batch_size=spec.train.micro_batch_size, drop_last=True,
-                        sampler=RandomSampler(bundle.train_dataset), pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        bundle.train_dataset,
+        batch_size=spec.train.micro_batch_size,
+        drop_last=True,
+        sampler=RandomSampler(bundle.train_dataset),
+        pin_memory=device.type == "cuda",
+    )
     batches = iter(loader)
     times = []
     for step in range(spec.train.steps):
@@ -138,14 +157,27 @@ def main() -> None:
     ringmaster_step, ringmaster_peak, ringmaster_cpu = through_ringmaster(spec, device, args.skip_steps, clock)
 
     bare_rate, ringmaster_rate = tokens_per_step / bare_step, tokens_per_step / ringmaster_step
-    print(f"tiny-gpt {spec.model_options} bf16, batch {args.batch_size}, {args.steps} steps ({args.skip_steps} skipped), {device}")
-    print(f"bare torch loop : {bare_rate:12.0f} tokens/s   peak memory {bare_peak}   "
-          f"CPU s/step process {bare_cpu.tree:.4f}, machine {bare_cpu.machine:.4f}")
-    print(f"ringmaster loop : {ringmaster_rate:12.0f} tokens/s   peak memory {ringmaster_peak}   "
-          f"CPU s/step process {ringmaster_cpu.tree:.4f}, machine {ringmaster_cpu.machine:.4f}")
-    print(f"ratio ringmaster/bare: tokens/s {ringmaster_rate / bare_rate:.3f}, CPU s/step process "
-          f"{ringmaster_cpu.tree / bare_cpu.tree:.3f}, machine {ringmaster_cpu.machine / bare_cpu.machine:.3f}", end="")
-    print(f", peak memory {ringmaster_peak / bare_peak:.3f}" if bare_peak and ringmaster_peak else " (no CUDA memory on CPU)")
+    print(
+        f"tiny-gpt {spec.model_options} bf16, batch {args.batch_size}, {args.steps} steps ({args.skip_steps} skipped), {device}"
+    )
+    print(
+        f"bare torch loop : {bare_rate:12.0f} tokens/s   peak memory {bare_peak}   "
+        f"CPU s/step process {bare_cpu.tree:.4f}, machine {bare_cpu.machine:.4f}"
+    )
+    print(
+        f"ringmaster loop : {ringmaster_rate:12.0f} tokens/s   peak memory {ringmaster_peak}   "
+        f"CPU s/step process {ringmaster_cpu.tree:.4f}, machine {ringmaster_cpu.machine:.4f}"
+    )
+    print(
+        f"ratio ringmaster/bare: tokens/s {ringmaster_rate / bare_rate:.3f}, CPU s/step process "
+        f"{ringmaster_cpu.tree / bare_cpu.tree:.3f}, machine {ringmaster_cpu.machine / bare_cpu.machine:.3f}",
+        end="",
+    )
+    print(
+        f", peak memory {ringmaster_peak / bare_peak:.3f}"
+        if bare_peak and ringmaster_peak
+        else " (no CUDA memory on CPU)"
+    )
     print(f"total {time.perf_counter() - started:.0f} s")
 
 

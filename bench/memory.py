@@ -35,11 +35,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness.process_group import run_on_ranks  # noqa: E402
+from harness.sinks import CallbackSink
 from ringmaster.service import planner  # noqa: E402
 from ringmaster.service.job_plan import predicted_rank_state  # noqa: E402
 from ringmaster.service.spec import JobSpec  # noqa: E402
-from harness.process_group import run_on_ranks  # noqa: E402
-from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training  # noqa: E402
 
 # name: (strategy, workers, node layout, micro_batch_size, parallel)
@@ -59,14 +59,28 @@ CASES = {
 def _spec(name: str, args: argparse.Namespace) -> JobSpec:
     strategy, workers, _, micro_batch_size, parallel = CASES[name]
     options = {"n_layers": args.layers, "dim": args.dim, "n_heads": 4, "seq_len": 32, "max_corpus_bytes": 65_536}
-    return JobSpec(name="memory", model="tiny-gpt", model_options=options, strategy=strategy, parallel=parallel,
-                   workers={"min": workers, "max": workers},
-                   train={"steps": 1, "global_batch_size": 16, "micro_batch_size": micro_batch_size})
+    return JobSpec(
+        name="memory",
+        model="tiny-gpt",
+        model_options=options,
+        strategy=strategy,
+        parallel=parallel,
+        workers={"min": workers, "max": workers},
+        train={"steps": 1, "global_batch_size": 16, "micro_batch_size": micro_batch_size},
+    )
 
 
 def _measure(rank: int, world_size: int, spec_json: str, layout: tuple[int, ...] | None, root: str) -> None:
     measured = []
-    context = TrainContext(rank, world_size, torch.device("cpu"), "memory", root, sink=CallbackSink(on_memory=measured.append), ranks_per_node=layout)
+    context = TrainContext(
+        rank,
+        world_size,
+        torch.device("cpu"),
+        "memory",
+        root,
+        sink=CallbackSink(on_memory=measured.append),
+        ranks_per_node=layout,
+    )
     run_training(JobSpec.model_validate_json(spec_json), context)
     Path(root, f"rank{rank}.json").write_text(measured[0].model_dump_json())
 
@@ -80,11 +94,27 @@ def _predicted(spec: JobSpec, measured: dict, layout: tuple[int, ...] | None) ->
 
 
 def _gpt2_spec(args: argparse.Namespace, workers: int, **train) -> JobSpec:
-    options = {"vocab_size": 256, "n_embd": args.dim, "n_layer": args.layers, "n_head": 4, "n_positions": 64,
-               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "seq_len": 64, "max_corpus_bytes": 65_536}
-    return JobSpec(name="memory", model="hf:GPT2LMHeadModel", model_options=options, strategy="fsdp",
-                   parallel={"shard": "zero3"}, workers={"min": workers, "max": workers},
-                   train={"steps": 1, "global_batch_size": 8 * workers, "micro_batch_size": 8, **train})
+    options = {
+        "vocab_size": 256,
+        "n_embd": args.dim,
+        "n_layer": args.layers,
+        "n_head": 4,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "seq_len": 64,
+        "max_corpus_bytes": 65_536,
+    }
+    return JobSpec(
+        name="memory",
+        model="hf:GPT2LMHeadModel",
+        model_options=options,
+        strategy="fsdp",
+        parallel={"shard": "zero3"},
+        workers={"min": workers, "max": workers},
+        train={"steps": 1, "global_batch_size": 8 * workers, "micro_batch_size": 8, **train},
+    )
 
 
 def _unsharded_bytes(fsdp_params: list) -> int:
@@ -108,8 +138,12 @@ def _zero3_peak(rank: int, world_size: int, spec_json: str, root: str) -> None:
     setup = ParallelSetup(spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(1e-3, 0.0))
     model = parallelize(bundle, setup).parts[0]
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    fsdp_params = [param for module in model.modules() if isinstance(module, FSDPModule)
-                   for param in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    fsdp_params = [
+        param
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for param in module._get_fsdp_state()._fsdp_param_group.fsdp_params
+    ]
     peak = [0]
 
     def sample(*_) -> None:
@@ -121,26 +155,36 @@ def _zero3_peak(rank: int, world_size: int, spec_json: str, root: str) -> None:
             module.register_full_backward_pre_hook(sample)
     inputs, targets = next(iter(torch.utils.data.DataLoader(bundle.train_dataset, batch_size=8)))
     bundle.loss_fn(model, (inputs, targets)).backward()
-    Path(root, f"rank{rank}.json").write_text(json.dumps(
-        {"peak": peak[0], "shard": shard, "block": block_bytes, "whole": whole, "blocks": len(blocks)}))
+    Path(root, f"rank{rank}.json").write_text(
+        json.dumps({"peak": peak[0], "shard": shard, "block": block_bytes, "whole": whole, "blocks": len(blocks)})
+    )
 
 
 def zero3_peak(args: argparse.Namespace) -> None:
     root = tempfile.mkdtemp()
     run_on_ranks(_zero3_peak, 2, _gpt2_spec(args, 2).model_dump_json(), root)
-    print(f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), fsdp zero3 on 2 ranks: unsharded parameter bytes during a step")
-    print(f"{'rank':>4} {'peak':>10} {'shard':>10} {'one block':>10} {'shard+2 blocks':>15} {'whole model':>12} {'peak/whole':>10}")
+    print(
+        f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), fsdp zero3 on 2 ranks: unsharded parameter bytes during a step"
+    )
+    print(
+        f"{'rank':>4} {'peak':>10} {'shard':>10} {'one block':>10} {'shard+2 blocks':>15} {'whole model':>12} {'peak/whole':>10}"
+    )
     for rank in range(2):
         m = json.loads(Path(root, f"rank{rank}.json").read_text())
         bound = m["shard"] + 2 * m["block"]
-        print(f"{rank:>4} {m['peak']:>10} {m['shard']:>10} {m['block']:>10} {bound:>15} {m['whole']:>12} "
-              f"{m['peak'] / m['whole']:>10.3f}  {'ok' if m['peak'] <= bound else 'OVER the goal'}", flush=True)
+        print(
+            f"{rank:>4} {m['peak']:>10} {m['shard']:>10} {m['block']:>10} {bound:>15} {m['whole']:>12} "
+            f"{m['peak'] / m['whole']:>10.3f}  {'ok' if m['peak'] <= bound else 'OVER the goal'}",
+            flush=True,
+        )
 
 
 def activations(args: argparse.Namespace) -> None:
     from harness.activation_memory import peak_activation_bytes
 
-    print(f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), batch 8 × 64 tokens: peak activation bytes of one step")
+    print(
+        f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), batch 8 × 64 tokens: peak activation bytes of one step"
+    )
     peaks = {}
     for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
@@ -161,7 +205,9 @@ def main() -> None:
     if args.only not in (None, "state"):
         return
     print(f"tiny-gpt dim {args.dim}, {args.layers} layers, fp32 AdamW; bytes per rank after the first optimizer step")
-    print(f"{'strategy':<27} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'measured':>9} {'predicted':>9} {'ratio':>6}")
+    print(
+        f"{'strategy':<27} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'measured':>9} {'predicted':>9} {'ratio':>6}"
+    )
     for name, (_, workers, layout, _, _) in CASES.items():
         spec = _spec(name, args)
         root = tempfile.mkdtemp()
@@ -170,8 +216,11 @@ def main() -> None:
             measured = json.loads(Path(root, f"rank{rank}.json").read_text())
             total = measured["parameters_bytes"] + measured["gradients_bytes"] + measured["optimizer_bytes"]
             predicted = _predicted(spec, measured, layout)
-            print(f"{name if rank == 0 else '':<27} {rank:>4} {measured['parameters_bytes']:>9} {measured['gradients_bytes']:>9} "
-                  f"{measured['optimizer_bytes']:>9} {total:>9} {round(predicted.total):>9} {total / predicted.total:>6.3f}", flush=True)
+            print(
+                f"{name if rank == 0 else '':<27} {rank:>4} {measured['parameters_bytes']:>9} {measured['gradients_bytes']:>9} "
+                f"{measured['optimizer_bytes']:>9} {total:>9} {round(predicted.total):>9} {total / predicted.total:>6.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

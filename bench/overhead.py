@@ -78,8 +78,8 @@ from bench.bare_torchrun import HF_GPT2_OPTIONS, SEQ_LEN  # noqa: E402
 from bench.cpu_time import BusySampler, Cpu  # noqa: E402
 from harness.ports import free_port  # noqa: E402
 from harness.ray_cluster import CLUSTER_CPUS, running_control_plane, stop_test_head, wait_for_state  # noqa: E402
-from ringmaster.service.embedded_ray import RayHead, start_head  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
+from ringmaster.service.embedded_ray import RayHead, start_head  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
 from ringmaster.service.spec import SHARED_POOL, JobSpec  # noqa: E402
 
@@ -96,12 +96,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-steps", type=int, default=10)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--code", type=Path, help="Also time submit-to-first-step of the job shipped with this "
-                        "directory as its code (e.g. examples/project).")
-    parser.add_argument("--code-steps", type=int, default=20, help="Steps of each --code job (only its start is timed).")
-    parser.add_argument("--code-only", action="store_true", help="Only the --code jobs' starts, no steady-state rounds.")
-    parser.add_argument("--without-ray-loops", action="store_true", help="Leave out (c) and (d), the bare loop in Ray "
-                        "actors and in their child processes: only ringmaster against torchrun, in shorter rounds.")
+    parser.add_argument(
+        "--code",
+        type=Path,
+        help="Also time submit-to-first-step of the job shipped with this "
+        "directory as its code (e.g. examples/project).",
+    )
+    parser.add_argument(
+        "--code-steps", type=int, default=20, help="Steps of each --code job (only its start is timed)."
+    )
+    parser.add_argument(
+        "--code-only", action="store_true", help="Only the --code jobs' starts, no steady-state rounds."
+    )
+    parser.add_argument(
+        "--without-ray-loops",
+        action="store_true",
+        help="Leave out (c) and (d), the bare loop in Ray "
+        "actors and in their child processes: only ringmaster against torchrun, in shorter rounds.",
+    )
     return parser.parse_args()
 
 
@@ -113,24 +125,45 @@ class CpuPerStep:
     whole_run: Cpu  # from the run's start to its end, start-up included
 
     @staticmethod
-    def measure(sampler: BusySampler, args: argparse.Namespace, run: tuple[float, float], steady: tuple[float, float]) -> "CpuPerStep":
+    def measure(
+        sampler: BusySampler, args: argparse.Namespace, run: tuple[float, float], steady: tuple[float, float]
+    ) -> CpuPerStep:
         """`run` and `steady`: (start, end) wall times."""
-        return CpuPerStep(steady=sampler.between(*steady) / (args.steps - args.skip_steps),
-                          whole_run=sampler.between(*run) / args.steps)
+        return CpuPerStep(
+            steady=sampler.between(*steady) / (args.steps - args.skip_steps),
+            whole_run=sampler.between(*run) / args.steps,
+        )
 
 
 def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float, CpuPerStep]:
     """Steady steps/s, and the CPU per step."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
-               str(REPO / "bench" / "bare_torchrun.py"), "--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
-               "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.workers}",
+        str(REPO / "bench" / "bare_torchrun.py"),
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--skip-steps",
+        str(args.skip_steps),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+    ]
     started = time.time()
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     ended = time.time()
     if result.returncode != 0:
         raise SystemExit(f"bare torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report["steps_per_s_steady"], CpuPerStep.measure(sampler, args, (started, ended), tuple(report["steady_wall"]))
+    return report["steps_per_s_steady"], CpuPerStep.measure(
+        sampler, args, (started, ended), tuple(report["steady_wall"])
+    )
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # holds no CPU: the ringmaster job's bundles must still fit
@@ -145,8 +178,13 @@ class BareRank:
     def run_in_child(self, argv: list[str], env: dict[str, str]) -> str:
         """The loop in a child process of this actor, with the actor's environment and import path."""
         child_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)}
-        result = subprocess.run([sys.executable, str(REPO / "bench" / "bare_torchrun.py"), *argv], env=child_env,
-                                capture_output=True, text=True, cwd=REPO)
+        result = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "bare_torchrun.py"), *argv],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"bare loop in a child process failed ({result.returncode}):\n{result.stderr[-4000:]}")
         return result.stdout
@@ -168,29 +206,54 @@ BARE_LOOP_TIMEOUT_S = 600.0
 def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = False) -> float:
     """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker): in the actors'
     own processes, or (`in_child`) in a child process of each."""
-    argv = ["--model", args.model, "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
-            "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    argv = [
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--skip-steps",
+        str(args.skip_steps),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+    ]
     meeting = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(ranks))}
-    runs = [(rank.run_in_child if in_child else rank.run).remote(argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)})
-            for index, rank in enumerate(ranks)]
+    runs = [
+        (rank.run_in_child if in_child else rank.run).remote(
+            argv, {**meeting, "RANK": str(index), "LOCAL_RANK": str(index)}
+        )
+        for index, rank in enumerate(ranks)
+    ]
     try:
         outputs = ray.get(runs, timeout=BARE_LOOP_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         # Seen once: one actor was idle while the other stayed in native code under bare_torchrun.main() for over
         # 10 minutes; a round that never ends is an error, not a hang.
-        raise SystemExit(f"the bare loop in Ray actors ({'child processes' if in_child else 'in the actors'}) did not end "
-                         f"within {BARE_LOOP_TIMEOUT_S:.0f}s") from None
+        raise SystemExit(
+            f"the bare loop in Ray actors ({'child processes' if in_child else 'in the actors'}) did not end "
+            f"within {BARE_LOOP_TIMEOUT_S:.0f}s"
+        ) from None
     return json.loads(outputs[0].strip().splitlines()[-1])["steps_per_s_steady"]
 
 
 def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     return {
-        "name": name, "strategy": "ddp",
-        **({"model": "hf:GPT2LMHeadModel", "model_options": {**HF_GPT2_OPTIONS, "seq_len": SEQ_LEN}}
-           if args.model == "hf-gpt2" else {"model": "tiny-gpt"}),
+        "name": name,
+        "strategy": "ddp",
+        **(
+            {"model": "hf:GPT2LMHeadModel", "model_options": {**HF_GPT2_OPTIONS, "seq_len": SEQ_LEN}}
+            if args.model == "hf-gpt2"
+            else {"model": "tiny-gpt"}
+        ),
         "workers": {"min": args.workers, "max": args.workers, "cpus_per_worker": 1},
-        "train": {"steps": steps, "global_batch_size": args.global_batch_size,
-                  "micro_batch_size": args.micro_batch_size, "lr": 0.001, "seed": 0},
+        "train": {
+            "steps": steps,
+            "global_batch_size": args.global_batch_size,
+            "micro_batch_size": args.micro_batch_size,
+            "lr": 0.001,
+            "seed": 0,
+        },
         "checkpoint": {"every_steps": 0, "keep": 1},
     }
 
@@ -203,8 +266,11 @@ def wait_for_warm_pool(workers: int, pool: str = SHARED_POOL, timeout_s: float =
     started = time.monotonic()
     while True:
         statuses = pool_workers()
-        ready = sum(status["warm"] and status["claimant"] is None for name, status in statuses.items()
-                    if name.split(":")[1] == pool)
+        ready = sum(
+            status["warm"] and status["claimant"] is None
+            for name, status in statuses.items()
+            if name.split(":")[1] == pool
+        )
         if ready >= workers and all(status["warm"] for status in statuses.values()):
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
@@ -212,8 +278,9 @@ def wait_for_warm_pool(workers: int, pool: str = SHARED_POOL, timeout_s: float =
         time.sleep(0.25)
 
 
-def code_job_first_step(client: RingmasterClient, args: argparse.Namespace, name: str,
-                        env_vars: dict[str, str] | None = None) -> tuple[float, dict, dict]:
+def code_job_first_step(
+    client: RingmasterClient, args: argparse.Namespace, name: str, env_vars: dict[str, str] | None = None
+) -> tuple[float, dict, dict]:
     """Seconds from the start of `submit --code` (packing and upload included) to the end of step 1, where they
     went, and the job."""
     submitted = time.time()
@@ -227,12 +294,22 @@ def code_job_first_step(client: RingmasterClient, args: argparse.Namespace, name
         raise SystemExit(f"--code job {job['id']} ended {done['state']}: {done['error']}")
     first = next(row["wall_time"] for row in client.metrics(job["id"])["items"] if row["step"] == 1)
     events = client.events(job["id"])["items"]
-    moments = {event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
-               for event in events if event["to_state"] in ("ADMITTED", "RUNNING")}
+    moments = {
+        event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
+        for event in events
+        if event["to_state"] in ("ADMITTED", "RUNNING")
+    }
     running = next(event for event in events if event["to_state"] == "RUNNING")
-    return first - submitted, {"packed_and_submitted_s": round(uploaded, 2), "admitted_s": round(moments["ADMITTED"], 2),
-                               "group_formed_s": round(moments["RUNNING"], 2),
-                               "warm_pool_workers": running["data"]["warm_pool_workers"]}, job
+    return (
+        first - submitted,
+        {
+            "packed_and_submitted_s": round(uploaded, 2),
+            "admitted_s": round(moments["ADMITTED"], 2),
+            "group_formed_s": round(moments["RUNNING"], 2),
+            "warm_pool_workers": running["data"]["warm_pool_workers"],
+        },
+        job,
+    )
 
 
 def code_round(client: RingmasterClient, args: argparse.Namespace, round_index: int, pool: str) -> tuple[float, float]:
@@ -242,14 +319,18 @@ def code_round(client: RingmasterClient, args: argparse.Namespace, round_index: 
     pooled, phases, _ = code_job_first_step(client, args, f"overhead-code-{round_index}")
     print(f"round {round_index}: --code {args.code} pooled: submit→first step {pooled:.2f} s {phases}", flush=True)
     wait_for_warm_pool(pooled_workers, pool)  # the same quiet machine for the cold one
-    cold, phases, _ = code_job_first_step(client, args, f"overhead-code-cold-{round_index}",
-                                          env_vars={"BENCH_NEW_ENV": f"{time.time_ns()}"})
-    print(f"round {round_index}: --code {args.code} cold (new env): submit→first step {cold:.2f} s {phases}", flush=True)
+    cold, phases, _ = code_job_first_step(
+        client, args, f"overhead-code-cold-{round_index}", env_vars={"BENCH_NEW_ENV": f"{time.time_ns()}"}
+    )
+    print(
+        f"round {round_index}: --code {args.code} cold (new env): submit→first step {cold:.2f} s {phases}", flush=True
+    )
     return pooled, cold
 
 
-def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name: str,
-                       sampler: BusySampler) -> tuple[float, float, dict, CpuPerStep]:
+def through_ringmaster(
+    client: RingmasterClient, args: argparse.Namespace, name: str, sampler: BusySampler
+) -> tuple[float, float, dict, CpuPerStep]:
     """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, where they went, and
     the CPU per step."""
     submitted = time.time()
@@ -257,15 +338,26 @@ def through_ringmaster(client: RingmasterClient, args: argparse.Namespace, name:
     done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600, poll_s=args.poll_s)
     if done["state"] != "SUCCEEDED":
         raise SystemExit(f"job {job['id']} ended {done['state']}: {done['error']}")
-    times = {row["step"]: row["wall_time"] for row in client.metrics(job["id"], limit=10_000)["items"] if row["wall_time"]}
+    times = {
+        row["step"]: row["wall_time"] for row in client.metrics(job["id"], limit=10_000)["items"] if row["wall_time"]
+    }
     steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
     events = client.events(job["id"])["items"]
-    moments = {event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
-               for event in events if event["to_state"] in ("ADMITTED", "RUNNING", "SUCCEEDED")}
+    moments = {
+        event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
+        for event in events
+        if event["to_state"] in ("ADMITTED", "RUNNING", "SUCCEEDED")
+    }
     running = next(event for event in events if event["to_state"] == "RUNNING")
-    phases = {"admitted_s": round(moments["ADMITTED"], 2), "group_formed_s": round(moments["RUNNING"], 2),
-              "first_step_s": round(times[1] - submitted, 2), "warm_pool_workers": running["data"]["warm_pool_workers"]}
-    cpu = CpuPerStep.measure(sampler, args, (submitted, submitted + moments["SUCCEEDED"]), (times[args.skip_steps], times[args.steps]))
+    phases = {
+        "admitted_s": round(moments["ADMITTED"], 2),
+        "group_formed_s": round(moments["RUNNING"], 2),
+        "first_step_s": round(times[1] - submitted, 2),
+        "warm_pool_workers": running["data"]["warm_pool_workers"],
+    }
+    cpu = CpuPerStep.measure(
+        sampler, args, (submitted, submitted + moments["SUCCEEDED"]), (times[args.skip_steps], times[args.steps])
+    )
     return steady, times[1] - submitted, phases, cpu
 
 
@@ -279,11 +371,15 @@ def idle_cpu_rate(sampler: BusySampler) -> Cpu:
 def _cpu_line(bare: CpuPerStep, managed: CpuPerStep, idle: Cpu) -> str:
     def span(field: str) -> str:
         b, m = getattr(bare, field), getattr(managed, field)
-        return (f"bare {b.tree:.4f}|{b.machine:.4f}, ringmaster {m.tree:.4f}|{m.machine:.4f}, "
-                f"ratio {m.tree / b.tree:.3f}|{m.machine / b.machine:.3f}")
+        return (
+            f"bare {b.tree:.4f}|{b.machine:.4f}, ringmaster {m.tree:.4f}|{m.machine:.4f}, "
+            f"ratio {m.tree / b.tree:.3f}|{m.machine / b.machine:.3f}"
+        )
 
-    return (f"CPU s/step tree|machine: steady {span('steady')}; whole run {span('whole_run')}; "
-            f"idle cluster {idle.tree:.3f}|{idle.machine:.3f} CPU s/s")
+    return (
+        f"CPU s/step tree|machine: steady {span('steady')}; whole run {span('whole_run')}; "
+        f"idle cluster {idle.tree:.3f}|{idle.machine:.3f} CPU s/s"
+    )
 
 
 def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], idle: list[Cpu]) -> dict:
@@ -293,9 +389,13 @@ def _cpu_summary(bare: list[CpuPerStep], managed: list[CpuPerStep], idle: list[C
             b = [getattr(getattr(run, field), reading) for run in bare]
             m = [getattr(getattr(run, field), reading) for run in managed]
             summary[f"cpu_s_per_step_{field}_{reading}"] = {
-                "bare_median": round(statistics.median(b), 4), "ringmaster_median": round(statistics.median(m), 4),
-                "ratio": round(statistics.median(x / y for x, y in zip(m, b)), 3)}
-        summary[f"idle_cluster_cpu_s_per_s_{reading}_median"] = round(statistics.median(getattr(c, reading) for c in idle), 3)
+                "bare_median": round(statistics.median(b), 4),
+                "ringmaster_median": round(statistics.median(m), 4),
+                "ratio": round(statistics.median(x / y for x, y in zip(m, b)), 3),
+            }
+        summary[f"idle_cluster_cpu_s_per_s_{reading}_median"] = round(
+            statistics.median(getattr(c, reading) for c in idle), 3
+        )
     return summary
 
 
@@ -323,8 +423,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as data_dir, BusySampler() as sampler, production_head(Path(data_dir)) as head:
         for server in running_control_plane(Path(data_dir), head=head):
             client = server.client()
-            through_ringmaster(client, args, "warm-up", sampler)  # a warm cluster: worker processes exist, imports cached
-            bare_ranks = [] if args.code_only or args.without_ray_loops else [BareRank.remote() for _ in range(args.workers)]
+            through_ringmaster(
+                client, args, "warm-up", sampler
+            )  # a warm cluster: worker processes exist, imports cached
+            bare_ranks = (
+                [] if args.code_only or args.without_ray_loops else [BareRank.remote() for _ in range(args.workers)]
+            )
             ray.get([rank.__ray_ready__.remote() for rank in bare_ranks])
             code_pool = None
             if args.code:  # the package is uploaded and unpacked once; its env's pool fills after it
@@ -343,48 +447,82 @@ def main() -> None:
                             bare.append(bare_rate)
                             bare_cpu.append(bare_cpu_now)
                         else:
-                            steady, to_first_step, phases, cpu = through_ringmaster(client, args, f"overhead-{round_index}", sampler)
+                            steady, to_first_step, phases, cpu = through_ringmaster(
+                                client, args, f"overhead-{round_index}", sampler
+                            )
                             managed.append(steady)
                             managed_cpu.append(cpu)
                             first_step.append(to_first_step)
                     ratios.append(steady / bare[-1])
-                    print(f"round {round_index} ({' then '.join(order)}): bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} "
-                          f"steps/s, ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}", flush=True)
+                    print(
+                        f"round {round_index} ({' then '.join(order)}): bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} "
+                        f"steps/s, ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}",
+                        flush=True,
+                    )
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
                     if not args.without_ray_loops:
                         in_ray.append(bare_in_ray_actors(args, bare_ranks))
                         in_child.append(bare_in_ray_actors(args, bare_ranks, in_child=True))
-                        print(f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
-                              f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}; in a "
-                              f"child process of each actor {in_child[-1]:.2f} steps/s ({in_child[-1] / bare[-1]:.3f} of "
-                              f"torchrun, {in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)", flush=True)
+                        print(
+                            f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
+                            f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}; in a "
+                            f"child process of each actor {in_child[-1]:.2f} steps/s ({in_child[-1] / bare[-1]:.3f} of "
+                            f"torchrun, {in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)",
+                            flush=True,
+                        )
                 if code_pool is not None:
                     pooled, cold = code_round(client, args, round_index, code_pool)
                     code_pooled.append(pooled)
                     code_cold.append(cold)
-    summary: dict = {"workers": args.workers, "rounds": args.rounds, "warm_workers_per_node": Settings().warm_workers_per_node}
+    summary: dict = {
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "warm_workers_per_node": Settings().warm_workers_per_node,
+    }
     if not args.code_only:
-        summary.update({
-            "steps": args.steps,
-            "bare_steps_per_s_median": round(statistics.median(bare), 3),
-            "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
-            "ratio": round(statistics.median(ratios), 3), "ratio_goal": 0.97,
-            "round_ratios": [round(ratio, 3) for ratio in ratios],
-            "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
-            "submit_to_first_step_s_median": round(statistics.median(first_step), 2), "submit_to_first_step_goal_s": 5.0,
-            **_cpu_summary(bare_cpu, managed_cpu, idle)})
+        summary.update(
+            {
+                "steps": args.steps,
+                "bare_steps_per_s_median": round(statistics.median(bare), 3),
+                "ringmaster_steps_per_s_median": round(statistics.median(managed), 3),
+                "ratio": round(statistics.median(ratios), 3),
+                "ratio_goal": 0.97,
+                "round_ratios": [round(ratio, 3) for ratio in ratios],
+                "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
+                "submit_to_first_step_s_median": round(statistics.median(first_step), 2),
+                "submit_to_first_step_goal_s": 5.0,
+                **_cpu_summary(bare_cpu, managed_cpu, idle),
+            }
+        )
         if in_ray:
-            summary.update({
-                "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
-                "bare_in_ray_actors_over_torchrun": round(statistics.median(x / y for x, y in zip(in_ray, bare)), 3),
-                "ringmaster_over_bare_in_ray_actors": round(statistics.median(x / y for x, y in zip(managed, in_ray)), 3),
-                "bare_in_child_of_actor_over_torchrun": round(statistics.median(x / y for x, y in zip(in_child, bare)), 3),
-                "bare_in_child_of_actor_over_in_actor": round(statistics.median(x / y for x, y in zip(in_child, in_ray)), 3)})
+            summary.update(
+                {
+                    "bare_in_ray_actors_steps_per_s_median": round(statistics.median(in_ray), 3),
+                    "bare_in_ray_actors_over_torchrun": round(
+                        statistics.median(x / y for x, y in zip(in_ray, bare)), 3
+                    ),
+                    "ringmaster_over_bare_in_ray_actors": round(
+                        statistics.median(x / y for x, y in zip(managed, in_ray)), 3
+                    ),
+                    "bare_in_child_of_actor_over_torchrun": round(
+                        statistics.median(x / y for x, y in zip(in_child, bare)), 3
+                    ),
+                    "bare_in_child_of_actor_over_in_actor": round(
+                        statistics.median(x / y for x, y in zip(in_child, in_ray)), 3
+                    ),
+                }
+            )
     if code_pooled:
-        summary.update({"warm_runtime_envs": Settings().warm_runtime_envs,
-                        "code_submit_to_first_step_s_median": {"pooled": round(statistics.median(code_pooled), 2),
-                                                               "cold": round(statistics.median(code_cold), 2),
-                                                               "goal": 5.0}})
+        summary.update(
+            {
+                "warm_runtime_envs": Settings().warm_runtime_envs,
+                "code_submit_to_first_step_s_median": {
+                    "pooled": round(statistics.median(code_pooled), 2),
+                    "cold": round(statistics.median(code_cold), 2),
+                    "goal": 5.0,
+                },
+            }
+        )
     print(json.dumps(summary))
 
 

@@ -38,8 +38,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ringmaster.service.spec import JobSpec  # noqa: E402
 from harness.process_group import run_on_ranks  # noqa: E402
+from ringmaster.service.spec import JobSpec  # noqa: E402
 from ringmaster.workers.models import ModelBundle, build_bundle  # noqa: E402
 from ringmaster.workers.parallel_dims import ParallelDims  # noqa: E402
 from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize  # noqa: E402
@@ -93,14 +93,22 @@ def sleep_stage(model: SleepModel, stage_index: int, num_stages: int) -> SleepMo
 
 
 def _spec(p: int, m: int, schedule: str, stages_per_rank: int) -> JobSpec:
-    return JobSpec(name="bubble", model="tiny-gpt", model_options=MODEL_OPTIONS, strategy="pipeline",
-                   parallel={"pp": p, "microbatches": m, "schedule": schedule, "stages_per_rank": stages_per_rank},
-                   workers={"min": p, "max": p}, train={"global_batch_size": MICRO_BATCH * m, "micro_batch_size": MICRO_BATCH})
+    return JobSpec(
+        name="bubble",
+        model="tiny-gpt",
+        model_options=MODEL_OPTIONS,
+        strategy="pipeline",
+        parallel={"pp": p, "microbatches": m, "schedule": schedule, "stages_per_rank": stages_per_rank},
+        workers={"min": p, "max": p},
+        train={"global_batch_size": MICRO_BATCH * m, "micro_batch_size": MICRO_BATCH},
+    )
 
 
 def _pipeline(spec: JobSpec, bundle: ModelBundle, world_size: int) -> ParallelModel:
     dims = ParallelDims.from_spec(spec, world_size)
-    setup = ParallelSetup(spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(lr=1e-3, weight_decay=0.0))
+    setup = ParallelSetup(
+        spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(lr=1e-3, weight_decay=0.0)
+    )
     return parallelize(bundle, setup)
 
 
@@ -110,15 +118,25 @@ def _batch(spec: JobSpec, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ones(size, 1), torch.zeros(size, 1)
     generator = torch.Generator().manual_seed(0)
     seq = MODEL_OPTIONS["seq_len"]
-    return torch.randint(0, 256, (size, seq), generator=generator), torch.randint(0, 256, (size, seq), generator=generator)
+    return torch.randint(0, 256, (size, seq), generator=generator), torch.randint(
+        0, 256, (size, seq), generator=generator
+    )
 
 
 def _bundle(spec: JobSpec, compute: str, forward_s: float = 0.0) -> ModelBundle:
     torch.manual_seed(0)
     if compute == "sleep":
-        blocks = spec.parallel.pp * (spec.parallel.stages_per_rank if spec.parallel.schedule == "interleaved1f1b" else 1)
-        return ModelBundle(SleepModel(blocks, forward_s), None, None, lambda model, batch: F.mse_loss(model(batch[0]), batch[1]),
-                           pipeline_stage=sleep_stage, output_loss_fn=F.mse_loss)
+        blocks = spec.parallel.pp * (
+            spec.parallel.stages_per_rank if spec.parallel.schedule == "interleaved1f1b" else 1
+        )
+        return ModelBundle(
+            SleepModel(blocks, forward_s),
+            None,
+            None,
+            lambda model, batch: F.mse_loss(model(batch[0]), batch[1]),
+            pipeline_stage=sleep_stage,
+            output_loss_fn=F.mse_loss,
+        )
     return build_bundle(spec)
 
 
@@ -129,8 +147,17 @@ def _step(parallel: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor) 
         part.zero_grad(set_to_none=True)
 
 
-def _bubble_rank(rank: int, world_size: int, m: int, schedule: str, stages_per_rank: int, compute: str, forward_s: float,
-                 steps: int, out: str) -> None:
+def _bubble_rank(
+    rank: int,
+    world_size: int,
+    m: int,
+    schedule: str,
+    stages_per_rank: int,
+    compute: str,
+    forward_s: float,
+    steps: int,
+    out: str,
+) -> None:
     torch.set_num_threads(1)
     spec = _spec(world_size, m, schedule, stages_per_rank)
     parallel = _pipeline(spec, _bundle(spec, compute, forward_s), world_size)
@@ -160,6 +187,7 @@ def _timed(method, busy: list[float]):
             return method(*args, **kwargs)
         finally:
             busy[0] += time.perf_counter() - started
+
     return timed
 
 
@@ -227,7 +255,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--compute", choices=["sleep", "model"], default="sleep")
-    parser.add_argument("--forward-ms", type=float, default=50.0, help="sleep compute: forward time per micro-batch and block")
+    parser.add_argument(
+        "--forward-ms", type=float, default=50.0, help="sleep compute: forward time per micro-batch and block"
+    )
     args = parser.parse_args()
     out = os.path.join(tempfile.mkdtemp(), "result.json")
 
@@ -241,11 +271,16 @@ def main() -> None:
             for schedule, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)):
                 if schedule != "gpipe" and (m < p or m % p):
                     continue
-                run_on_ranks(_bubble_rank, p, m, schedule, per_rank, args.compute, args.forward_ms / 1000, args.steps, out)
+                run_on_ranks(
+                    _bubble_rank, p, m, schedule, per_rank, args.compute, args.forward_ms / 1000, args.steps, out
+                )
                 idle = json.loads(Path(out).read_text())
                 expected, mean = theory(p, m, per_rank), sum(idle) / len(idle)
                 stages = " ".join(f"{value:.3f}" for value in idle)
-                print(f"{p:>2} {m:>3} {schedule:<16} {expected:>7.3f} {mean:>16.3f} {mean / expected:>6.2f}  {stages}", flush=True)
+                print(
+                    f"{p:>2} {m:>3} {schedule:<16} {expected:>7.3f} {mean:>16.3f} {mean / expected:>6.2f}  {stages}",
+                    flush=True,
+                )
 
     print("\nactivation memory: peak bytes saved for backward per stage (real tiny-gpt stages), 1F1B vs GPipe")
     print(f"{'p':>2} {'m':>3} {'stage':>5} {'GPipe':>10} {'1F1B':>10} {'ratio':>6} {'expected':>8}")
@@ -254,7 +289,10 @@ def main() -> None:
             run_on_ranks(_memory_rank, p, m, out)
             for stage, peaks in enumerate(json.loads(Path(out).read_text())):
                 ratio, expected = peaks["1f1b"] / peaks["gpipe"], min(p - stage, m) / m
-                print(f"{p:>2} {m:>3} {stage:>5} {peaks['gpipe']:>10} {peaks['1f1b']:>10} {ratio:>6.2f} {expected:>8.2f}", flush=True)
+                print(
+                    f"{p:>2} {m:>3} {stage:>5} {peaks['gpipe']:>10} {peaks['1f1b']:>10} {ratio:>6.2f} {expected:>8.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ from ringmaster.workers.warm_pool import pool_statuses, pools_by_node  # noqa: E
 
 def _summary(seconds: list[float]) -> dict[str, float]:
     ordered = sorted(seconds)
-    return {"median_ms": round(1e3 * statistics.median(ordered), 1),
-            "p99_ms": round(1e3 * ordered[int(len(ordered) * 0.99)], 1), "max_ms": round(1e3 * ordered[-1], 1)}
+    return {
+        "median_ms": round(1e3 * statistics.median(ordered), 1),
+        "p99_ms": round(1e3 * ordered[int(len(ordered) * 0.99)], 1),
+        "max_ms": round(1e3 * ordered[-1], 1),
+    }
 
 
 def main() -> None:
@@ -52,16 +55,28 @@ def main() -> None:
                 client = server.client()
                 watch_cluster(cluster)
                 wait_for_warm_pool(2)
-                job = client.submit({
-                    "name": "probe-latency", "model": "tiny-gpt", "strategy": args.strategy,
-                    "model_options": {"dim": 256, "n_layers": 6},
-                    "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
-                    "train": {"steps": 100_000, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.001, "seed": 0},
-                    "checkpoint": {"every_steps": 0, "keep": 1, "in_memory": {"replicas": 1}}})
+                job = client.submit(
+                    {
+                        "name": "probe-latency",
+                        "model": "tiny-gpt",
+                        "strategy": args.strategy,
+                        "model_options": {"dim": 256, "n_layers": 6},
+                        "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
+                        "train": {
+                            "steps": 100_000,
+                            "global_batch_size": 16,
+                            "micro_batch_size": 4,
+                            "lr": 0.001,
+                            "seed": 0,
+                        },
+                        "checkpoint": {"every_steps": 0, "keep": 1, "in_memory": {"replicas": 1}},
+                    }
+                )
                 while not client.metrics(job["id"])["items"]:
                     time.sleep(0.2)
-                statuses = pool_statuses([name for nodes in pools_by_node().values() for names in nodes.values()
-                                          for name in names])
+                statuses = pool_statuses(
+                    [name for nodes in pools_by_node().values() for names in nodes.values() for name in names]
+                )
                 workers = [handle for handle, status in statuses.values() if status["claimant"] is not None]
                 if len(workers) != 2:
                     raise SystemExit(f"expected the job's 2 workers among the pool's, found {len(workers)}")
@@ -83,10 +98,19 @@ def main() -> None:
             cluster.shutdown()
     if state != "RUNNING":
         raise SystemExit(f"the job left RUNNING while probed ({state}): the figures are not of a training job")
-    print(json.dumps({"strategy": args.strategy, "probes": len(spreads), "steps_trained_meanwhile": steps,
-                      "first_answer": _summary(first_answers), "last_after_first": _summary(spreads),
-                      "probe_grace_ms": 1e3 * PROBE_GRACE_S,
-                      "grace_over_max_spread": round(PROBE_GRACE_S / max(spreads), 1)}))
+    print(
+        json.dumps(
+            {
+                "strategy": args.strategy,
+                "probes": len(spreads),
+                "steps_trained_meanwhile": steps,
+                "first_answer": _summary(first_answers),
+                "last_after_first": _summary(spreads),
+                "probe_grace_ms": 1e3 * PROBE_GRACE_S,
+                "grace_over_max_spread": round(PROBE_GRACE_S / max(spreads), 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

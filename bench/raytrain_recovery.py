@@ -64,8 +64,13 @@ class _StepLog:
 
         context = ray.train.get_context()
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
-        self._fields = {"rank": self.rank, "world": self.world, "node": ray.get_runtime_context().get_node_id(),
-                        "pid": os.getpid(), "inc": incarnation}
+        self._fields = {
+            "rank": self.rank,
+            "world": self.world,
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "inc": incarnation,
+        }
         self._file = open(path, "a", buffering=1)
 
     def emit(self, **record: Any) -> None:
@@ -129,7 +134,7 @@ def _train_loop(config: dict) -> None:
         for index, chunk in enumerate(chunks):
             inputs, targets = (torch.stack(part) for part in zip(*(train_dataset[int(i)] for i in chunk)))
             sync = index == len(chunks) - 1 or world == 1
-            with (model.no_sync() if not sync else nullcontext()):
+            with model.no_sync() if not sync else nullcontext():
                 loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
                 (loss / len(chunks)).backward()
             loss_sum += loss.item()
@@ -142,8 +147,10 @@ def _train_loop(config: dict) -> None:
                 saved = None
                 if rank == 0:
                     raw = model.module if hasattr(model, "module") else model
-                    torch.save({"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": done},
-                               Path(directory) / "state.pt")
+                    torch.save(
+                        {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": done},
+                        Path(directory) / "state.pt",
+                    )
                     saved = ray.train.Checkpoint.from_directory(directory)
                 ray.train.report({"step": done, "loss": loss_sum / len(chunks)}, checkpoint=saved)
     emit(event="end", t=_time.time(), step=stop_at)
@@ -180,19 +187,36 @@ def _torchft_train_loop(config: dict) -> None:
 
     process_group = ProcessGroupGloo(timeout=timedelta(seconds=30))
     manager = Manager(
-        pg=process_group, min_replica_size=1,
-        load_state_dict=lambda state: (model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optim"])),
+        pg=process_group,
+        min_replica_size=1,
+        load_state_dict=lambda state: (
+            model.load_state_dict(state["model"]),
+            optimizer.load_state_dict(state["optim"]),
+        ),
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
-        world_size=1, rank=0, replica_id=f"bench_{rank}", timeout=timedelta(seconds=60),
+        world_size=1,
+        rank=0,
+        replica_id=f"bench_{rank}",
+        timeout=timedelta(seconds=60),
         checkpoint_transport=PGTransport(process_group, timeout=timedelta(seconds=30), device=torch.device("cpu")),
     )
     ddp_model = DistributedDataParallel(manager, model)
     ft_optimizer = Optimizer(manager, optimizer)
     # Each replica reads its own shard of the epoch, as torchft's sampler gives it.
-    sampler = DistributedSampler(dataset, replica_rank=rank, num_replica_groups=world, group_rank=0, num_replicas=1,
-                                 shuffle=True, seed=config["seed"])
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=config["global_batch_size"] // world, sampler=sampler,
-                                               drop_last=True))
+    sampler = DistributedSampler(
+        dataset,
+        replica_rank=rank,
+        num_replica_groups=world,
+        group_rank=0,
+        num_replicas=1,
+        shuffle=True,
+        seed=config["seed"],
+    )
+    batches = iter(
+        torch.utils.data.DataLoader(
+            dataset, batch_size=config["global_batch_size"] // world, sampler=sampler, drop_last=True
+        )
+    )
     emit(event="ready", t=_time.time(), step=manager.current_step())
     while manager.current_step() < config["steps"]:
         try:
@@ -257,10 +281,14 @@ def _fit_driver(config_path: str) -> None:
         _torchft_train_loop if config["torchft"] else _train_loop,
         train_loop_config=config,
         torch_config=_torchft_config() if config["torchft"] else None,
-        scaling_config=ScalingConfig(num_workers=tuple(workers) if isinstance(workers, list) else workers,
-                                     use_gpu=False, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(
+            num_workers=tuple(workers) if isinstance(workers, list) else workers,
+            use_gpu=False,
+            resources_per_worker={"CPU": 1},
+        ),
         run_config=RunConfig(
-            name=config["run_name"], storage_path=config["storage_path"],
+            name=config["run_name"],
+            storage_path=config["storage_path"],
             failure_config=FailureConfig(max_failures=config["max_failures"]),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=[StateLog()],
@@ -269,9 +297,12 @@ def _fit_driver(config_path: str) -> None:
     started = time.time()
     try:
         result = trainer.fit()
-        outcome.update(ok=result.error is None, error=None if result.error is None else repr(result.error)[:2000],
-                       metrics=result.metrics)
-    except Exception as error:  # noqa: BLE001 - the outcome is reported, not raised
+        outcome.update(
+            ok=result.error is None,
+            error=None if result.error is None else repr(result.error)[:2000],
+            metrics=result.metrics,
+        )
+    except Exception as error:
         outcome.update(ok=False, error=repr(error)[:2000])
     outcome["fit_s"] = time.time() - started
     Path(config["outcome"]).write_text(json.dumps(outcome, default=str))
@@ -289,7 +320,10 @@ def _torchft_config():
         def _maybe_create_lighthouse_actor(self, backend_config) -> str:
             if self.lighthouse_actor is None:
                 self.lighthouse_actor = torchft_config.LighthouseServerActor.options(
-                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        ray.get_runtime_context().get_node_id(), soft=False
+                    ),
                 ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
             return ray.get(self.lighthouse_actor.address.remote())
 
@@ -367,40 +401,68 @@ def measure_ray_train(
     if nodes_before < 2:
         return {"scenario": scenario, "recovery_s": None, "detail": {**detail, "reason": "needs 2 worker nodes"}}
     if torchft and scenario != "replace":
-        return {"scenario": scenario, "recovery_s": None, "detail": {**detail, "reason": "torchft is measured in replace"}}
+        return {
+            "scenario": scenario,
+            "recovery_s": None,
+            "detail": {**detail, "reason": "torchft is measured in replace"},
+        }
     if scenario == "shrink" and nodes_before != 2:
-        return {"scenario": scenario, "recovery_s": None,
-                "detail": {**detail, "reason": "shrink needs exactly 2 worker nodes (no spare capacity)"}}
+        return {
+            "scenario": scenario,
+            "recovery_s": None,
+            "detail": {**detail, "reason": "shrink needs exactly 2 worker nodes (no spare capacity)"},
+        }
 
     try:
         from ray.train.v2._internal.constants import is_v2_enabled
         from ray.train.v2.api.config import ScalingConfig as ScalingConfigV2
+
         ScalingConfigV2(num_workers=(1, 2))  # elasticity is validated here in V2
         if not is_v2_enabled():
             raise RuntimeError("RAY_TRAIN_V2_ENABLED is off")
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         if scenario != "replace":
-            return {"scenario": scenario, "recovery_s": None,
-                    "detail": {**detail, "reason": f"elastic num_workers=(1, 2) unsupported: {error!r}"}}
+            return {
+                "scenario": scenario,
+                "recovery_s": None,
+                "detail": {**detail, "reason": f"elastic num_workers=(1, 2) unsupported: {error!r}"},
+            }
 
     run_name = f"{'torchft' if torchft else 'raytrain'}-{scenario}-{time.strftime('%H%M%S')}-{os.getpid()}"
     run_dir = storage_dir / run_name
     run_dir.mkdir()
     step_log, controller_log = run_dir / "steps.jsonl", run_dir / "controller.jsonl"
     config = {
-        "address": cluster.gcs_address, "run_name": run_name, "storage_path": str(storage_dir / "ray_results"),
-        "num_workers": 2 if scenario == "replace" or torchft else [1, 2], "max_failures": max_failures,
-        "torchft": torchft, "samples": epoch_steps * global_batch_size, "min_step_s": min_step_s,
-        "steps": epoch_steps if torchft else steps, "steps_after_restore": steps_after_restore, "checkpoint_every": checkpoint_every,
-        "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size, "lr": lr, "seed": seed,
-        "step_log": str(step_log), "controller_log": str(controller_log), "outcome": str(run_dir / "outcome.json"),
+        "address": cluster.gcs_address,
+        "run_name": run_name,
+        "storage_path": str(storage_dir / "ray_results"),
+        "num_workers": 2 if scenario == "replace" or torchft else [1, 2],
+        "max_failures": max_failures,
+        "torchft": torchft,
+        "samples": epoch_steps * global_batch_size,
+        "min_step_s": min_step_s,
+        "steps": epoch_steps if torchft else steps,
+        "steps_after_restore": steps_after_restore,
+        "checkpoint_every": checkpoint_every,
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "lr": lr,
+        "seed": seed,
+        "step_log": str(step_log),
+        "controller_log": str(controller_log),
+        "outcome": str(run_dir / "outcome.json"),
     }
     (run_dir / "config.json").write_text(json.dumps(config))
     env = dict(os.environ, RAY_TRAIN_V2_ENABLED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     with open(run_dir / "driver.log", "wb") as driver_log:
-        driver = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), _FIT_FLAG, str(run_dir / "config.json")],
-                                  cwd=REPO, env=env, stdout=driver_log, stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), _FIT_FLAG, str(run_dir / "config.json")],
+            cwd=REPO,
+            env=env,
+            stdout=driver_log,
+            stderr=subprocess.STDOUT,
+        )
     launched = time.time()
     kill_time = None
     try:
@@ -434,9 +496,14 @@ def measure_ray_train(
             time.sleep(0.05)
         if kill_time is None:
             _stop_driver(driver)
-            reason = "training ended before the kill" if driver.returncode == 0 else "no kill: driver exited or timed out"
-            return {"scenario": scenario, "recovery_s": None,
-                    "detail": {**detail, "reason": reason, "run_dir": str(run_dir), **_outcome(run_dir)}}
+            reason = (
+                "training ended before the kill" if driver.returncode == 0 else "no kill: driver exited or timed out"
+            )
+            return {
+                "scenario": scenario,
+                "recovery_s": None,
+                "detail": {**detail, "reason": reason, "run_dir": str(run_dir), **_outcome(run_dir)},
+            }
 
         # Wait for the run to recover and finish (or give up).
         deadline = kill_time + timeout_s
@@ -455,9 +522,12 @@ def measure_ray_train(
     rel = lambda t: None if t is None else round(t - kill_time, 3)  # noqa: E731
     old_steps_after_kill = [r for r in records if r["inc"] <= kill_time and r["event"] == "step" and r["t"] > kill_time]
     detail.update(
-        run_dir=str(run_dir), timed_out=timed_out,
-        worker_started_s=rel(first_of("start")), imported_s=rel(first_of("imported")),
-        restored_s=rel(first_of("restored")), ready_s=rel(first_of("ready")),
+        run_dir=str(run_dir),
+        timed_out=timed_out,
+        worker_started_s=rel(first_of("start")),
+        imported_s=rel(first_of("imported")),
+        restored_s=rel(first_of("restored")),
+        ready_s=rel(first_of("ready")),
         restored_step=next((r["step"] for r in after if r["event"] == "restored"), None),
         world_size_after=first_step["world"] if first_step else None,
         nodes_after=sorted({r["node"] for r in after}),
@@ -470,11 +540,17 @@ def measure_ray_train(
         return {"scenario": scenario, "recovery_s": None, "steps_redone": None, "detail": detail}
     # The newest step the old incarnation completed (one in flight at the kill may still have ended) minus the step
     # its successor restored (0: no checkpoint yet).
-    last_before = max(r["step"] for r in records if r["inc"] <= kill_time and r["event"] == "step" and r["t"] <= kill_time)
+    last_before = max(
+        r["step"] for r in records if r["inc"] <= kill_time and r["event"] == "step" and r["t"] <= kill_time
+    )
     if not torchft:
         steps_redone = max(0, last_before - (detail["restored_step"] or 0))
-        return {"scenario": scenario, "recovery_s": round(first_step["t"] - kill_time, 3), "steps_redone": steps_redone,
-                "detail": detail}
+        return {
+            "scenario": scenario,
+            "recovery_s": round(first_step["t"] - kill_time, 3),
+            "steps_redone": steps_redone,
+            "detail": detail,
+        }
     # torchft: the survivor trains on after a pause; the replacement heals from it (its first committed step). Steps
     # are the replicas' shared count: a step numbered at or below the newest one committed before the kill, committed
     # again after it, was redone.
@@ -489,15 +565,23 @@ def measure_ray_train(
     stall_end = max(gaps)[1] if gaps else min((r["t"] for r in committed if r["t"] > kill_time), default=None)
     resumed = next((r for r in committed if r["t"] == stall_end), None)
     uses = Counter(sample for record in committed for sample in record["ids"])
-    detail["samples"] = {"of": config["samples"], "repeated": sum(uses.values()) - len(uses),
-                         "never_used": config["samples"] - len(uses),
-                         "last_step": max((r["step"] for r in committed), default=None)}
+    detail["samples"] = {
+        "of": config["samples"],
+        "repeated": sum(uses.values()) - len(uses),
+        "never_used": config["samples"] - len(uses),
+        "last_step": max((r["step"] for r in committed), default=None),
+    }
     detail["survivor_longest_gap_s"] = round(max(gaps)[0], 3) if gaps else None
-    return {"scenario": scenario, "recovery_s": None if resumed is None else round(resumed["t"] - kill_time, 3),
-            "heal_s": None if first_step is None else round(first_step["t"] - kill_time, 3),
-            "steps_redone": None if resumed is None else max(0, last_before - resumed["step"] + 1),
-            "samples_repeated": detail["samples"]["repeated"], "samples_never_used": detail["samples"]["never_used"],
-            "survivor_restarted": detail["survivor_restarted"], "detail": detail}
+    return {
+        "scenario": scenario,
+        "recovery_s": None if resumed is None else round(resumed["t"] - kill_time, 3),
+        "heal_s": None if first_step is None else round(first_step["t"] - kill_time, 3),
+        "steps_redone": None if resumed is None else max(0, last_before - resumed["step"] + 1),
+        "samples_repeated": detail["samples"]["repeated"],
+        "samples_never_used": detail["samples"]["never_used"],
+        "survivor_restarted": detail["survivor_restarted"],
+        "detail": detail,
+    }
 
 
 def _median_step_seconds(progress: list[dict]) -> float | None:
@@ -525,8 +609,12 @@ def _outcome(run_dir: Path) -> dict:
     if not path.exists():
         return {"fit_ok": False, "fit_error": "driver wrote no outcome (see driver.log)"}
     outcome = json.loads(path.read_text())
-    return {"fit_ok": outcome.get("ok"), "fit_error": outcome.get("error"), "fit_s": round(outcome.get("fit_s", 0), 1),
-            "final_metrics": outcome.get("metrics")}
+    return {
+        "fit_ok": outcome.get("ok"),
+        "fit_error": outcome.get("error"),
+        "fit_s": round(outcome.get("fit_s", 0), 1),
+        "final_metrics": outcome.get("metrics"),
+    }
 
 
 # --------------------------------------------------------------------------- CLI
@@ -541,7 +629,9 @@ def main() -> None:
     parser.add_argument("--steps-after-restore", type=int, default=20)
     parser.add_argument("--storage-dir", type=Path, default=None, help="default: a temporary directory, removed after")
     parser.add_argument("--keep", action="store_true", help="print the run directories and keep them")
-    parser.add_argument("--torchft", action="store_true", help="Ray Train with TorchftConfig and torchft's training loop")
+    parser.add_argument(
+        "--torchft", action="store_true", help="Ray Train with TorchftConfig and torchft's training loop"
+    )
     args = parser.parse_args()
 
     from harness.simulated_cluster import SimulatedCluster
@@ -555,9 +645,15 @@ def main() -> None:
                     # replace ends with 2 nodes (one added, one killed); shrink ends with 1: top up to 2.
                     while len(cluster.cluster.worker_nodes) < 2:
                         cluster.add_node()
-                    result = measure_ray_train(cluster, scenario, storage, kill_after_step=args.kill_after_step,
-                                               checkpoint_every=args.checkpoint_every,
-                                               steps_after_restore=args.steps_after_restore, torchft=args.torchft)
+                    result = measure_ray_train(
+                        cluster,
+                        scenario,
+                        storage,
+                        kill_after_step=args.kill_after_step,
+                        checkpoint_every=args.checkpoint_every,
+                        steps_after_restore=args.steps_after_restore,
+                        torchft=args.torchft,
+                    )
                     if not args.keep:
                         result["detail"].pop("run_dir", None)
                     print(json.dumps(result), flush=True)

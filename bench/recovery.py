@@ -46,9 +46,9 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
-from ringmaster.service.client import RingmasterClient  # noqa: E402
 from harness.ray_cluster import watch_cluster  # noqa: E402
 from harness.simulated_cluster import SimulatedCluster, control_plane_on, wait_for_step  # noqa: E402
+from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.workers.data.audit import read_effective_samples  # noqa: E402
 
 KILL_AFTER_STEP = 30
@@ -57,10 +57,17 @@ KILL_AFTER_STEP = 30
 def job_spec(scenario: str) -> dict:
     minimum = 1 if scenario in ("replace-elastic", "shrink", "frozen") else 2  # replace-spare: 2
     return {
-        "name": f"recovery-{scenario}", "model": "tiny-gpt",
+        "name": f"recovery-{scenario}",
+        "model": "tiny-gpt",
         "workers": {"min": minimum, "max": 2, "cpus_per_worker": 1, "standby": 1 if scenario == "standby" else 0},
-        "train": {"steps": 100_000, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.001, "seed": 0,
-                  "record_sample_ids": True},
+        "train": {
+            "steps": 100_000,
+            "global_batch_size": 16,
+            "micro_batch_size": 4,
+            "lr": 0.001,
+            "seed": 0,
+            "record_sample_ids": True,
+        },
         "checkpoint": {"every_steps": 10, "keep": 2},
     }
 
@@ -69,8 +76,11 @@ def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
     from ringmaster.workers.warm_pool import pool_workers
 
     idle_pool = {name for name, status in pool_workers().items() if status["claimant"] is None}
-    actors = [actor for actor in list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
-              if actor.get("name") not in idle_pool]
+    actors = [
+        actor
+        for actor in list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+        if actor.get("name") not in idle_pool
+    ]
     return cluster.node_by_id(sorted(actor["node_id"] for actor in actors if actor["node_id"] != spared)[-1])
 
 
@@ -122,7 +132,11 @@ def _newest_step(client: RingmasterClient, job_id: str) -> int:
 def _first_step_after(client: RingmasterClient, job_id: str, moment: float, timeout_s: float = 300) -> float:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        later = [row["wall_time"] for row in client.metrics(job_id)["items"] if row["wall_time"] and row["wall_time"] > moment]
+        later = [
+            row["wall_time"]
+            for row in client.metrics(job_id)["items"]
+            if row["wall_time"] and row["wall_time"] > moment
+        ]
         if later:
             return min(later)
         time.sleep(0.05)
@@ -132,7 +146,9 @@ def _first_step_after(client: RingmasterClient, job_id: str, moment: float, time
 def _samples_repeated(storage: Path, job_id: str) -> int:
     """Samples the job's effective steps (each step as the newest formation that ran it took it) used more than once
     within an epoch, from the ids its ranks recorded."""
-    uses = Counter((epoch, sample) for epoch, ids in read_effective_samples(storage / job_id).values() for sample in ids)
+    uses = Counter(
+        (epoch, sample) for epoch, ids in read_effective_samples(storage / job_id).values() for sample in ids
+    )
     return sum(uses.values()) - len(uses)
 
 
@@ -163,7 +179,9 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
             cluster.kill_node(victim)  # a hung node left in the cluster stalls every later add_node (the next round's)
 
 
-def _recovery(client: RingmasterClient, scenario: str, storage: Path, job_id: str, struck: float, step_at_kill: int) -> dict:
+def _recovery(
+    client: RingmasterClient, scenario: str, storage: Path, job_id: str, struck: float, step_at_kill: int
+) -> dict:
     """What one node's loss at `struck` cost the job: measured from its events, metrics and rank records."""
     recovering = _recovering_event(client, job_id)
     # The newest step the old group completed: one in flight at the kill may still have been reported.
@@ -174,17 +192,27 @@ def _recovery(client: RingmasterClient, scenario: str, storage: Path, job_id: st
     full_size = {}
     if scenario == "replace-elastic":
         grown = _grown_event(client, job_id)
-        full_size["full_size_s"] = round(_first_step_after(client, job_id, datetime.fromisoformat(grown["at"]).timestamp())
-                                         - struck, 2)
+        full_size["full_size_s"] = round(
+            _first_step_after(client, job_id, datetime.fromisoformat(grown["at"]).timestamp()) - struck, 2
+        )
     client.cancel(job_id)
     _wait_until_released(client, job_id)
-    resumed = next(e for e in client.events(job_id)["items"] if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {}))
-    return {"recovery_s": round(trained_again - struck, 2), "noticed_s": round(noticed, 2), **full_size,
-            "steps_redone": max(0, last_before - resumed["data"]["resumed_from_step"]),
-            "samples_repeated": _samples_repeated(storage, job_id),
-            "resumed_from": resumed["data"].get("resumed_from"),
-            "world_size_after": resumed["data"].get("world_size"), "regroup_s": resumed["data"].get("regroup_s"),
-            "standby_workers_used": resumed["data"].get("standby_workers_used")}
+    resumed = next(
+        e
+        for e in client.events(job_id)["items"]
+        if e["to_state"] == "RUNNING" and "resumed_from_step" in (e["data"] or {})
+    )
+    return {
+        "recovery_s": round(trained_again - struck, 2),
+        "noticed_s": round(noticed, 2),
+        **full_size,
+        "steps_redone": max(0, last_before - resumed["data"]["resumed_from_step"]),
+        "samples_repeated": _samples_repeated(storage, job_id),
+        "resumed_from": resumed["data"].get("resumed_from"),
+        "world_size_after": resumed["data"].get("world_size"),
+        "regroup_s": resumed["data"].get("regroup_s"),
+        "standby_workers_used": resumed["data"].get("standby_workers_used"),
+    }
 
 
 def main() -> None:
@@ -193,18 +221,26 @@ def main() -> None:
     parser.add_argument("--skip-ray-train", action="store_true")
     parser.add_argument("--skip-torchft", action="store_true", help="leave out Ray Train with TorchftConfig")
     parser.add_argument("--warm-workers-per-node", type=int, default=2, help="the cluster's warm pool (0: none)")
-    parser.add_argument("--scenarios", nargs="+", choices=("replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"),
-                        default=["replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"])
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=("replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"),
+        default=["replace", "replace-elastic", "replace-spare", "standby", "shrink", "frozen"],
+    )
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     torchft_runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
         cluster = SimulatedCluster(nodes=2)
         try:
-            with control_plane_on(cluster, Path(scratch) / "ringmaster", warm_workers_per_node=args.warm_workers_per_node) as server:
+            with control_plane_on(
+                cluster, Path(scratch) / "ringmaster", warm_workers_per_node=args.warm_workers_per_node
+            ) as server:
                 client = server.client()
                 storage = Path(server.plane.settings.resolved_storage_uri())
-                watch_cluster(cluster)  # this process sees the warm pool's named workers (the control plane's namespace)
+                watch_cluster(
+                    cluster
+                )  # this process sees the warm pool's named workers (the control plane's namespace)
                 for _ in range(args.rounds):
                     for scenario in args.scenarios:
                         while len(cluster.cluster.worker_nodes) < 2:
@@ -214,7 +250,9 @@ def main() -> None:
                         results.setdefault(scenario, {}).setdefault("ringmaster", []).append(measured["recovery_s"])
                         results[scenario].setdefault("noticed", []).append(measured["noticed_s"])
                         results[scenario].setdefault("ringmaster_steps_redone", []).append(measured["steps_redone"])
-                        results[scenario].setdefault("ringmaster_samples_repeated", []).append(measured["samples_repeated"])
+                        results[scenario].setdefault("ringmaster_samples_repeated", []).append(
+                            measured["samples_repeated"]
+                        )
                         if "full_size_s" in measured:
                             results[scenario].setdefault("full_size", []).append(measured["full_size_s"])
                         if scenario == "frozen" or args.skip_ray_train:
@@ -226,9 +264,17 @@ def main() -> None:
                             cluster.add_node()
                         baseline_scenario = "replace" if scenario in ("standby", "replace-spare") else scenario
                         baseline = measure_ray_train(cluster, baseline_scenario, Path(scratch) / "raytrain")
-                        print(json.dumps({"system": "ray-train", "scenario": baseline_scenario,
-                                          "recovery_s": baseline["recovery_s"], "steps_redone": baseline["steps_redone"]}),
-                              flush=True)
+                        print(
+                            json.dumps(
+                                {
+                                    "system": "ray-train",
+                                    "scenario": baseline_scenario,
+                                    "recovery_s": baseline["recovery_s"],
+                                    "steps_redone": baseline["steps_redone"],
+                                }
+                            ),
+                            flush=True,
+                        )
                         if baseline["recovery_s"] is not None:
                             results[scenario].setdefault("ray_train", []).append(baseline["recovery_s"])
                             results[scenario].setdefault("ray_train_steps_redone", []).append(baseline["steps_redone"])
@@ -236,17 +282,30 @@ def main() -> None:
                             while len(cluster.cluster.worker_nodes) < 2:
                                 cluster.add_node()
                             torchft = measure_ray_train(cluster, "replace", Path(scratch) / "torchft", torchft=True)
-                            print(json.dumps({"system": "ray-train+torchft", "scenario": "replace",
-                                              **{key: value for key, value in torchft.items() if key != "detail"},
-                                              "reason": torchft["detail"].get("reason")}), flush=True)
+                            print(
+                                json.dumps(
+                                    {
+                                        "system": "ray-train+torchft",
+                                        "scenario": "replace",
+                                        **{key: value for key, value in torchft.items() if key != "detail"},
+                                        "reason": torchft["detail"].get("reason"),
+                                    }
+                                ),
+                                flush=True,
+                            )
                             if torchft["recovery_s"] is not None:
                                 torchft_runs.append(torchft)
         finally:
             cluster.shutdown()
     summary = {}
     for scenario, measured in results.items():
-        line = {name if name.endswith(("_steps_redone", "_samples_repeated")) else f"{name}_s": round(statistics.median(values), 2)
-                for name, values in measured.items() if values}
+        line = {
+            name if name.endswith(("_steps_redone", "_samples_repeated")) else f"{name}_s": round(
+                statistics.median(values), 2
+            )
+            for name, values in measured.items()
+            if values
+        }
         if "ray_train_s" in line:
             line["ratio"] = round(line["ringmaster_s"] / line["ray_train_s"], 3)
         summary[scenario] = line
@@ -256,19 +315,27 @@ def main() -> None:
         pause = statistics.median(run["recovery_s"] for run in torchft_runs)
         heals = [run["heal_s"] for run in torchft_runs if run["heal_s"] is not None]
         summary["torchft"] = {
-            "survivor_pause_s": round(pause, 2), "replacement_heal_s": round(statistics.median(heals), 2) if heals else None,
+            "survivor_pause_s": round(pause, 2),
+            "replacement_heal_s": round(statistics.median(heals), 2) if heals else None,
             "steps_redone": max(run["steps_redone"] for run in torchft_runs),
             "samples_repeated": statistics.median(run["samples_repeated"] for run in torchft_runs),
             "samples_never_used": statistics.median(run["samples_never_used"] for run in torchft_runs),
-            "of_samples": torchft_runs[0]["detail"]["samples"]["of"]}
+            "of_samples": torchft_runs[0]["detail"]["samples"]["of"],
+        }
         for scenario in ("shrink", "standby", "replace-spare", "replace"):
             if "ringmaster_s" in summary.get(scenario, {}):
                 against = summary["torchft"]["replacement_heal_s"] if scenario == "replace" else pause
                 if against:
                     summary[scenario]["ratio_to_torchft"] = round(summary[scenario]["ringmaster_s"] / against, 3)
-    summary["goals"] = {"ratio": 0.2, "shrink_s": 5.0, "frozen_noticed_s": 5.0, "ringmaster_steps_redone": 1,
-                        "shrink_standby_replace_spare_s": 1.0, "replace_ratio_to_torchft": 0.2,
-                        "ringmaster_samples_repeated": 0}
+    summary["goals"] = {
+        "ratio": 0.2,
+        "shrink_s": 5.0,
+        "frozen_noticed_s": 5.0,
+        "ringmaster_steps_redone": 1,
+        "shrink_standby_replace_spare_s": 1.0,
+        "replace_ratio_to_torchft": 0.2,
+        "ringmaster_samples_repeated": 0,
+    }
     print(json.dumps(summary))
 
 

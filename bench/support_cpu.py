@@ -121,21 +121,37 @@ def main() -> None:
                 time.sleep(5)  # past the first steps and the pool's refill
                 training.append(sample(args.sample_s, args.poll_s, lambda: client.job(job["id"])))
                 client.cancel(job["id"])
-                wait_for_state(client, job["id"], {"CANCELLED", "SUCCEEDED", "FAILED"}, timeout_s=300, poll_s=args.poll_s)
-                print(f"round {round_number}: beside the ranks, training {_beside_ranks(training[-1]):.1f} ms/s, "
-                      f"idle {_beside_ranks(idle[-1]):.1f} ms/s", flush=True)
+                wait_for_state(
+                    client, job["id"], {"CANCELLED", "SUCCEEDED", "FAILED"}, timeout_s=300, poll_s=args.poll_s
+                )
+                print(
+                    f"round {round_number}: beside the ranks, training {_beside_ranks(training[-1]):.1f} ms/s, "
+                    f"idle {_beside_ranks(idle[-1]):.1f} ms/s",
+                    flush=True,
+                )
     kinds = sorted({kind for reading in idle + training for kind in reading})
-    rows = {kind: (statistics.median(r.get(kind, 0.0) for r in idle), statistics.median(r.get(kind, 0.0) for r in training))
-            for kind in kinds}
+    rows = {
+        kind: (statistics.median(r.get(kind, 0.0) for r in idle), statistics.median(r.get(kind, 0.0) for r in training))
+        for kind in kinds
+    }
     print(f"{'process':<72} {'idle':>8} {'training':>9} {'added':>8}   (CPU ms per s, medians of {args.rounds} rounds)")
     for kind, (at_rest, busy) in sorted(rows.items(), key=lambda item: item[1][0] - item[1][1]):
         print(f"{kind:<72} {at_rest:>8.1f} {busy:>9.1f} {busy - at_rest:>8.1f}")
     added = statistics.median(_beside_ranks(busy) - _beside_ranks(at_rest) for at_rest, busy in zip(idle, training))
     cores = os.cpu_count() or 1
-    print(json.dumps({"rounds": args.rounds, "model": args.model, "workers": args.workers,
-                      "added_beside_ranks_ms_per_s": round(added, 1), "cores": cores,
-                      "added_share_of_cores": round(added / (1000 * cores), 4),
-                      "ranks_ms_per_s": round(rows.get("ranks", (0, 0))[1], 1)}))
+    print(
+        json.dumps(
+            {
+                "rounds": args.rounds,
+                "model": args.model,
+                "workers": args.workers,
+                "added_beside_ranks_ms_per_s": round(added, 1),
+                "cores": cores,
+                "added_share_of_cores": round(added / (1000 * cores), 4),
+                "ranks_ms_per_s": round(rows.get("ranks", (0, 0))[1], 1),
+            }
+        )
+    )
 
 
 def _beside_ranks(reading: dict[str, float]) -> float:

@@ -11,15 +11,25 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import (CommittedCheckpoint, begin_save, commit_save, committed_checkpoints,
-                                           find_resume_point, verify_checkpoint)
+from ringmaster.workers.checkpoint import (
+    CommittedCheckpoint,
+    begin_save,
+    commit_save,
+    committed_checkpoints,
+    find_resume_point,
+    verify_checkpoint,
+)
 from ringmaster.workers.checkpoint_storage import storage_for
 from ringmaster.workers.data.stream import DataPosition
 
 
 def usable_checkpoints(storage_root: str | Path) -> list[CommittedCheckpoint]:
     """Committed checkpoints whose files match their manifests, newest first."""
-    return [checkpoint for checkpoint in reversed(committed_checkpoints(storage_root)) if verify_checkpoint(checkpoint) is None]
+    return [
+        checkpoint
+        for checkpoint in reversed(committed_checkpoints(storage_root))
+        if verify_checkpoint(checkpoint) is None
+    ]
 
 
 def latest_committed(storage_root: str | Path) -> CommittedCheckpoint | None:
@@ -39,8 +49,15 @@ def save_checkpoint(
 ) -> str:
     """Collective and synchronous: every rank writes its shards, then rank 0 commits and applies retention.
     ``optimizers[i]`` steps ``model_parts[i]`` (several parts only under interleaved pipelining)."""
-    pending = begin_save(storage_root, spec, step=step, position=position, model_parts=model_parts, optimizers=optimizers,
-                         metric_value=metric_value)
+    pending = begin_save(
+        storage_root,
+        spec,
+        step=step,
+        position=position,
+        model_parts=model_parts,
+        optimizers=optimizers,
+        metric_value=metric_value,
+    )
     if dist.get_rank() == 0:
         commit_save(pending)
     return pending.path

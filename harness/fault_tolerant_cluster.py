@@ -54,12 +54,26 @@ class FaultTolerantCluster:
         self.cpus_per_node = cpus_per_node
         self.redis_port = free_port()
         self.redis = subprocess.Popen(
-            [redis_server_path() or "redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no"],
-            stdout=open(data_dir / "redis.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.head_env = {"RAY_REDIS_ADDRESS": f"127.0.0.1:{self.redis_port}",
-                         # One cluster's keys in Redis: a restarted head finds them under the same namespace.
-                         "RAY_external_storage_namespace": f"ringmaster-test-{uuid.uuid4().hex[:8]}"}
+            [
+                redis_server_path() or "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=open(data_dir / "redis.log", "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.head_env = {
+            "RAY_REDIS_ADDRESS": f"127.0.0.1:{self.redis_port}",
+            # One cluster's keys in Redis: a restarted head finds them under the same namespace.
+            "RAY_external_storage_namespace": f"ringmaster-test-{uuid.uuid4().hex[:8]}",
+        }
         self.heads = 0
         self.head = self._start_head()
         self.nodes: list[subprocess.Popen] = []
@@ -73,20 +87,39 @@ class FaultTolerantCluster:
 
     def _start_head(self, port: int | None = None, dashboard_port: int | None = None) -> RayHead:
         self.heads += 1
-        return start_head(self.data_dir / f"head-{self.heads}", num_cpus=0, env=self.head_env, port=port,
-                          dashboard_port=dashboard_port)
+        return start_head(
+            self.data_dir / f"head-{self.heads}",
+            num_cpus=0,
+            env=self.head_env,
+            port=port,
+            dashboard_port=dashboard_port,
+        )
 
     def add_node(self) -> None:
         command = [
-            sys.executable, "-m", "ringmaster.service.embedded_ray", "--no-client-server", "start", "--block",
-            "--address", self.head.gcs_address, "--num-cpus", str(self.cpus_per_node),
-            "--resources", json.dumps({DRIVER_RESOURCE: 1}), "--disable-usage-stats",
-            "--dashboard-agent-listen-port", "0",  # not Ray's fixed default, which another node on this machine may hold
-            "--temp-dir", tempfile.mkdtemp(prefix="rm-", dir="/tmp"),  # (the system config is the head's)
+            sys.executable,
+            "-m",
+            "ringmaster.service.embedded_ray",
+            "--no-client-server",
+            "start",
+            "--block",
+            "--address",
+            self.head.gcs_address,
+            "--num-cpus",
+            str(self.cpus_per_node),
+            "--resources",
+            json.dumps({DRIVER_RESOURCE: 1}),
+            "--disable-usage-stats",
+            "--dashboard-agent-listen-port",
+            "0",  # not Ray's fixed default, which another node on this machine may hold
+            "--temp-dir",
+            tempfile.mkdtemp(prefix="rm-", dir="/tmp"),  # (the system config is the head's)
         ]
         env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         log = open(self.data_dir / f"node-{len(self.nodes) + 1}.log", "ab")
-        self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+        self.nodes.append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        )
 
     def wait_for_resources(self, timeout_s: float = 120, **wanted: float) -> None:
         """Until the cluster reports at least these resources (a loaded machine starts a node slowly)."""

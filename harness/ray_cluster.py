@@ -58,7 +58,11 @@ def clear_head(head: RayHead, timeout_s: float = 60) -> None:
     jobs = JobSubmissionClient(head.dashboard_url)
 
     def unfinished() -> list[str]:
-        return [job.submission_id for job in jobs.list_jobs() if job.submission_id is not None and not job.status.is_terminal()]
+        return [
+            job.submission_id
+            for job in jobs.list_jobs()
+            if job.submission_id is not None and not job.status.is_terminal()
+        ]
 
     for submission_id in unfinished():
         jobs.stop_job(submission_id)
@@ -81,7 +85,9 @@ def clear_head(head: RayHead, timeout_s: float = 60) -> None:
         ray.shutdown()
 
 
-def running_control_plane(data_dir: Path, head: RayHead | None = None, **settings_overrides: Any) -> Iterator[BackgroundServer]:
+def running_control_plane(
+    data_dir: Path, head: RayHead | None = None, **settings_overrides: Any
+) -> Iterator[BackgroundServer]:
     """The API + dispatcher on SQLite on a Ray head (a new one unless given: a shared head is cleared afterwards,
     clear_head), torn down afterwards, this process disconnected from Ray; ``settings_overrides`` are further
     Settings fields, or other values for the defaults here (e.g. storage_uri, or code_path: the jobs' code, this
@@ -89,10 +95,17 @@ def running_control_plane(data_dir: Path, head: RayHead | None = None, **setting
     own_head = head is None
     if head is None:
         head = start_test_head(data_dir / "ray")
-    settings = Settings(**{
-        "data_dir": data_dir, "ray_address": head.gcs_address, "ray_dashboard_url": head.dashboard_url,
-        "api_port": free_port(), "driver_python": sys.executable, "code_path": str(REPO_ROOT), **settings_overrides,
-    })
+    settings = Settings(
+        **{
+            "data_dir": data_dir,
+            "ray_address": head.gcs_address,
+            "ray_dashboard_url": head.dashboard_url,
+            "api_port": free_port(),
+            "driver_python": sys.executable,
+            "code_path": str(REPO_ROOT),
+            **settings_overrides,
+        }
+    )
     try:
         with BackgroundServer(settings) as running:
             running.ray_metrics_url = head.metrics_url
@@ -106,8 +119,9 @@ def running_control_plane(data_dir: Path, head: RayHead | None = None, **setting
             clear_head(head)
 
 
-def wait_for_state(client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240,
-                   poll_s: float = 0.25) -> dict:
+def wait_for_state(
+    client: RingmasterClient, job_id: str, states: set[str], timeout_s: float = 240, poll_s: float = 0.25
+) -> dict:
     deadline = time.monotonic() + timeout_s
     while (job := client.job(job_id))["state"] not in states:
         assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s}s"

@@ -60,10 +60,17 @@ class SimulatedCluster:
         # Cluster also records the head's address in Ray's default temp dir (/tmp/ray/ray_current_cluster), which a
         # fresh machine does not have yet.
         os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "temp_dir": self.temp_dir, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": self.dashboard_port, "_system_config": CLUSTER_SYSTEM_CONFIG,
-        })
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "temp_dir": self.temp_dir,
+                "include_dashboard": True,
+                "dashboard_host": "127.0.0.1",
+                "dashboard_port": self.dashboard_port,
+                "_system_config": CLUSTER_SYSTEM_CONFIG,
+            },
+        )
         self.cpus_per_node, self.gpus_per_node = cpus_per_node, gpus_per_node
         self._nodes_added = 0
         self.nodes = [self.add_node() for _ in range(nodes)]
@@ -77,8 +84,9 @@ class SimulatedCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node,
-                                     env_vars=self._gpu_node_env(self._nodes_added))
+        node = self.cluster.add_node(
+            num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, env_vars=self._gpu_node_env(self._nodes_added)
+        )
         self._nodes_added += 1
         self.cluster.wait_for_nodes()
         return node
@@ -99,8 +107,14 @@ class SimulatedCluster:
         """Add nodes until `count` with CPUs are alive: earlier tests kill nodes, and each starts with what it needs."""
         from ray.util.state import list_nodes
 
-        while sum(1 for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-                  if node.resources_total.get("CPU")) < count:
+        while (
+            sum(
+                1
+                for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+                if node.resources_total.get("CPU")
+            )
+            < count
+        ):
             self.add_node()
 
     def node_by_id(self, node_id: str):
@@ -140,12 +154,18 @@ class SimulatedCluster:
 
 
 @contextmanager
-def control_plane_on(cluster: SimulatedCluster, data_dir: Path, warm_workers_per_node: int = 0) -> Iterator[BackgroundServer]:
+def control_plane_on(
+    cluster: SimulatedCluster, data_dir: Path, warm_workers_per_node: int = 0
+) -> Iterator[BackgroundServer]:
     """The control plane on this cluster; without a warm pool unless asked (the elastic tests measure the job's own
     recovery: pool workers on idle nodes would also be TrainWorker actors on nodes the job does not use)."""
     settings = Settings(
-        data_dir=data_dir, ray_address=cluster.gcs_address, ray_dashboard_url=cluster.dashboard_url,
-        api_port=free_port(), driver_python=sys.executable, code_path=str(REPO_ROOT),
+        data_dir=data_dir,
+        ray_address=cluster.gcs_address,
+        ray_dashboard_url=cluster.dashboard_url,
+        api_port=free_port(),
+        driver_python=sys.executable,
+        code_path=str(REPO_ROOT),
         warm_workers_per_node=warm_workers_per_node,
     )
     try:
@@ -191,4 +211,3 @@ def wait_for_step(client, job_id: str, step: int, timeout_s: float = 240) -> Non
     while not any(row["step"] >= step for row in client.metrics(job_id)["items"]):
         assert time.monotonic() < deadline, f"job {job_id} never reached step {step}"
         time.sleep(0.05)
-

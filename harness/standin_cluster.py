@@ -86,7 +86,9 @@ class StandInCluster:
             if self.free_cpus is not None:
                 self.free_cpus += held
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
+    def submit(
+        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> None:
         if self.refuse_submit:
             raise RuntimeError(self.refuse_submit if isinstance(self.refuse_submit, str) else "Jobs API unavailable")
         if submission_id in self.submitted:

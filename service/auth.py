@@ -87,7 +87,9 @@ def create_token(session: Session, tenant: str, *, admin: bool = False, descript
         raise ValueError("a token's description is at most 255 characters")
     _, created = ensure_tenant(session, tenant)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = ApiToken(token_hash=hash_secret(secret), tenant=tenant, admin=admin, description=description, created_at=utcnow())
+    row = ApiToken(
+        token_hash=hash_secret(secret), tenant=tenant, admin=admin, description=description, created_at=utcnow()
+    )
     session.add(row)
     session.flush()
     return IssuedToken(row, secret, created)
@@ -107,8 +109,10 @@ def revoke_token(session: Session, token_id: int, by: Principal | None = None) -
     if row is None:
         raise TokenNotFound(token_id)
     if by is not None and by.token_id == token_id:
-        raise OwnTokenRevocation(f"token {token_id} is the one this request was made with: revoke it with another admin's "
-                                 "token (or `ringmaster token revoke` on the database)")
+        raise OwnTokenRevocation(
+            f"token {token_id} is the one this request was made with: revoke it with another admin's "
+            "token (or `ringmaster token revoke` on the database)"
+        )
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.flush()
@@ -167,7 +171,7 @@ class TokenCache:
             self._entries = {key: entry for key, entry in self._entries.items() if entry[0].token_id not in revoked}
 
 
-_caches: "weakref.WeakKeyDictionary[Engine, TokenCache]" = weakref.WeakKeyDictionary()
+_caches: weakref.WeakKeyDictionary[Engine, TokenCache] = weakref.WeakKeyDictionary()
 _caches_lock = threading.Lock()
 
 
@@ -216,7 +220,11 @@ def check_report_token(session: Session, job_id: str, attempt: int, secret: str 
     row = None
     if len(job_id) <= 32 and 0 < attempt < 2**31:
         row = session.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
-    if row is None or row.report_token_hash is None or not hmac.compare_digest(row.report_token_hash, hash_secret(secret)):
+    if (
+        row is None
+        or row.report_token_hash is None
+        or not hmac.compare_digest(row.report_token_hash, hash_secret(secret))
+    ):
         raise Unauthorized(f"this report token does not belong to attempt {attempt} of job {job_id[:32]!r}")
 
 

@@ -41,18 +41,42 @@ class StrategyEntry:
         return {"zero2": 2, "zero3": 3, "hybrid": 3}[shard] if self.shards and shard else 0
 
 
-STRATEGIES: dict[str, StrategyEntry] = {entry.name: entry for entry in (
-    StrategyEntry("ddp", "every rank holds the whole model; gradients are all-reduced during backward"),
-    StrategyEntry("zero1", "DDP gradients, the optimizer state sharded over the data-parallel group", shards_optimizer=True),
-    StrategyEntry("fsdp", "FSDP2: parameters, gradients and optimizer state sharded (zero2, zero3, hybrid)",
-                  data_parallel="fsdp"),
-    StrategyEntry("pipeline", "the blocks split into parallel.pp stages, driven by a micro-batch schedule",
-                  splits=frozenset({"pp"}), requires=frozenset({"pp"}), wraps_one_replica=False),
-    StrategyEntry("tensor", "attention heads and MLP split over parallel.tp ranks of a node, Megatron-style",
-                  splits=frozenset({"tp"}), requires=frozenset({"tp"}), data_parallel="replicate", wraps_one_replica=False),
-    StrategyEntry("3d", "pipeline × tensor × FSDP data parallel on one mesh", splits=frozenset({"tp", "pp"}),
-                  data_parallel="fsdp", wraps_one_replica=False),
-)}
+STRATEGIES: dict[str, StrategyEntry] = {
+    entry.name: entry
+    for entry in (
+        StrategyEntry("ddp", "every rank holds the whole model; gradients are all-reduced during backward"),
+        StrategyEntry(
+            "zero1", "DDP gradients, the optimizer state sharded over the data-parallel group", shards_optimizer=True
+        ),
+        StrategyEntry(
+            "fsdp",
+            "FSDP2: parameters, gradients and optimizer state sharded (zero2, zero3, hybrid)",
+            data_parallel="fsdp",
+        ),
+        StrategyEntry(
+            "pipeline",
+            "the blocks split into parallel.pp stages, driven by a micro-batch schedule",
+            splits=frozenset({"pp"}),
+            requires=frozenset({"pp"}),
+            wraps_one_replica=False,
+        ),
+        StrategyEntry(
+            "tensor",
+            "attention heads and MLP split over parallel.tp ranks of a node, Megatron-style",
+            splits=frozenset({"tp"}),
+            requires=frozenset({"tp"}),
+            data_parallel="replicate",
+            wraps_one_replica=False,
+        ),
+        StrategyEntry(
+            "3d",
+            "pipeline × tensor × FSDP data parallel on one mesh",
+            splits=frozenset({"tp", "pp"}),
+            data_parallel="fsdp",
+            wraps_one_replica=False,
+        ),
+    )
+}
 AUTO = "auto"  # not a strategy: the planner picks one at submit
 STRATEGY_NAMES = (*STRATEGIES, AUTO)
 
@@ -82,8 +106,12 @@ class BuiltinModel:
     def whole_sizes(self, model_options: dict[str, object]) -> dict[str, object]:
         """model_options with each size option given as an integral float (28.0, a JSON integer) made an int, as the
         builder needs it."""
-        return {name: int(value) if name in self.size_defaults and isinstance(value, float) and value.is_integer() else value
-                for name, value in model_options.items()}
+        return {
+            name: int(value)
+            if name in self.size_defaults and isinstance(value, float) and value.is_integer()
+            else value
+            for name, value in model_options.items()
+        }
 
     def lowest(self, option: str) -> int:
         """The smallest value a size option may take (planner.builtin_model_size enforces it)."""
@@ -92,19 +120,39 @@ class BuiltinModel:
     def options_schema(self) -> dict[str, object]:
         """The JSON Schema of this model's model_options: its size options as bounded integers, its data options as
         anything; no other name."""
-        sizes = {name: {"type": "integer", "minimum": self.lowest(name), "maximum": MAX_INT64} for name in self.size_defaults}
-        return {"type": "object", "properties": {**sizes, **{name: {} for name in self.data_options}},
-                "additionalProperties": False}
+        sizes = {
+            name: {"type": "integer", "minimum": self.lowest(name), "maximum": MAX_INT64} for name in self.size_defaults
+        }
+        return {
+            "type": "object",
+            "properties": {**sizes, **{name: {} for name in self.data_options}},
+            "additionalProperties": False,
+        }
 
 
-BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in (
-    BuiltinModel("mlp", "ringmaster.workers.models.mlp:build", "synthetic",
-                 {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2}, ("n_train", "n_val", "noise", "data_seed"),
-                 size_minimums={"depth": 0}),
-    BuiltinModel("tiny-gpt", "ringmaster.workers.models.tiny_gpt:build", "pysource",
-                 {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256}, ("max_corpus_bytes",),
-                 seq_len_option="seq_len", vocab_option="vocab", size_minimums={"vocab": 256}),  # vocab: every byte
-)}
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    model.name: model
+    for model in (
+        BuiltinModel(
+            "mlp",
+            "ringmaster.workers.models.mlp:build",
+            "synthetic",
+            {"in_dim": 16, "hidden": 64, "out_dim": 4, "depth": 2},
+            ("n_train", "n_val", "noise", "data_seed"),
+            size_minimums={"depth": 0},
+        ),
+        BuiltinModel(
+            "tiny-gpt",
+            "ringmaster.workers.models.tiny_gpt:build",
+            "pysource",
+            {"n_layers": 2, "n_heads": 4, "dim": 64, "seq_len": 64, "vocab": 256},
+            ("max_corpus_bytes",),
+            seq_len_option="seq_len",
+            vocab_option="vocab",
+            size_minimums={"vocab": 256},
+        ),  # vocab: every byte
+    )
+}
 HF_PREFIX = "hf:"  # model: hf:<transformers model class>, built from the config fields in model_options
 CORPUS_SEQ_LEN = 64  # the window of an hf: model on the built-in corpus when model_options.seq_len does not say
 USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
@@ -112,8 +160,13 @@ USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
 
 def builtin_options_rules(model_field: str = "model") -> list[dict[str, object]]:
     """JSON Schema rules (for an object's allOf) tying model_options to the built-in named in model_field."""
-    return [{"if": {"properties": {model_field: {"const": name}}, "required": [model_field]},
-             "then": {"properties": {"model_options": model.options_schema()}}} for name, model in BUILTIN_MODELS.items()]
+    return [
+        {
+            "if": {"properties": {model_field: {"const": name}}, "required": [model_field]},
+            "then": {"properties": {"model_options": model.options_schema()}},
+        }
+        for name, model in BUILTIN_MODELS.items()
+    ]
 
 
 def builtin_job_rules() -> list[dict[str, object]]:
@@ -137,8 +190,11 @@ def strategy_rules() -> list[dict[str, object]]:
     for name in STRATEGY_NAMES:
         entry = STRATEGIES.get(name)  # None: auto, which splits nothing until the planner resolves it
         splits, requires = (entry.splits, entry.requires) if entry else (frozenset(), frozenset())
-        degrees: dict[str, object] = {degree: {"minimum": 2} if degree in requires else {"const": 1}
-                                      for degree in ("tp", "pp") if degree in requires or degree not in splits}
+        degrees: dict[str, object] = {
+            degree: {"minimum": 2} if degree in requires else {"const": 1}
+            for degree in ("tp", "pp")
+            if degree in requires or degree not in splits
+        }
         parallel: dict[str, object] = {"properties": dict(degrees)}
         if not (entry and entry.shards):
             parallel["properties"] |= {"shard": {"not": {"const": "hybrid"}}}
@@ -152,4 +208,6 @@ def strategy_rules() -> list[dict[str, object]]:
             then["required"] = ["parallel"]
         rules.append({"if": condition, "then": then})
     return rules
+
+
 CORPORA = tuple(sorted({model.corpus for model in BUILTIN_MODELS.values()}))

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import httpx
 import typer
@@ -26,8 +26,8 @@ from ringmaster.service.client import ApiError, RingmasterClient, TokenRefused
 from ringmaster.service.code_packing import CodeDirectoryError
 from ringmaster.service.embedded_ray import HeadStartFailed
 from ringmaster.service.errors import CodeTooLarge
-from ringmaster.service.planner import GB, format_bytes, format_duration
 from ringmaster.service.naming import JOB_ID_LENGTH, TENSORBOARD_DIR
+from ringmaster.service.planner import GB, format_bytes, format_duration
 from ringmaster.service.settings import get_settings
 from ringmaster.service.states import TERMINAL, JobState
 
@@ -36,16 +36,29 @@ if TYPE_CHECKING:
 
 app = typer.Typer(help="ringmaster: elastic distributed training as a service.", no_args_is_help=True)
 db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
-token_app = typer.Typer(help="API tokens, made and revoked directly in the database (RINGMASTER_DATABASE_URL).", no_args_is_help=True)
-tenant_app = typer.Typer(help="Tenants and their quotas, directly in the database (RINGMASTER_DATABASE_URL).", no_args_is_help=True)
+token_app = typer.Typer(
+    help="API tokens, made and revoked directly in the database (RINGMASTER_DATABASE_URL).", no_args_is_help=True
+)
+tenant_app = typer.Typer(
+    help="Tenants and their quotas, directly in the database (RINGMASTER_DATABASE_URL).", no_args_is_help=True
+)
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 app.add_typer(tenant_app, name="tenant")
 console = Console()
 
-ApiOption = Annotated[Optional[str], typer.Option("--api", help="API URL; default from RINGMASTER_API_URL / host and port.")]
+ApiOption = Annotated[
+    str | None, typer.Option("--api", help="API URL; default from RINGMASTER_API_URL / host and port.")
+]
 _PREFIX_MATCHES_SHOWN = 5
-_STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "ADMITTED": "blue", "QUEUED": "white"}
+_STATE_STYLE = {
+    "SUCCEEDED": "green",
+    "FAILED": "red",
+    "CANCELLED": "yellow",
+    "RUNNING": "cyan",
+    "ADMITTED": "blue",
+    "QUEUED": "white",
+}
 
 
 def _client(api: str | None) -> RingmasterClient:
@@ -79,9 +92,11 @@ def _handled(command):
         try:
             return command(*args, **kwargs)
         except TokenRefused as error:
-            _fail(f"the API refused the token from {error.source} ({error.detail}); set RINGMASTER_TOKEN to a token "
-                  "from `ringmaster token create`, or run the server on embedded defaults, which writes a local "
-                  "admin token this command picks up")
+            _fail(
+                f"the API refused the token from {error.source} ({error.detail}); set RINGMASTER_TOKEN to a token "
+                "from `ringmaster token create`, or run the server on embedded defaults, which writes a local "
+                "admin token this command picks up"
+            )
         except ApiError as error:
             _fail(_describe(error))
         except httpx.TransportError as error:
@@ -104,16 +119,22 @@ def _job_id(client: RingmasterClient, text: str) -> str:
         _fail(f"no job id starts with {text!r}")
     if matches["total"] > 1:
         shown = ", ".join(job["id"][:12] for job in matches["items"])
-        more = f" and {matches['total'] - len(matches['items'])} more" if matches["total"] > len(matches["items"]) else ""
+        more = (
+            f" and {matches['total'] - len(matches['items'])} more" if matches["total"] > len(matches["items"]) else ""
+        )
         _fail(f"{text!r} is ambiguous: {matches['total']} job ids start with it ({shown}{more}); give more of the id")
     return matches["items"][0]["id"]
 
 
 @app.command()
-def serve(port: Annotated[Optional[int], typer.Option(help="API port (RINGMASTER_API_PORT).")] = None,
-          host: Annotated[Optional[str], typer.Option(help="API host (RINGMASTER_API_HOST).")] = None) -> None:
+def serve(
+    port: Annotated[int | None, typer.Option(help="API port (RINGMASTER_API_PORT).")] = None,
+    host: Annotated[str | None, typer.Option(help="API host (RINGMASTER_API_HOST).")] = None,
+) -> None:
     """Run the API server and the dispatcher (and an embedded Ray head unless RINGMASTER_RAY_ADDRESS is set)."""
-    from ringmaster.api.server import run_server  # the composition root lives with the API, which may import the service
+    from ringmaster.api.server import (
+        run_server,
+    )  # the composition root lives with the API, which may import the service
 
     overrides = {key: value for key, value in {"api_port": port, "api_host": host}.items() if value is not None}
     try:
@@ -124,11 +145,21 @@ def serve(port: Annotated[Optional[int], typer.Option(help="API port (RINGMASTER
 
 @app.command()
 @_handled
-def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Job spec, YAML or JSON.")],
-           code: Annotated[Optional[Path], typer.Option("--code", exists=True, file_okay=False, help="The job's own code: "
-                           "this directory is packed (minus .gitignore/.ringmasterignore matches) and shipped with the job; "
-                           "its modules are importable in the job's driver and workers.")] = None,
-           api: ApiOption = None) -> None:
+def submit(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Job spec, YAML or JSON.")],
+    code: Annotated[
+        Path | None,
+        typer.Option(
+            "--code",
+            exists=True,
+            file_okay=False,
+            help="The job's own code: "
+            "this directory is packed (minus .gitignore/.ringmasterignore matches) and shipped with the job; "
+            "its modules are importable in the job's driver and workers.",
+        ),
+    ] = None,
+    api: ApiOption = None,
+) -> None:
     """Submit a job spec; prints the new job's id."""
     try:
         job = _client(api).submit_yaml(file.read_text(), code=code)
@@ -140,9 +171,13 @@ def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
 
 @app.command()
 @_handled
-def status(job_id: Annotated[Optional[str], typer.Argument(help="A job id or an unambiguous prefix; without it, "
-                                                           "a table of jobs.")] = None, api: ApiOption = None,
-           state: Annotated[Optional[str], typer.Option(help="Only jobs in this state.")] = None) -> None:
+def status(
+    job_id: Annotated[
+        str | None, typer.Argument(help="A job id or an unambiguous prefix; without it, a table of jobs.")
+    ] = None,
+    api: ApiOption = None,
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+) -> None:
     """A table of jobs, or one job's details: its step of the total, loss, world size, recoveries and ETA."""
     client = _client(api)
     if job_id:
@@ -153,8 +188,13 @@ def status(job_id: Annotated[Optional[str], typer.Argument(help="A job id or an 
     table = Table("id", "name", "state", "try", "created", box=None, padding=(0, 1))
     for job in rows:
         style = _STATE_STYLE.get(job["state"], "white")
-        table.add_row(job["id"][:12], _trimmed(job["name"], 24), f"[{style}]{job['state']}[/{style}]", str(job["attempt"]),
-                      job["created_at"][:19].replace("T", " "))
+        table.add_row(
+            job["id"][:12],
+            _trimmed(job["name"], 24),
+            f"[{style}]{job['state']}[/{style}]",
+            str(job["attempt"]),
+            job["created_at"][:19].replace("T", " "),
+        )
     console.print(table)
 
 
@@ -171,8 +211,11 @@ def _loss_text(loss: float) -> str:
 def _print_job(job: dict[str, Any]) -> None:
     style = _STATE_STYLE.get(job["state"], "white")
     progress = job["progress"]
-    console.print(f"job [bold]{job['id']}[/bold] {escape(job['name'])}: [{style}]{job['state']}[/{style}] "
-                  f"(attempt {job['attempt']}, tenant {escape(job['tenant'])})", soft_wrap=True)
+    console.print(
+        f"job [bold]{job['id']}[/bold] {escape(job['name'])}: [{style}]{job['state']}[/{style}] "
+        f"(attempt {job['attempt']}, tenant {escape(job['tenant'])})",
+        soft_wrap=True,
+    )
     parts = [f"step {progress['step']}/{progress['total_steps']}"]
     if progress["loss"] is not None:
         parts.append(f"loss {_loss_text(progress['loss'])}")
@@ -185,8 +228,11 @@ def _print_job(job: dict[str, Any]) -> None:
         parts.append(f"ETA {format_duration(progress['eta_s'])}")
     # Unwrapped: a line cut at the terminal's width would split a value (a timestamp) in two.
     console.print("  ".join(parts), soft_wrap=True)
-    times = [f"{label} {job[field][:19].replace('T', ' ')}" for label, field in
-             (("created", "created_at"), ("started", "started_at"), ("finished", "finished_at")) if job.get(field)]
+    times = [
+        f"{label} {job[field][:19].replace('T', ' ')}"
+        for label, field in (("created", "created_at"), ("started", "started_at"), ("finished", "finished_at"))
+        if job.get(field)
+    ]
     console.print("  ".join(times), soft_wrap=True)
     if job.get("waiting_reason"):
         console.print(f"waiting: {escape(job['waiting_reason'])}", soft_wrap=True)
@@ -198,9 +244,17 @@ def _print_job(job: dict[str, Any]) -> None:
 
 @app.command()
 @_handled
-def watch(job_id: str, api: ApiOption = None,
-          every_s: Annotated[float, typer.Option(help="Without a terminal (a pipe, a CI log): a line at each state "
-                                                      "and at most this often while the job trains.")] = 10.0) -> None:
+def watch(
+    job_id: str,
+    api: ApiOption = None,
+    every_s: Annotated[
+        float,
+        typer.Option(
+            help="Without a terminal (a pipe, a CI log): a line at each state "
+            "and at most this often while the job trains."
+        ),
+    ] = 10.0,
+) -> None:
     """Live progress (step, loss, samples/s) until the job ends."""
     client = _client(api)
     job = _watch(client, _job_id(client, job_id), every_s)
@@ -210,9 +264,15 @@ def watch(job_id: str, api: ApiOption = None,
 def _watch(client: RingmasterClient, job_id: str, every_s: float = 10.0) -> dict:
     total = client.job(job_id)["spec"]["train"]["steps"]
     if console.is_terminal:
-        columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-                   TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val_loss]}"),
-                   TextColumn("{task.fields[speed]} samples/s"), TimeElapsedColumn()]
+        columns = [
+            TextColumn("[bold]{task.fields[state]}"),
+            BarColumn(),
+            TextColumn("step {task.completed}/{task.total}"),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("val {task.fields[val_loss]}"),
+            TextColumn("{task.fields[speed]} samples/s"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("train", total=total, state="…", loss="-", val_loss="-", speed="-")
             for state, new_rows in _progress(client, job_id):
@@ -232,7 +292,9 @@ def _shown(state: str | None, new_rows: list[dict]) -> dict[str, Any]:
     shown: dict[str, Any] = {"state": state} if state else {}
     for row in new_rows:
         if row.get("loss") is not None:
-            shown.update(completed=row["step"], loss=_loss_text(row["loss"]), speed=f"{row.get('samples_per_s') or 0:.1f}")
+            shown.update(
+                completed=row["step"], loss=_loss_text(row["loss"]), speed=f"{row.get('samples_per_s') or 0:.1f}"
+            )
         if row.get("val_loss") is not None:
             shown.update(val_loss=_loss_text(row["val_loss"]))
     return shown
@@ -245,8 +307,10 @@ def _watch_in_lines(client: RingmasterClient, job_id: str, total: int, every_s: 
     printed, printed_at = None, float("-inf")
 
     def line() -> str:
-        return (f"{fields['state']}  step {fields['completed']}/{total}  loss {fields['loss']}  val {fields['val_loss']}  "
-                f"{fields['speed']} samples/s")
+        return (
+            f"{fields['state']}  step {fields['completed']}/{total}  loss {fields['loss']}  val {fields['val_loss']}  "
+            f"{fields['speed']} samples/s"
+        )
 
     for state, new_rows in _progress(client, job_id):
         state_changed = state is not None and state != fields["state"]
@@ -279,9 +343,12 @@ def _progress(client: RingmasterClient, job_id: str) -> Iterator[tuple[str | Non
 
 @app.command()
 @_handled
-def logs(job_id: str, api: ApiOption = None,
-         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
-         interval_s: Annotated[float, typer.Option(help="With --follow, how often to look for new lines.")] = 1.0) -> None:
+def logs(
+    job_id: str,
+    api: ApiOption = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
+    interval_s: Annotated[float, typer.Option(help="With --follow, how often to look for new lines.")] = 1.0,
+) -> None:
     """The job driver's log from Ray."""
     client = _client(api)
     job_id = _job_id(client, job_id)
@@ -304,7 +371,7 @@ def logs(job_id: str, api: ApiOption = None,
                 raise
             text = printed
         # The log is the current attempt's: a new attempt starts a new one, printed from its start.
-        new = text[len(printed):] if text.startswith(printed) else text
+        new = text[len(printed) :] if text.startswith(printed) else text
         if new:
             print(new, end="" if new.endswith("\n") else "\n", flush=True)
         printed = text
@@ -324,10 +391,13 @@ def cancel(job_id: str, api: ApiOption = None) -> None:
 
 @app.command()
 @_handled
-def tensorboard(job_ids: Annotated[Optional[list[str]], typer.Argument(help="Jobs (ids or unambiguous prefixes); "
-                                                                        "default: the newest 20.")] = None,
-                port: Annotated[int, typer.Option(help="TensorBoard's port.")] = 6006,
-                api: ApiOption = None) -> None:
+def tensorboard(
+    job_ids: Annotated[
+        list[str] | None, typer.Argument(help="Jobs (ids or unambiguous prefixes); default: the newest 20.")
+    ] = None,
+    port: Annotated[int, typer.Option(help="TensorBoard's port.")] = 6006,
+    api: ApiOption = None,
+) -> None:
     """Start TensorBoard on jobs' event files (each job writes them under its storage: <storage>/<id>/tensorboard)."""
     client = _client(api)
     jobs = [client.job(_job_id(client, text)) for text in job_ids] if job_ids else client.jobs(limit=20)["items"]
@@ -344,10 +414,12 @@ def tensorboard(job_ids: Annotated[Optional[list[str]], typer.Argument(help="Job
 
 @app.command()
 @_handled
-def export(job_id: str,
-           out: Annotated[Path, typer.Option("--out", help="A new (or empty) directory to write the model into.")],
-           step: Annotated[Optional[int], typer.Option(help="The checkpoint's step; default: the newest.")] = None,
-           api: ApiOption = None) -> None:
+def export(
+    job_id: str,
+    out: Annotated[Path, typer.Option("--out", help="A new (or empty) directory to write the model into.")],
+    step: Annotated[int | None, typer.Option(help="The checkpoint's step; default: the newest.")] = None,
+    api: ApiOption = None,
+) -> None:
     """Write a job's checkpointed model weights as OUT/model.safetensors (an hf: model's config.json beside it), for
     plain PyTorch, transformers' from_pretrained or another job's model_options.pretrained. Reads the checkpoint from
     the job's storage, which must be reachable from here."""
@@ -355,15 +427,24 @@ def export(job_id: str,
     job = client.job(_job_id(client, job_id))
     checkpoints = {checkpoint["step"]: checkpoint for checkpoint in client.checkpoints(job["id"])["items"]}
     if not checkpoints:
-        _fail(f"job {job['id']} has no checkpoint on storage to export (checkpoint.every_steps saves them during "
-              "training; every job that finishes saves a final one)")
+        _fail(
+            f"job {job['id']} has no checkpoint on storage to export (checkpoint.every_steps saves them during "
+            "training; every job that finishes saves a final one)"
+        )
     chosen = checkpoints.get(max(checkpoints) if step is None else step)
     if chosen is None:
-        _fail(f"job {job['id']} has no checkpoint at step {step}; it has steps {', '.join(map(str, sorted(checkpoints)))}")
+        _fail(
+            f"job {job['id']} has no checkpoint at step {step}; it has steps {', '.join(map(str, sorted(checkpoints)))}"
+        )
     command = [sys.executable, "-m", "ringmaster.workers.export", chosen["uri"], str(out)]
     model = job["spec"]["model"]
     if model.startswith("hf:"):
-        command += ["--hf-class", model.removeprefix("hf:"), "--model-options", json.dumps(job["spec"].get("model_options") or {})]
+        command += [
+            "--hf-class",
+            model.removeprefix("hf:"),
+            "--model-options",
+            json.dumps(job["spec"].get("model_options") or {}),
+        ]
     # Its own process: reading the checkpoint takes torch, which this command line never imports.
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -371,8 +452,11 @@ def export(job_id: str,
         _fail(lines[-1].removeprefix("error: "))
     written = json.loads(result.stdout.strip().splitlines()[-1])
     files = ", ".join(Path(path).name for path in (written["weights"], written["config"]) if path)
-    console.print(f"job {job['id']} step {chosen['step']}: {written['tensors']} tensors, "
-                  f"{format_bytes(written['parameter_bytes'])}, in {out} ({files})", soft_wrap=True)
+    console.print(
+        f"job {job['id']} step {chosen['step']}: {written['tensors']} tensors, "
+        f"{format_bytes(written['parameter_bytes'])}, in {out} ({files})",
+        soft_wrap=True,
+    )
 
 
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -405,17 +489,27 @@ def _model_options(pairs: list[str]) -> dict[str, Any]:
 @_handled
 def plan(
     gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="Memory of each GPU, GB (10⁹ bytes).")],
-    parameters: Annotated[Optional[str], typer.Option("--parameters", "-p", help="Parameter count: 7B, 350M, 13e9.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="A built-in (tiny-gpt, mlp) sized from its options, instead of --parameters.")] = None,
-    option: Annotated[Optional[list[str]], typer.Option("--option", "-o", help="The built-in's option key=value; repeatable.")] = None,
+    parameters: Annotated[
+        str | None, typer.Option("--parameters", "-p", help="Parameter count: 7B, 350M, 13e9.")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="A built-in (tiny-gpt, mlp) sized from its options, instead of --parameters.")
+    ] = None,
+    option: Annotated[
+        list[str] | None, typer.Option("--option", "-o", help="The built-in's option key=value; repeatable.")
+    ] = None,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node; tensor parallelism stays inside one.")] = 8,
     nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
-    precision: Annotated[str, typer.Option(help="mixed (2+2+4+8, the seeds'), bf16 (ringmaster's autocast, 4+4+8) or fp32.")] = "mixed",
-    micro_batch_size: Annotated[Optional[int], typer.Option(help="Sequences per micro-batch: with the shape, activations and TP/PP traffic.")] = None,
-    layers: Annotated[Optional[int], typer.Option(help="Transformer blocks (with --parameters).")] = None,
-    hidden: Annotated[Optional[int], typer.Option(help="Hidden size (with --parameters).")] = None,
-    heads: Annotated[Optional[int], typer.Option(help="Attention heads (with --parameters).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (with --parameters).")] = None,
+    precision: Annotated[
+        str, typer.Option(help="mixed (2+2+4+8, the seeds'), bf16 (ringmaster's autocast, 4+4+8) or fp32.")
+    ] = "mixed",
+    micro_batch_size: Annotated[
+        int | None, typer.Option(help="Sequences per micro-batch: with the shape, activations and TP/PP traffic.")
+    ] = None,
+    layers: Annotated[int | None, typer.Option(help="Transformer blocks (with --parameters).")] = None,
+    hidden: Annotated[int | None, typer.Option(help="Hidden size (with --parameters).")] = None,
+    heads: Annotated[int | None, typer.Option(help="Attention heads (with --parameters).")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length (with --parameters).")] = None,
     microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step.")] = 8,
     schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or interleaved1f1b.")] = "1f1b",
     as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of a table.")] = False,
@@ -423,10 +517,20 @@ def plan(
 ) -> None:
     """Which parallelism fits a model on a cluster: memory per GPU, traffic per step, bubble, and the pick."""
     request: dict[str, Any] = {
-        "parameters": _count(parameters) if parameters is not None else None, "model": model,
-        "model_options": _model_options(option or []), "gpu_memory_gb": gpu_memory_gb, "gpus_per_node": gpus_per_node,
-        "nodes": nodes, "precision": precision, "micro_batch_size": micro_batch_size, "layers": layers, "hidden": hidden,
-        "heads": heads, "seq_len": seq_len, "microbatches": microbatches, "schedule": schedule,
+        "parameters": _count(parameters) if parameters is not None else None,
+        "model": model,
+        "model_options": _model_options(option or []),
+        "gpu_memory_gb": gpu_memory_gb,
+        "gpus_per_node": gpus_per_node,
+        "nodes": nodes,
+        "precision": precision,
+        "micro_batch_size": micro_batch_size,
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "seq_len": seq_len,
+        "microbatches": microbatches,
+        "schedule": schedule,
     }
     try:
         result = _client(api).plan(request)
@@ -441,10 +545,20 @@ def plan(
 def _print_plan(result: dict[str, Any]) -> None:
     console.print(f"[bold]{result['model']}[/bold]: {result['parameters']:,} parameters", soft_wrap=True)
     console.print(f"precision {result['precision']}: {result['precision_note']}", soft_wrap=True)
-    console.print(f"cluster: {result['nodes']} × {result['gpus_per_node']} = {result['world_size']} GPUs, {result['gpu_memory_gb']:g} GB each")
-    table = Table("option", "state/GPU", "activations", "total/GPU", "fits", "traffic/step", "bubble",
-                  caption="traffic: bytes each GPU sends per step (one micro-batch per replica, m through a pipeline); "
-                  "? needs the transformer's shape and --micro-batch-size")
+    console.print(
+        f"cluster: {result['nodes']} × {result['gpus_per_node']} = {result['world_size']} GPUs, {result['gpu_memory_gb']:g} GB each"
+    )
+    table = Table(
+        "option",
+        "state/GPU",
+        "activations",
+        "total/GPU",
+        "fits",
+        "traffic/step",
+        "bubble",
+        caption="traffic: bytes each GPU sends per step (one micro-batch per replica, m through a pipeline); "
+        "? needs the transformer's shape and --micro-batch-size",
+    )
     chosen = (result["recommendation"] or {}).get("label")
     for option in result["options"]:
         memory, traffic = option["memory_per_gpu"], option["communication_per_step"]
@@ -452,8 +566,12 @@ def _print_plan(result: dict[str, Any]) -> None:
         state = memory["parameters_gb"] + memory["gradients_gb"] + memory["optimizer_gb"]
         table.add_row(
             f"[bold]{option['label']} ★[/bold]" if option["label"] == chosen else option["label"],
-            _gb(state), _gb(memory["activations_gb"]), _gb(memory["total_gb"]), fits,
-            _gb(traffic["total_gb"]), f"{option['bubble_fraction']} = {option['bubble']:.1%}" if option["bubble"] is not None else "-",
+            _gb(state),
+            _gb(memory["activations_gb"]),
+            _gb(memory["total_gb"]),
+            fits,
+            _gb(traffic["total_gb"]),
+            f"{option['bubble_fraction']} = {option['bubble']:.1%}" if option["bubble"] is not None else "-",
         )
     console.print(table)
     console.print(f"recommended: [bold]{chosen}[/bold]" if chosen else "[red]nothing fits[/red]")
@@ -467,9 +585,15 @@ def _gb(value: float | None) -> str:
 
 @app.command()
 @_handled
-def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] = None,
-         keep: Annotated[bool, typer.Option("--keep", help="Leave the server running after the job, so the links "
-                                            "printed keep working (Ctrl-C ends it).")] = False) -> None:
+def demo(
+    spec: Annotated[Path | None, typer.Option(help="Job spec to run.")] = None,
+    keep: Annotated[
+        bool,
+        typer.Option(
+            "--keep", help="Leave the server running after the job, so the links printed keep working (Ctrl-C ends it)."
+        ),
+    ] = False,
+) -> None:
     """Start everything locally, train examples/tiny-gpt.yaml over REST, and show it to the end."""
     from ringmaster.api.server import BackgroundServer
 
@@ -496,8 +620,10 @@ def demo(spec: Annotated[Optional[Path], typer.Option(help="Job spec to run.")] 
             except KeyboardInterrupt:
                 pass
         else:
-            console.print("the server and its Ray head stop now, and these links with them; "
-                          "`ringmaster demo --keep` leaves them running")
+            console.print(
+                "the server and its Ray head stop now, and these links with them; "
+                "`ringmaster demo --keep` leaves them running"
+            )
     raise typer.Exit(code=0 if final["state"] == "SUCCEEDED" else 1)
 
 
@@ -535,9 +661,13 @@ def _database_session() -> Iterator[Session]:
 
 @token_app.command("create")
 def token_create(
-    tenant: Annotated[str, typer.Option("--tenant", help="The tenant the token speaks for; created without quotas when missing.")],
-    admin: Annotated[bool, typer.Option("--admin", help="See and manage every tenant's jobs, tenants and tokens.")] = False,
-    description: Annotated[Optional[str], typer.Option(help="Who or what holds it.")] = None,
+    tenant: Annotated[
+        str, typer.Option("--tenant", help="The tenant the token speaks for; created without quotas when missing.")
+    ],
+    admin: Annotated[
+        bool, typer.Option("--admin", help="See and manage every tenant's jobs, tenants and tokens.")
+    ] = False,
+    description: Annotated[str | None, typer.Option(help="Who or what holds it.")] = None,
 ) -> None:
     """Make a token and print it once: only its hash is stored."""
     from ringmaster.service import auth, tenants
@@ -549,19 +679,33 @@ def token_create(
     except (tenants.InvalidTenant, ValueError) as error:
         _fail(str(error))
     if issued.tenant_created:
-        console.print(f"created tenant {tenant!r} without quotas (set them with `ringmaster tenant quota {tenant}`)", soft_wrap=True)
-    console.print(f"token {token_id} for tenant {tenant!r}{' (admin)' if admin else ''}; it is shown only now:", soft_wrap=True)
+        console.print(
+            f"created tenant {tenant!r} without quotas (set them with `ringmaster tenant quota {tenant}`)",
+            soft_wrap=True,
+        )
+    console.print(
+        f"token {token_id} for tenant {tenant!r}{' (admin)' if admin else ''}; it is shown only now:", soft_wrap=True
+    )
     print(issued.secret)
 
 
 @token_app.command("list")
-def token_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's tokens.")] = None) -> None:
+def token_list(tenant: Annotated[str | None, typer.Option(help="Only this tenant's tokens.")] = None) -> None:
     """Every token (never its secret)."""
     from ringmaster.service import auth
 
     with _database_session() as session:
-        rows = [(str(t.id), t.tenant, "yes" if t.admin else "", t.description or "", f"{t.created_at:%Y-%m-%d %H:%M:%S}",
-                 f"{t.revoked_at:%Y-%m-%d %H:%M:%S}" if t.revoked_at else "") for t in auth.list_tokens(session, tenant)]
+        rows = [
+            (
+                str(t.id),
+                t.tenant,
+                "yes" if t.admin else "",
+                t.description or "",
+                f"{t.created_at:%Y-%m-%d %H:%M:%S}",
+                f"{t.revoked_at:%Y-%m-%d %H:%M:%S}" if t.revoked_at else "",
+            )
+            for t in auth.list_tokens(session, tenant)
+        ]
     table = Table("id", "tenant", "admin", "description", "created", "revoked")
     for row in rows:
         table.add_row(*row)
@@ -569,7 +713,9 @@ def token_list(tenant: Annotated[Optional[str], typer.Option(help="Only this ten
 
 
 @token_app.command("revoke")
-def token_revoke(token_id: Annotated[int, typer.Argument(help="The token's id, from `ringmaster token list`.")]) -> None:
+def token_revoke(
+    token_id: Annotated[int, typer.Argument(help="The token's id, from `ringmaster token list`.")],
+) -> None:
     """Refuse the token from the next request on."""
     from ringmaster.service import auth
 
@@ -594,9 +740,15 @@ def _quota_value(text: str | None, kind: type[int] | type[float], flag: str) -> 
     return value
 
 
-GpusOption = Annotated[Optional[str], typer.Option("--gpus", help="GPUs its admitted jobs may hold at once, or 'unlimited'.")]
-CpusOption = Annotated[Optional[str], typer.Option("--cpus", help="CPUs its admitted jobs may hold at once, or 'unlimited'.")]
-JobsOption = Annotated[Optional[str], typer.Option("--jobs", help="Jobs it may have admitted or running at once, or 'unlimited'.")]
+GpusOption = Annotated[
+    str | None, typer.Option("--gpus", help="GPUs its admitted jobs may hold at once, or 'unlimited'.")
+]
+CpusOption = Annotated[
+    str | None, typer.Option("--cpus", help="CPUs its admitted jobs may hold at once, or 'unlimited'.")
+]
+JobsOption = Annotated[
+    str | None, typer.Option("--jobs", help="Jobs it may have admitted or running at once, or 'unlimited'.")
+]
 
 
 @tenant_app.command("create")
@@ -604,7 +756,9 @@ def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, j
     """Add a tenant; an omitted quota is unlimited."""
     from ringmaster.service import tenants
 
-    quota = tenants.Quota(_quota_value(gpus, int, "--gpus"), _quota_value(cpus, float, "--cpus"), _quota_value(jobs, int, "--jobs"))
+    quota = tenants.Quota(
+        _quota_value(gpus, int, "--gpus"), _quota_value(cpus, float, "--cpus"), _quota_value(jobs, int, "--jobs")
+    )
     try:
         with _database_session() as session:
             if session.get(tenants.Tenant, name) is not None:
@@ -643,7 +797,9 @@ def tenant_list() -> None:
     with _database_session() as session:
         for tenant in tenants.list_tenants(session):
             quota, used = tenants.Quota.of(tenant), tenants.usage(session, tenant.name)
-            table.add_row(tenant.name, _held(used.gpus, quota.gpus), _held(used.cpus, quota.cpus), _held(used.jobs, quota.jobs))
+            table.add_row(
+                tenant.name, _held(used.gpus, quota.gpus), _held(used.cpus, quota.cpus), _held(used.jobs, quota.jobs)
+            )
     console.print(table)
 
 
@@ -652,8 +808,10 @@ def _held(used: float, limit: float | None) -> str:
 
 
 def _quota_text(quota: Any) -> str:
-    return ", ".join(f"{resource} {'unlimited' if value is None else f'{value:g}'}"
-                     for resource, value in (("GPUs", quota.gpus), ("CPUs", quota.cpus), ("jobs", quota.jobs)))
+    return ", ".join(
+        f"{resource} {'unlimited' if value is None else f'{value:g}'}"
+        for resource, value in (("GPUs", quota.gpus), ("CPUs", quota.cpus), ("jobs", quota.jobs))
+    )
 
 
 def _describe(error: ApiError, subject: str = "job spec") -> str:

@@ -32,8 +32,14 @@ class TokenRefused(ApiError):
 
 
 class RingmasterClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0,
-                 max_code_bytes: int = Settings.model_fields["max_code_bytes"].default, token_source: str = "the caller") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        max_code_bytes: int = Settings.model_fields["max_code_bytes"].default,
+        token_source: str = "the caller",
+    ) -> None:
         """`max_code_bytes`: the largest code archive this client packs (the server refuses larger ones with 413);
         `token_source`: where the token came from, named when the API refuses it."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -43,10 +49,14 @@ class RingmasterClient:
         self.token_source = token_source
 
     @classmethod
-    def from_settings(cls, settings: Settings, api_url: str | None = None) -> "RingmasterClient":
+    def from_settings(cls, settings: Settings, api_url: str | None = None) -> RingmasterClient:
         """A client of api_url (default: Settings.client_api_url) with the settings' token (Settings.client_token)."""
-        return cls(api_url or settings.client_api_url(), token=settings.client_token(), max_code_bytes=settings.max_code_bytes,
-                   token_source=settings.client_token_source())
+        return cls(
+            api_url or settings.client_api_url(),
+            token=settings.client_token(),
+            max_code_bytes=settings.max_code_bytes,
+            token_source=settings.client_token_source(),
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -61,7 +71,11 @@ class RingmasterClient:
             if response.status_code == 401:
                 raise TokenRefused(response.status_code, detail, self.token_source)
             raise ApiError(response.status_code, detail)
-        return response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
+        return (
+            response.json()
+            if response.headers.get("content-type", "").startswith("application/json")
+            else response.text
+        )
 
     def healthy(self) -> bool:
         try:
@@ -89,7 +103,9 @@ class RingmasterClient:
         """Submit a spec; with `code`, that directory is packed and uploaded first (upload_code) and the spec names it."""
         if code is not None:
             if spec.get("code") is not None:
-                raise ValueError(f"the spec names its code already ({spec['code']}); leave out either that field or the directory")
+                raise ValueError(
+                    f"the spec names its code already ({spec['code']}); leave out either that field or the directory"
+                )
             spec = {**spec, "code": self.upload_code(code)["code"]}
         return self._call("POST", "/v1/jobs", json=spec)
 
@@ -102,13 +118,20 @@ class RingmasterClient:
         except ApiError as error:
             if error.status != 404:
                 raise
-        return self._call("POST", "/v1/code", content=packed.content, headers={"Content-Type": "application/zip"},
-                          timeout=UPLOAD_TIMEOUT_S)
+        return self._call(
+            "POST",
+            "/v1/code",
+            content=packed.content,
+            headers={"Content-Type": "application/zip"},
+            timeout=UPLOAD_TIMEOUT_S,
+        )
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def jobs(self, state: str | None = None, limit: int = 50, offset: int = 0, id_prefix: str | None = None) -> dict[str, Any]:
+    def jobs(
+        self, state: str | None = None, limit: int = 50, offset: int = 0, id_prefix: str | None = None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if state:
             params["state"] = state
@@ -166,8 +189,12 @@ class RingmasterClient:
                 # The client's timeouts but a minute's read (the server sends a keepalive comment every 15 s). A tuple,
                 # not an httpx.Timeout, so a client of httpx2 (starlette's TestClient, where it is installed) takes it too.
                 timeout = self._http.timeout
-                with self._http.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers,
-                                       timeout=(timeout.connect, 60.0, timeout.write, timeout.pool)) as response:
+                with self._http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/stream",
+                    headers=headers,
+                    timeout=(timeout.connect, 60.0, timeout.write, timeout.pool),
+                ) as response:
                     if response.status_code >= 400:
                         response.read()
                         raise ApiError(response.status_code, response.text)
@@ -181,7 +208,11 @@ class RingmasterClient:
                         if "data" in fields:
                             last_event_id = fields.get("id", last_event_id)
                             failures = 0
-                            yield {"id": last_event_id, "event": fields.get("event", "message"), "data": json.loads(fields["data"])}
+                            yield {
+                                "id": last_event_id,
+                                "event": fields.get("event", "message"),
+                                "data": json.loads(fields["data"]),
+                            }
                         fields = {}
                 return  # the server ends the stream once the job is terminal
             except (httpx.TransportError, httpx.RemoteProtocolError):

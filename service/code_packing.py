@@ -53,12 +53,19 @@ def files_to_pack(root: Path) -> list[tuple[str, Path]]:
     for directory, subdirectories, names in os.walk(root):
         relative = Path(directory).relative_to(root).as_posix()
         relative = "" if relative == "." else relative
-        lines = [line for name in IGNORE_FILES if (Path(directory) / name).is_file()
-                 for line in (Path(directory) / name).read_text(errors="replace").splitlines()]
+        lines = [
+            line
+            for name in IGNORE_FILES
+            if (Path(directory) / name).is_file()
+            for line in (Path(directory) / name).read_text(errors="replace").splitlines()
+        ]
         if lines:
             rules[relative] = pathspec.GitIgnoreSpec.from_lines(lines)
-        subdirectories[:] = sorted(name for name in subdirectories if name not in ALWAYS_LEFT_OUT
-                                   and not _ignored(rules, _join(relative, name), directory=True))
+        subdirectories[:] = sorted(
+            name
+            for name in subdirectories
+            if name not in ALWAYS_LEFT_OUT and not _ignored(rules, _join(relative, name), directory=True)
+        )
         for name in sorted(names):
             path = _join(relative, name)
             file = Path(directory) / name
@@ -75,7 +82,7 @@ def _ignored(rules: dict[str, pathspec.PathSpec], path: str, directory: bool) ->
     """Whether an ignore file in one of the path's parent directories matches it (relative to that directory)."""
     for base, spec in rules.items():
         if base == "" or path.startswith(base + "/"):
-            inner = path[len(base) + 1:] if base else path
+            inner = path[len(base) + 1 :] if base else path
             if spec.match_file(inner + "/" if directory else inner):
                 return True
     return False
@@ -93,8 +100,12 @@ def pack_directory(root: Path, max_bytes: int) -> PackedCode:
             data = file.read_bytes()
             unpacked += len(data)
             if unpacked > max_bytes:
-                raise CodeTooLarge(f"the code in {root} (unpacked)", sum(path.stat().st_size for _, path in entries),
-                                   max_bytes, hint="; leave out what the job need not ship with a .ringmasterignore")
+                raise CodeTooLarge(
+                    f"the code in {root} (unpacked)",
+                    sum(path.stat().st_size for _, path in entries),
+                    max_bytes,
+                    hint="; leave out what the job need not ship with a .ringmasterignore",
+                )
             info = zipfile.ZipInfo(name, date_time=_FIXED_TIME)
             info.compress_type = zipfile.ZIP_DEFLATED
             info.create_system = 3  # unix, whatever packs it: the mode bits below mean the same everywhere

@@ -52,7 +52,9 @@ def check_archive(content: bytes, max_bytes: int) -> tuple[int, int]:
         for entry in entries:
             path = PurePosixPath(entry.filename)
             if path.is_absolute() or ".." in path.parts or "\\" in entry.filename or ":" in path.parts[0]:
-                raise InvalidCode(f"the code archive holds {entry.filename[:200]!r}: every path must be relative and stay inside it")
+                raise InvalidCode(
+                    f"the code archive holds {entry.filename[:200]!r}: every path must be relative and stay inside it"
+                )
         unpacked = sum(entry.file_size for entry in entries)
         if unpacked > max_bytes:
             raise CodeTooLarge("the code archive unpacked", unpacked, max_bytes)
@@ -72,8 +74,15 @@ def store_archive(session: Session, tenant: str, content: bytes, max_bytes: int)
     existing = session.get(CodeArchive, (tenant, sha256))
     if existing is not None:
         return existing, False
-    row = CodeArchive(tenant=tenant, sha256=sha256, size_bytes=len(content), unpacked_bytes=unpacked, files=files,
-                      created_at=utcnow(), content=content)
+    row = CodeArchive(
+        tenant=tenant,
+        sha256=sha256,
+        size_bytes=len(content),
+        unpacked_bytes=unpacked,
+        files=files,
+        created_at=utcnow(),
+        content=content,
+    )
     try:
         with session.begin_nested():  # another replica may store the same archive at the same moment
             session.add(row)
@@ -93,8 +102,11 @@ def find_archive(session: Session, tenant: str, ref: str) -> CodeArchive:
 
 def has_archive(session: Session, tenant: str, ref: str) -> bool:
     sha256 = _sha256_of(ref)
-    return sha256 is not None and session.scalar(
-        select(CodeArchive.sha256).where(CodeArchive.tenant == tenant, CodeArchive.sha256 == sha256)) is not None
+    return (
+        sha256 is not None
+        and session.scalar(select(CodeArchive.sha256).where(CodeArchive.tenant == tenant, CodeArchive.sha256 == sha256))
+        is not None
+    )
 
 
 def local_copy(session: Session, tenant: str, ref: str, cache_dir: Path) -> Path:
@@ -105,8 +117,11 @@ def local_copy(session: Session, tenant: str, ref: str, cache_dir: Path) -> Path
     path = cache_dir / f"{sha256}.zip"
     if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
         return path
-    row = session.scalars(select(CodeArchive).options(undefer(CodeArchive.content))
-                          .where(CodeArchive.tenant == tenant, CodeArchive.sha256 == sha256)).one_or_none()
+    row = session.scalars(
+        select(CodeArchive)
+        .options(undefer(CodeArchive.content))
+        .where(CodeArchive.tenant == tenant, CodeArchive.sha256 == sha256)
+    ).one_or_none()
     if row is None:
         raise CodeNotFound(ref, tenant)
     cache_dir.mkdir(parents=True, exist_ok=True)

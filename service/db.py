@@ -89,7 +89,7 @@ class Database:
     sessions: sessionmaker[Session]
 
     @classmethod
-    def connect(cls, url: str) -> "Database":
+    def connect(cls, url: str) -> Database:
         engine = make_engine(url)
         # expire_on_commit=False: rows returned from a finished transaction (claim_next) stay readable.
         return cls(engine, sessionmaker(engine, expire_on_commit=False))

@@ -54,15 +54,20 @@ def newest_jobs_that_ran_in_an_env_of_their_own(session: Session) -> list[tuple[
     install) would fail each pool worker too. The state is checked here, not in SQL: filtered there, SQLite searches
     the queue index for every job in those states and sorts them all (12 ms at 100,000 jobs, every upkeep), where
     the newest few are read straight from the end of the created_at index."""
-    rows = session.execute(select(Job.tenant, Job.state, Job.spec).order_by(Job.created_at.desc())
-                           .limit(_RECENT_JOBS_FOR_POOLS))
-    return [(tenant, JobSpec.model_validate(raw)) for tenant, state, raw in rows
-            if state in _RAN_IN_ITS_ENV and (raw.get("code") or raw.get("runtime_env"))]
+    rows = session.execute(
+        select(Job.tenant, Job.state, Job.spec).order_by(Job.created_at.desc()).limit(_RECENT_JOBS_FOR_POOLS)
+    )
+    return [
+        (tenant, JobSpec.model_validate(raw))
+        for tenant, state, raw in rows
+        if state in _RAN_IN_ITS_ENV and (raw.get("code") or raw.get("runtime_env"))
+    ]
 
 
 class Dispatcher:
-    def __init__(self, sessions: sessionmaker[Session], cluster: ClusterBackend, settings: Settings,
-                 owner: str | None = None) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], cluster: ClusterBackend, settings: Settings, owner: str | None = None
+    ) -> None:
         self.sessions = sessions
         self.cluster = cluster
         self.settings = settings
@@ -87,13 +92,18 @@ class Dispatcher:
         self._warm_pool_due = time.monotonic() + _WARM_POOL_INTERVAL_S
         try:
             with self.sessions() as session:
-                active = set(session.scalars(select(Job.submission_id).where(
-                    Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None))))
+                active = set(
+                    session.scalars(
+                        select(Job.submission_id).where(
+                            Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None)
+                        )
+                    )
+                )
                 runtime_envs = self._warm_pool_envs(session)
             self.cluster.keep_warm(self.settings.warm_workers_per_node, active, runtime_envs)
         except ClusterUnreachable as error:
             log.warning("warm pool upkeep skipped: %s", error)
-        except Exception:  # noqa: BLE001 — the pool only saves start-up time: admission must go on without it
+        except Exception:
             log.exception("warm pool upkeep failed")
 
     def _warm_pool_envs(self, session: Session) -> dict[str, dict[str, Any]]:
@@ -130,7 +140,7 @@ class Dispatcher:
                 self.run_once()
             except ClusterUnreachable as error:
                 log.warning("dispatcher pass cut short, retried: %s", error)
-            except Exception:  # noqa: BLE001 — a transient database or Ray error must not end the loop
+            except Exception:
                 log.exception("dispatcher pass failed")
             self._wake.wait(self.settings.dispatch_interval_s)
 
@@ -167,8 +177,10 @@ class Dispatcher:
         world_size = self._reserve(spec, group_name, granted.max_workers)
         if world_size is None:
             workers = spec.workers
-            return (f"waiting for cluster capacity: no room now for {workers.min} worker(s) of "
-                    f"{workers.cpus_per_worker:g} CPU and {workers.gpus_per_worker} GPU each{self._never_room(workers)}")
+            return (
+                f"waiting for cluster capacity: no room now for {workers.min} worker(s) of "
+                f"{workers.cpus_per_worker:g} CPU and {workers.gpus_per_worker} GPU each{self._never_room(workers)}"
+            )
         submission_id = submission_id_for(job.id, attempt)
         report_token, report_token_hash = auth.new_report_token()
         with self.sessions() as session, session.begin():
@@ -181,20 +193,32 @@ class Dispatcher:
             if granted.max_workers is None or granted.max_workers < world_size:
                 self.cluster.release(group_name)
                 return granted.reason or f"over quota: {world_size} workers no longer fit the tenant's quota"
-            jobs.mark_admitted(session, current, attempt, submission_id, group_name, world_size,
-                               max_workers=granted.max_workers, report_token_hash=report_token_hash)
+            jobs.mark_admitted(
+                session,
+                current,
+                attempt,
+                submission_id,
+                group_name,
+                world_size,
+                max_workers=granted.max_workers,
+                report_token_hash=report_token_hash,
+            )
         try:
             driver_spec = _capped(spec, granted.max_workers)
             runtime_env = self._runtime_env(current, spec, report_token)
             runtime_env["env_vars"][JOB_SPEC_ENV] = driver_spec.model_dump_json()
-            self.cluster.submit(submission_id, self._entrypoint(current, attempt, group_name), runtime_env,
-                                self._metadata(current, attempt, driver_spec, world_size))
+            self.cluster.submit(
+                submission_id,
+                self._entrypoint(current, attempt, group_name),
+                runtime_env,
+                self._metadata(current, attempt, driver_spec, world_size),
+            )
             self._seen_alive.add(submission_id)  # started here: watching it later is not an adoption
         except CodeNotFound as error:  # checked at submit and never deleted: no retry would find it either
             self.cluster.release(group_name)
             self._fail(job.id, submission_id, f"attempt {attempt}: {error}")
             return None
-        except Exception as error:  # noqa: BLE001 — any refusal by Ray ends this attempt with its reason
+        except Exception as error:
             log.warning("Ray refused job %s attempt %d: %s", job.id, attempt, error, extra={"job_id": job.id})
             self.cluster.release(group_name)
             with self.sessions() as session, session.begin():
@@ -202,11 +226,21 @@ class Dispatcher:
                 if current is not None and current.state == JobState.ADMITTED:
                     # Retried at the next pass, counted against max_failures; but a cluster whose Jobs API has no
                     # agent yet (its nodes still starting) says nothing of the job: waited out, not counted.
-                    jobs.requeue(session, current, f"Ray refused the job: {error}",
-                                 failure=_JOBS_AGENT_NOT_READY not in str(error))
+                    jobs.requeue(
+                        session,
+                        current,
+                        f"Ray refused the job: {error}",
+                        failure=_JOBS_AGENT_NOT_READY not in str(error),
+                    )
             return f"Ray refused the job: {error}"  # retried at the next pass, not in this one
-        log.info("job %s attempt %d submitted to Ray as %s on %d worker(s)", job.id, attempt, submission_id, world_size,
-                 extra={"job_id": job.id, "attempt": attempt, "submission_id": submission_id})
+        log.info(
+            "job %s attempt %d submitted to Ray as %s on %d worker(s)",
+            job.id,
+            attempt,
+            submission_id,
+            world_size,
+            extra={"job_id": job.id, "attempt": attempt, "submission_id": submission_id},
+        )
         return None
 
     def _reserve(self, spec: JobSpec, group_name: str, max_workers: int) -> int | None:
@@ -224,7 +258,7 @@ class Dispatcher:
         if self._node_capacities is None:
             try:
                 self._node_capacities = self.cluster.node_capacities()
-            except Exception as error:  # noqa: BLE001 — the reason is told without it
+            except Exception as error:
                 log.warning("could not read the cluster's node capacities: %s", error)
                 self._node_capacities = []
         nodes = self._node_capacities
@@ -232,15 +266,21 @@ class Dispatcher:
         if not nodes or fitting >= workers.min:
             return ""
         cpus, gpus = sum(node["CPU"] for node in nodes), sum(node["GPU"] for node in nodes)
-        return (f"; the cluster's {len(nodes)} node(s), {cpus:g} CPU and {gpus:g} GPU in all, hold {fitting} such "
-                f"worker(s) even when idle: the job waits for nodes to join")
+        return (
+            f"; the cluster's {len(nodes)} node(s), {cpus:g} CPU and {gpus:g} GPU in all, hold {fitting} such "
+            f"worker(s) even when idle: the job waits for nodes to join"
+        )
 
     def _runtime_env(self, job: Job, spec: JobSpec, report_token: str) -> dict[str, Any]:
         """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the job's own
         (below), and this attempt's report secret, which travels in the environment, never on the command line (shown
         in the dashboard)."""
         with self.sessions() as session:
-            runtime_env = self._own_runtime_env(session, job.tenant, spec) if spec.has_own_runtime_env else self._shared_runtime_env()
+            runtime_env = (
+                self._own_runtime_env(session, job.tenant, spec)
+                if spec.has_own_runtime_env
+                else self._shared_runtime_env()
+            )
         runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), REPORT_TOKEN_ENV: report_token}
         return runtime_env
 
@@ -265,7 +305,9 @@ class Dispatcher:
         """The local zip of a tenant's code archive, written (and its hash checked) once per process."""
         path = self._code_zips.get((tenant, code))
         if path is None or not path.exists():
-            path = self._code_zips[(tenant, code)] = code_store.local_copy(session, tenant, code, self.settings.code_cache_dir())
+            path = self._code_zips[(tenant, code)] = code_store.local_copy(
+                session, tenant, code, self.settings.code_cache_dir()
+            )
         return path
 
     def _fail(self, job_id: str, submission_id: str, message: str) -> None:
@@ -277,7 +319,12 @@ class Dispatcher:
             current.lease_owner = current.lease_expires_at = None
             jobs.transition(session, current, JobState.FAILED, message)
             telemetry.record_reconciler_action(session, "failed_unstarted")
-        log.warning("job %s failed: %s", job_id, message.splitlines()[0], extra={"job_id": job_id, "submission_id": submission_id})
+        log.warning(
+            "job %s failed: %s",
+            job_id,
+            message.splitlines()[0],
+            extra={"job_id": job_id, "submission_id": submission_id},
+        )
 
     def _entrypoint(self, job: Job, attempt: int, group_name: str) -> str:
         """Short and readable, as the dashboard shows it: the spec travels in the environment (JOB_SPEC_ENV)."""
@@ -291,9 +338,16 @@ class Dispatcher:
 
     def _metadata(self, job: Job, attempt: int, spec: JobSpec, world_size: int) -> dict[str, str]:
         """The Ray job's metadata: what the dashboard's job list and page show of it (`job_name` is its Name column)."""
-        return {"job_name": f"{job.name} ({job.id[:8]}, attempt {attempt})", "ringmaster_job_id": job.id,
-                "name": job.name, "tenant": job.tenant, "attempt": str(attempt), "strategy": spec.strategy,
-                "world_size": str(world_size), "ringmaster_url": f"{self.settings.resolved_api_url()}/ui/jobs/{job.id}"}
+        return {
+            "job_name": f"{job.name} ({job.id[:8]}, attempt {attempt})",
+            "ringmaster_job_id": job.id,
+            "name": job.name,
+            "tenant": job.tenant,
+            "attempt": str(attempt),
+            "strategy": spec.strategy,
+            "world_size": str(world_size),
+            "ringmaster_url": f"{self.settings.resolved_api_url()}/ui/jobs/{job.id}",
+        }
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -305,21 +359,27 @@ class Dispatcher:
         only while its driver is quiet: a report in the last few seconds shows the driver alive."""
         current_attempt = (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt)
         with self.sessions() as session:
-            active = session.execute(select(Job, Attempt.last_report_at).outerjoin(Attempt, current_attempt)
-                                     .where(Job.state.in_([s.value for s in ACTIVE]))).all()
+            active = session.execute(
+                select(Job, Attempt.last_report_at)
+                .outerjoin(Attempt, current_attempt)
+                .where(Job.state.in_([s.value for s in ACTIVE]))
+            ).all()
         for job, last_report_at in active:
             try:
                 self._reconcile(job, last_report_at)
             except ClusterUnreachable as error:
                 log.warning("job %s not reconciled, retried: %s", job.id, error, extra={"job_id": job.id})
-            except Exception:  # noqa: BLE001 — one job's Ray or database error must not stall the others
+            except Exception:
                 log.exception("reconciling job %s failed", job.id, extra={"job_id": job.id})
 
     def _reconcile(self, job: Job, last_report_at: datetime | None) -> None:
         if job.submission_id is None:
             return
-        if job.submission_id in self._seen_alive and last_report_at is not None and \
-                (utcnow() - last_report_at).total_seconds() < _REPORTING_DRIVER_ALIVE_S:
+        if (
+            job.submission_id in self._seen_alive
+            and last_report_at is not None
+            and (utcnow() - last_report_at).total_seconds() < _REPORTING_DRIVER_ALIVE_S
+        ):
             return  # its driver just reported: alive, and Ray need not be asked (a dashboard call per job per pass)
         context = {"job_id": job.id, "attempt": job.attempt, "submission_id": job.submission_id}
         ray_status = self.cluster.status(job.submission_id)
@@ -328,19 +388,36 @@ class Dispatcher:
                 self._seen_alive.add(job.submission_id)
                 with self.sessions() as session, session.begin():
                     telemetry.record_reconciler_action(session, "adopted")
-                log.info("job %s attempt %d: Ray job %s is %s; adopted, watching it", job.id, job.attempt,
-                         job.submission_id, ray_status, extra=context)
+                log.info(
+                    "job %s attempt %d: Ray job %s is %s; adopted, watching it",
+                    job.id,
+                    job.attempt,
+                    job.submission_id,
+                    ray_status,
+                    extra=context,
+                )
             return
-        if ray_status is None and job.state == JobState.ADMITTED and job.admitted_at and \
-                (utcnow() - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S:
+        if (
+            ray_status is None
+            and job.state == JobState.ADMITTED
+            and job.admitted_at
+            and (utcnow() - job.admitted_at).total_seconds() < _SUBMIT_GRACE_S
+        ):
             return  # another replica may be between recording the attempt and submitting it
-        if ray_status == "FAILED" and last_report_at is None and \
-                (never_started := self.cluster.start_failure(job.submission_id)) is not None:
-            self._fail(job.id, job.submission_id, f"attempt {job.attempt}: the job's driver never started: {never_started}")
+        if (
+            ray_status == "FAILED"
+            and last_report_at is None
+            and (never_started := self.cluster.start_failure(job.submission_id)) is not None
+        ):
+            self._fail(
+                job.id, job.submission_id, f"attempt {job.attempt}: the job's driver never started: {never_started}"
+            )
             return
         found = "is gone from Ray" if ray_status is None else f"ended {ray_status} without the driver reporting"
         message = f"attempt {job.attempt}: Ray job {job.submission_id} {found}; resubmitting"
-        tail = self._log_tail(job.submission_id)  # fetched before locking: never hold the row (SQLite: the database) across a Ray call
+        tail = self._log_tail(
+            job.submission_id
+        )  # fetched before locking: never hold the row (SQLite: the database) across a Ray call
         with self.sessions() as session, session.begin():
             current = session.get(Job, job.id, with_for_update=True, populate_existing=True)
             if current is None or current.state not in ACTIVE or current.submission_id != job.submission_id:
@@ -352,7 +429,7 @@ class Dispatcher:
     def _log_tail(self, submission_id: str) -> str:
         try:
             return self.cluster.logs(submission_id)[-_LOG_TAIL:]
-        except Exception:  # noqa: BLE001 — logs are a courtesy in an error message
+        except Exception:
             return ""
 
     def close_finished_attempts(self) -> None:
@@ -363,18 +440,29 @@ class Dispatcher:
         """
         with self.sessions() as session:
             attempts = jobs.attempts_to_close(session)
-            owners = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_({a.job_id for a in attempts})))}
+            owners = {
+                job.id: job for job in session.scalars(select(Job).where(Job.id.in_({a.job_id for a in attempts})))
+            }
         # Replicas see the same list: each walks it in its own order, so they rarely close the same attempt at once.
         random.shuffle(attempts)
         for attempt in attempts:
             try:
                 self._close(attempt, owners[attempt.job_id])
             except ClusterUnreachable as error:
-                log.warning("attempt %d of job %s not closed yet, retried: %s", attempt.number, attempt.job_id, error,
-                            extra={"job_id": attempt.job_id})
-            except Exception:  # noqa: BLE001 — one attempt's Ray or database error must not stall the others
-                log.exception("closing attempt %d of job %s failed", attempt.number, attempt.job_id,
-                              extra={"job_id": attempt.job_id})
+                log.warning(
+                    "attempt %d of job %s not closed yet, retried: %s",
+                    attempt.number,
+                    attempt.job_id,
+                    error,
+                    extra={"job_id": attempt.job_id},
+                )
+            except Exception:
+                log.exception(
+                    "closing attempt %d of job %s failed",
+                    attempt.number,
+                    attempt.job_id,
+                    extra={"job_id": attempt.job_id},
+                )
 
     def _close(self, attempt: Attempt, job: Job) -> None:
         with self.sessions() as session:
@@ -391,8 +479,14 @@ class Dispatcher:
             closed = jobs.close_attempt(session, attempt, outcome=str(job.state))
             telemetry.record_reconciler_action(session, "attempt_closed")
         self._seen_alive.discard(attempt.submission_id)
-        log.info("job %s attempt %d closed (%s): Ray job %s stopped, placement group released", job.id, attempt.number,
-                 closed.outcome, attempt.submission_id, extra={"job_id": job.id, "attempt": attempt.number})
+        log.info(
+            "job %s attempt %d closed (%s): Ray job %s stopped, placement group released",
+            job.id,
+            attempt.number,
+            closed.outcome,
+            attempt.submission_id,
+            extra={"job_id": job.id, "attempt": attempt.number},
+        )
 
 
 def _capped(spec: JobSpec, max_workers: int) -> JobSpec:

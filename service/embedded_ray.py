@@ -88,10 +88,19 @@ def _cause(log_path: Path, offset: int) -> str:
     return " | ".join(telling[-2:]) if telling else (lines[-1] if lines else "the log is empty")
 
 
-def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
-               system_config: dict | None = None, timeout_s: float = 60.0, ray_client_server: bool = False,
-               attempts: int = 2, port: int | None = None, dashboard_port: int | None = None,
-               env: dict[str, str] | None = None) -> RayHead:
+def start_head(
+    data_dir: Path,
+    *,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    system_config: dict | None = None,
+    timeout_s: float = 60.0,
+    ray_client_server: bool = False,
+    attempts: int = 2,
+    port: int | None = None,
+    dashboard_port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> RayHead:
     """Start a local head (or reuse the one recorded in data_dir if it still answers). A start that fails (the
     process exits, or the dashboard does not answer in timeout_s) is cleaned up, every process of it ended, and tried
     again up to `attempts` times in all; then HeadStartFailed says why and where the log is. `port` (the GCS's) and
@@ -109,44 +118,76 @@ def start_head(data_dir: Path, *, num_cpus: int | None = None, resources: dict[s
     for _ in range(attempts):
         offset = log_path.stat().st_size if log_path.exists() else 0
         try:
-            head = _start_once(data_dir, log_path, num_cpus, resources, system_config, timeout_s, ray_client_server,
-                               port, dashboard_port, env or {})
+            head = _start_once(
+                data_dir,
+                log_path,
+                num_cpus,
+                resources,
+                system_config,
+                timeout_s,
+                ray_client_server,
+                port,
+                dashboard_port,
+                env or {},
+            )
         except _StartFailed as failure:
             causes.append(f"{failure}: {_cause(log_path, offset)}")
             continue
         state_path.write_text(json.dumps(asdict(head)))
         return head
-    raise HeadStartFailed(f"the embedded Ray head did not start ({len(causes)} tries). Last: {causes[-1]}. "
-                          f"Its log: {log_path.resolve()}")
+    raise HeadStartFailed(
+        f"the embedded Ray head did not start ({len(causes)} tries). Last: {causes[-1]}. Its log: {log_path.resolve()}"
+    )
 
 
 class _StartFailed(RuntimeError):
     pass
 
 
-def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources: dict[str, float] | None,
-                system_config: dict | None, timeout_s: float, ray_client_server: bool, port: int | None,
-                dashboard_port: int | None, extra_env: dict[str, str]) -> RayHead:
+def _start_once(
+    data_dir: Path,
+    log_path: Path,
+    num_cpus: int | None,
+    resources: dict[str, float] | None,
+    system_config: dict | None,
+    timeout_s: float,
+    ray_client_server: bool,
+    port: int | None,
+    dashboard_port: int | None,
+    extra_env: dict[str, str],
+) -> RayHead:
     port, dashboard_port, metrics_port = port or _free_port(), dashboard_port or _free_port(), _free_port()
     # Its own temp dir: Ray resolves "auto" addresses (as the Jobs API does for each job's driver)
     # through <temp dir>/ray_current_cluster, which a shared /tmp/ray lets another cluster overwrite.
     # Kept short: Ray's Unix socket paths live below it.
     temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
     command = [
-        sys.executable, "-m", "ringmaster.service.embedded_ray", *([] if ray_client_server else ["--no-client-server"]),
-        "start", "--head", "--block",
-        "--port", str(port),
-        "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dashboard_port),
-        "--include-dashboard", "true",
+        sys.executable,
+        "-m",
+        "ringmaster.service.embedded_ray",
+        *([] if ray_client_server else ["--no-client-server"]),
+        "start",
+        "--head",
+        "--block",
+        "--port",
+        str(port),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dashboard_port),
+        "--include-dashboard",
+        "true",
         *(["--ray-client-server-port", str(_free_port())] if ray_client_server else []),
         # 0: the agent binds a port the kernel hands it and publishes that one. A port found free here can be taken
         # before the agent binds it, seconds later on a loaded machine, which leaves the head without the agent
         # every Jobs API submission goes through ("No available agent to submit job", seen in CI).
-        "--dashboard-agent-listen-port", "0",
-        "--metrics-export-port", str(metrics_port),
+        "--dashboard-agent-listen-port",
+        "0",
+        "--metrics-export-port",
+        str(metrics_port),
         "--disable-usage-stats",
-        "--temp-dir", temp_dir,
+        "--temp-dir",
+        temp_dir,
     ]
     if num_cpus is not None:
         command += ["--num-cpus", str(num_cpus)]
@@ -157,8 +198,12 @@ def _start_once(data_dir: Path, log_path: Path, num_cpus: int | None, resources:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra_env)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    head = RayHead(pid=process.pid, gcs_address=f"127.0.0.1:{port}", dashboard_url=f"http://127.0.0.1:{dashboard_port}",
-                   metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+    head = RayHead(
+        pid=process.pid,
+        gcs_address=f"127.0.0.1:{port}",
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+    )
     deadline = time.monotonic() + timeout_s
     while not _dashboard_ready(head.dashboard_url):
         failure = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 # The 422 error types of rules that no JSON Schema can state, so a request the OpenAPI schema allows may still break
 # them; each names its field. Every other rule of a request is in the schema.
 VALUE_CONFLICT = "value_conflict"  # a rule between fields: one divides another, needs another, excludes another
@@ -65,6 +64,8 @@ class CodeNotFound(RingmasterError):
     """No code archive of this hash for the tenant (another tenant's is not found either)."""
 
     def __init__(self, ref: str, tenant: str) -> None:
-        super().__init__(f"no code archive {ref[:80]} for tenant {tenant!r}: upload it first (POST /v1/code, "
-                         "or `ringmaster submit --code DIR`)")
+        super().__init__(
+            f"no code archive {ref[:80]} for tenant {tenant!r}: upload it first (POST /v1/code, "
+            "or `ringmaster submit --code DIR`)"
+        )
         self.ref = ref

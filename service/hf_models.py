@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
 # The name transformers gives a model's context length; a config may store it under another (its attribute_map:
 # GPT-2's n_positions).
 CONTEXT_LENGTH = "max_position_embeddings"
@@ -59,8 +58,11 @@ def _config_class_of(source: str, model_class: str) -> str | None:
     """The config class the modeling file's classes annotate ``config: XConfig`` with, or name in config_class."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(target, ast.Name) and target.id == "config_class"
-                                                for target in node.targets) and isinstance(node.value, ast.Name):
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(target, ast.Name) and target.id == "config_class" for target in node.targets)
+            and isinstance(node.value, ast.Name)
+        ):
             return node.value.id
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "config":
             if isinstance(node.annotation, ast.Name) and node.annotation.id.endswith("Config"):
@@ -83,7 +85,9 @@ def _class_assignments(config: ast.ClassDef) -> dict[str, ast.expr | None]:
     assigned: dict[str, ast.expr | None] = {}
     for statement in config.body:
         if isinstance(statement, ast.Assign):
-            assigned.update((target.id, statement.value) for target in statement.targets if isinstance(target, ast.Name))
+            assigned.update(
+                (target.id, statement.value) for target in statement.targets if isinstance(target, ast.Name)
+            )
         elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
             assigned[statement.target.id] = statement.value
     return assigned
@@ -109,7 +113,7 @@ def _context_length(config: ast.ClassDef | None) -> tuple[str | None, int | None
     defaults: dict[str, ast.expr | None] = dict(assigned)
     init = next((node for node in config.body if isinstance(node, ast.FunctionDef) and node.name == "__init__"), None)
     if init is not None:
-        keywords = init.args.args[len(init.args.args) - len(init.args.defaults):] + init.args.kwonlyargs
+        keywords = init.args.args[len(init.args.args) - len(init.args.defaults) :] + init.args.kwonlyargs
         values = list(init.args.defaults) + list(init.args.kw_defaults)
         defaults.update((argument.arg, value) for argument, value in zip(keywords, values))
     if field not in defaults:
@@ -117,8 +121,13 @@ def _context_length(config: ast.ClassDef | None) -> tuple[str | None, int | None
     return field, _integer(defaults[field])
 
 
-_ARITHMETIC = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__, ast.FloorDiv: int.__floordiv__,
-               ast.Pow: int.__pow__}
+_ARITHMETIC = {
+    ast.Add: int.__add__,
+    ast.Sub: int.__sub__,
+    ast.Mult: int.__mul__,
+    ast.FloorDiv: int.__floordiv__,
+    ast.Pow: int.__pow__,
+}
 
 
 def _integer(node: ast.expr | None) -> int | None:

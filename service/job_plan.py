@@ -26,7 +26,7 @@ class ClusterShape:
     nodes: int | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "ClusterShape | None":
+    def from_settings(cls, settings: Settings) -> ClusterShape | None:
         if settings.gpus_per_node is None and settings.cpus_per_node is None:
             return None
         return cls(settings.gpus_per_node, settings.cpus_per_node, settings.nodes)
@@ -69,9 +69,13 @@ def plan_submission(spec: JobSpec, shape: ClusterShape | None) -> PlannedSpec:
     if spec.strategy == "auto":
         return _resolve_auto(spec, model, cluster, workload)
     if model is not None and gpu_memory is not None:
-        option = planner.evaluate(model, cluster, workload, spec.strategy, _shard(spec), job_layout(spec, spec.workers.min, per_node))
+        option = planner.evaluate(
+            model, cluster, workload, spec.strategy, _shard(spec), job_layout(spec, spec.workers.min, per_node)
+        )
         if not option.fits:
-            raise _does_not_fit(spec, model, cluster, workload, f"strategy {_name(spec)} needs {_needs(option, cluster)}")
+            raise _does_not_fit(
+                spec, model, cluster, workload, f"strategy {_name(spec)} needs {_needs(option, cluster)}"
+            )
     return PlannedSpec(spec)
 
 
@@ -81,30 +85,65 @@ def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None
     workers = spec.workers
     if per_node == 0:
         field = "gpus_per_worker" if workers.gpus_per_worker else "cpus_per_worker"
-        raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", field),
-                                  f"workers.{field} is more than one node has ({shape.describe(workers)}): no node can hold a worker")])
+        raise InvalidSpec(
+            [
+                _error(
+                    DOES_NOT_FIT,
+                    ("workers", field),
+                    f"workers.{field} is more than one node has ({shape.describe(workers)}): no node can hold a worker",
+                )
+            ]
+        )
     capacity = per_node * shape.nodes if shape.nodes is not None else None
     if capacity is not None and workers.min > capacity:
-        raise InvalidSpec([_error(DOES_NOT_FIT, ("workers", "min"),
-                                  f"workers.min ({workers.min}) is more workers than the cluster holds: {shape.nodes} node(s) × "
-                                  f"{per_node} ({shape.describe(workers)}) = {capacity}; the job would wait in the queue forever")])
+        raise InvalidSpec(
+            [
+                _error(
+                    DOES_NOT_FIT,
+                    ("workers", "min"),
+                    f"workers.min ({workers.min}) is more workers than the cluster holds: {shape.nodes} node(s) × "
+                    f"{per_node} ({shape.describe(workers)}) = {capacity}; the job would wait in the queue forever",
+                )
+            ]
+        )
     tp = spec.parallel.tp
     if tp > 1 and per_node % tp:
         worlds = range(workers.min, workers.max + 1)
-        fitting = [t for t in range(2, per_node + 1) if per_node % t == 0 and all(w % (t * spec.parallel.pp) == 0 for w in worlds)]
-        would_fit = f"tp that would fit: {', '.join(map(str, fitting))}" if fitting else (
-            "no tp above 1 fits these workers; use strategy pipeline or fsdp, or workers that fill whole nodes")
-        raise InvalidSpec([_error(DOES_NOT_FIT, ("parallel", "tp"),
-                                  f"parallel.tp ({tp}) must divide the workers per node ({per_node} = {shape.describe(workers)}) "
-                                  f"so that each tensor-parallel group stays inside one node; {would_fit}")])
+        fitting = [
+            t
+            for t in range(2, per_node + 1)
+            if per_node % t == 0 and all(w % (t * spec.parallel.pp) == 0 for w in worlds)
+        ]
+        would_fit = (
+            f"tp that would fit: {', '.join(map(str, fitting))}"
+            if fitting
+            else ("no tp above 1 fits these workers; use strategy pipeline or fsdp, or workers that fill whole nodes")
+        )
+        raise InvalidSpec(
+            [
+                _error(
+                    DOES_NOT_FIT,
+                    ("parallel", "tp"),
+                    f"parallel.tp ({tp}) must divide the workers per node ({per_node} = {shape.describe(workers)}) "
+                    f"so that each tensor-parallel group stays inside one node; {would_fit}",
+                )
+            ]
+        )
 
 
 def job_model_size(spec: JobSpec) -> planner.ModelSize | None:
     """A built-in is sized from its model_options; a user model by model_parameters (None when not given)."""
     if spec.model in BUILTIN_MODELS:
         if spec.model_parameters is not None:
-            raise InvalidSpec([_error(VALUE_CONFLICT, ("model_parameters",),
-                                      f"built-in model {spec.model!r} is sized from model_options; leave model_parameters unset")])
+            raise InvalidSpec(
+                [
+                    _error(
+                        VALUE_CONFLICT,
+                        ("model_parameters",),
+                        f"built-in model {spec.model!r} is sized from model_options; leave model_parameters unset",
+                    )
+                ]
+            )
         try:
             return planner.builtin_model_size(spec.model, spec.model_options)
         except PlanError as error:
@@ -116,8 +155,13 @@ def job_model_size(spec: JobSpec) -> planner.ModelSize | None:
 
 def job_workload(spec: JobSpec) -> planner.Workload:
     parallel = spec.parallel
-    return planner.Workload(planner.PRECISIONS[spec.train.precision], spec.train.micro_batch_size,
-                            parallel.microbatches, parallel.schedule, parallel.stages_per_rank)
+    return planner.Workload(
+        planner.PRECISIONS[spec.train.precision],
+        spec.train.micro_batch_size,
+        parallel.microbatches,
+        parallel.schedule,
+        parallel.stages_per_rank,
+    )
 
 
 def job_layout(spec: JobSpec, world_size: int, workers_per_node: int | None) -> planner.Layout:
@@ -146,11 +190,16 @@ def predicted_rank_state(spec: JobSpec, parameter_count: int, dp: int, tp: int, 
     return planner.state_memory(parameter_count, planner.PRECISIONS[spec.train.precision], layout)
 
 
-def _resolve_auto(spec: JobSpec, model: planner.ModelSize | None, cluster: planner.Cluster, workload: planner.Workload) -> PlannedSpec:
+def _resolve_auto(
+    spec: JobSpec, model: planner.ModelSize | None, cluster: planner.Cluster, workload: planner.Workload
+) -> PlannedSpec:
     """The planner's pick, or the next fitting option when the pick breaks a rule of the spec (e.g. batch divisibility)."""
     if model is None or cluster.gpu_memory is None:
-        unknown = ("the model's size is unknown (set model_parameters for a user model)" if model is None
-                   else "workers.gpu_memory_gb is not given")
+        unknown = (
+            "the model's size is unknown (set model_parameters for a user model)"
+            if model is None
+            else "workers.gpu_memory_gb is not given"
+        )
         reasons = (f"{unknown}, so nothing rules DDP out; it is the cheapest",)
         return _resolved(_with_fields(spec, {"strategy": "ddp", "parallel": {"tp": 1, "pp": 1}}), None, reasons)
     plan = planner.plan(model, cluster, workload)
@@ -172,12 +221,20 @@ def _resolve_auto(spec: JobSpec, model: planner.ModelSize | None, cluster: plann
 
 def _resolved(spec: JobSpec, option: planner.Option | None, reasons: tuple[str, ...]) -> PlannedSpec:
     label = option.label if option else spec.strategy
-    data: dict[str, Any] = {"requested": "auto", "strategy": spec.strategy, "parallel": spec.parallel.model_dump(mode="json"),
-                            "world_size": spec.workers.min, "reasons": list(reasons)}
+    data: dict[str, Any] = {
+        "requested": "auto",
+        "strategy": spec.strategy,
+        "parallel": spec.parallel.model_dump(mode="json"),
+        "world_size": spec.workers.min,
+        "reasons": list(reasons),
+    }
     if option is not None:
         data["predicted_per_gpu_bytes"] = {
-            "parameters": option.state.parameters, "gradients": option.state.gradients, "optimizer": option.state.optimizer,
-            "activations": option.activations, "total": option.memory,
+            "parameters": option.state.parameters,
+            "gradients": option.state.gradients,
+            "optimizer": option.state.optimizer,
+            "activations": option.activations,
+            "total": option.memory,
         }
     return PlannedSpec(spec, f"strategy auto resolved to {label}: {'; '.join(reasons)}", data)
 
@@ -191,7 +248,9 @@ def _with_fields(spec: JobSpec, fields: dict[str, Any]) -> JobSpec:
     return JobSpec.model_validate({**document, "strategy": fields["strategy"], "parallel": parallel})
 
 
-def _does_not_fit(spec: JobSpec, model: planner.ModelSize, cluster: planner.Cluster, workload: planner.Workload, needs: str) -> InvalidSpec:
+def _does_not_fit(
+    spec: JobSpec, model: planner.ModelSize, cluster: planner.Cluster, workload: planner.Workload, needs: str
+) -> InvalidSpec:
     """The 422 for a strategy that cannot fit: what it needs, and what would fit instead."""
     alternatives = []
     for option in planner.options(model, cluster, workload):
@@ -204,17 +263,23 @@ def _does_not_fit(spec: JobSpec, model: planner.ModelSize, cluster: planner.Clus
     if alternatives:
         would_fit = f"would fit at {cluster.world_size} workers: {'; '.join(alternatives)}"
     else:
-        would_fit = f"nothing fits at {cluster.world_size} workers; " + "; ".join(planner.more_hardware_hints(model, cluster, workload))
+        would_fit = f"nothing fits at {cluster.world_size} workers; " + "; ".join(
+            planner.more_hardware_hints(model, cluster, workload)
+        )
     return InvalidSpec([_error(DOES_NOT_FIT, ("workers", "gpu_memory_gb"), f"{needs}; {would_fit}")])
 
 
 def _needs(option: planner.Option, cluster: planner.Cluster) -> str:
-    parts = (f"parameters {planner.format_bytes(option.state.parameters)} + gradients {planner.format_bytes(option.state.gradients)}"
-             f" + optimizer {planner.format_bytes(option.state.optimizer)}")
+    parts = (
+        f"parameters {planner.format_bytes(option.state.parameters)} + gradients {planner.format_bytes(option.state.gradients)}"
+        f" + optimizer {planner.format_bytes(option.state.optimizer)}"
+    )
     if option.activations is not None:
         parts += f" + activations {planner.format_bytes(option.activations)}"
-    return (f"{planner.format_bytes(option.memory)} per GPU at {cluster.world_size} workers ({parts}), more than "
-            f"workers.gpu_memory_gb ({planner.format_bytes(cluster.gpu_memory or 0)})")
+    return (
+        f"{planner.format_bytes(option.memory)} per GPU at {cluster.world_size} workers ({parts}), more than "
+        f"workers.gpu_memory_gb ({planner.format_bytes(cluster.gpu_memory or 0)})"
+    )
 
 
 def _option_fields(option: planner.Option) -> str:

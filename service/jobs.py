@@ -18,9 +18,9 @@ from sqlalchemy import ColumnElement, Insert, Select, func, insert, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, make_transient_to_detached
 
+from ringmaster.service import code_store, telemetry, tenants
 from ringmaster.service.auth import SYSTEM, Principal
 from ringmaster.service.errors import UNKNOWN_REFERENCE, CodeNotFound, InvalidSpec, JobConflict, JobNotFound
-from ringmaster.service import code_store, telemetry, tenants
 from ringmaster.service.job_plan import ClusterShape, plan_submission, predicted_rank_state
 from ringmaster.service.models import Attempt, Checkpoint, Job, JobEvent, MemoryMeasurement, Metric, utcnow
 from ringmaster.service.naming import JOB_ID_LENGTH
@@ -98,11 +98,16 @@ def lock_job(session: Session, job_id: str, tenant: str | None = None) -> Job:
 
 # The job's nullable columns without a default, NULL at submission: with them set, the Job handed back has every
 # attribute loaded (an unset one would cost a query when read).
-_JOB_UNSET: dict[str, None] = {column.key: None for column in Job.__table__.columns
-                               if column.nullable and column.default is None and column.server_default is None}
+_JOB_UNSET: dict[str, None] = {
+    column.key: None
+    for column in Job.__table__.columns
+    if column.nullable and column.default is None and column.server_default is None
+}
 
 
-def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = None, principal: Principal = SYSTEM) -> Job:
+def submit_job(
+    session: Session, spec: JobSpec, cluster: ClusterShape | None = None, principal: Principal = SYSTEM
+) -> Job:
     """Record a validated spec as a QUEUED job of the principal's tenant, with its first event.
 
     The planner runs first: ``auto`` is stored as the strategy it resolves to (with a "plan" event saying
@@ -113,8 +118,16 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
     if spec.resume_from is not None:
         spec = spec.model_copy(update={"resume_from": _resumed_job_id(session, spec.resume_from, principal)})
     if spec.code is not None and not code_store.has_archive(session, principal.tenant, spec.code):
-        raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["code"], "msg": str(CodeNotFound(spec.code, principal.tenant)),
-                            "input": spec.code}])
+        raise InvalidSpec(
+            [
+                {
+                    "type": UNKNOWN_REFERENCE,
+                    "loc": ["code"],
+                    "msg": str(CodeNotFound(spec.code, principal.tenant)),
+                    "input": spec.code,
+                }
+            ]
+        )
     rejections = tenants.submit_rejections(spec, tenants.get_tenant(session, principal.tenant))
     if rejections:
         raise InvalidSpec(rejections)
@@ -136,11 +149,22 @@ def submit_job(session: Session, spec: JobSpec, cluster: ClusterShape | None = N
     # Plain INSERTs, the job before the events that refer to it: the unit of work made this transaction a quarter slower.
     connection = session.connection()
     connection.execute(insert(Job.__table__), row)
-    connection.execute(insert(JobEvent.__table__), {"job_id": row["id"], "at": now, "from_state": None,
-                                                    "to_state": JobState.QUEUED, "kind": "transition", "message": "submitted"})
+    connection.execute(
+        insert(JobEvent.__table__),
+        {
+            "job_id": row["id"],
+            "at": now,
+            "from_state": None,
+            "to_state": JobState.QUEUED,
+            "kind": "transition",
+            "message": "submitted",
+        },
+    )
     if planned.message is not None:
-        connection.execute(insert(JobEvent.__table__), {"job_id": row["id"], "at": now, "kind": "plan",
-                                                        "message": planned.message, "data": planned.data})
+        connection.execute(
+            insert(JobEvent.__table__),
+            {"job_id": row["id"], "at": now, "kind": "plan", "message": planned.message, "data": planned.data},
+        )
     job = Job(**row)
     make_transient_to_detached(job)  # as if loaded from its row: the session holds it and will not insert it again
     session.add(job)
@@ -163,10 +187,20 @@ def transition(session: Session, job: Job, target: JobState, message: str, data:
     if target == JobState.FAILED:
         job.error = message
     telemetry.record_transition(session, job, current, target, now)  # counted once the transaction commits
-    session.add(JobEvent(job_id=job.id, at=now, from_state=current, to_state=target, kind="transition", message=message, data=data))
+    session.add(
+        JobEvent(
+            job_id=job.id, at=now, from_state=current, to_state=target, kind="transition", message=message, data=data
+        )
+    )
     session.flush()
-    log.info("job %s: %s -> %s: %s", job.id, current.value, target.value, message,
-             extra={"job_id": job.id, "from_state": current.value, "to_state": target.value})
+    log.info(
+        "job %s: %s -> %s: %s",
+        job.id,
+        current.value,
+        target.value,
+        message,
+        extra={"job_id": job.id, "from_state": current.value, "to_state": target.value},
+    )
     return job
 
 
@@ -183,20 +217,33 @@ def _resumed_job_id(session: Session, reference: str, principal: Principal) -> s
     """The id of the job resume_from names: its whole id, or an unambiguous prefix of one (`ringmaster status` lists
     ids by their first 12 digits), among the jobs the principal may read. A whole id is the prefix of itself alone."""
     shown = 3
-    matches = list_jobs(session, limit=shown, tenant=principal.scope, id_prefix=reference) if _plausible_id(reference) else None
+    matches = (
+        list_jobs(session, limit=shown, tenant=principal.scope, id_prefix=reference)
+        if _plausible_id(reference)
+        else None
+    )
     if matches is None or matches.total == 0:
-        problem = f"no job with id {reference[:64]!r}" + ("" if len(reference) >= JOB_ID_LENGTH else ", nor one whose id starts with it")
+        problem = f"no job with id {reference[:64]!r}" + (
+            "" if len(reference) >= JOB_ID_LENGTH else ", nor one whose id starts with it"
+        )
     elif matches.total == 1:
         return matches.items[0].id
     else:
         listed = ", ".join(job.id[:12] for job in matches.items) + (" and more" if matches.total > shown else "")
         problem = f"{reference!r} is the start of {matches.total} job ids ({listed}): give more of the id"
-    raise InvalidSpec([{"type": UNKNOWN_REFERENCE, "loc": ["resume_from"], "msg": f"resume_from: {problem}",
-                        "input": reference}])
+    raise InvalidSpec(
+        [{"type": UNKNOWN_REFERENCE, "loc": ["resume_from"], "msg": f"resume_from: {problem}", "input": reference}]
+    )
 
 
-def list_jobs(session: Session, state: JobState | None = None, limit: int = 50, offset: int = 0,
-              tenant: str | None = None, id_prefix: str | None = None) -> Page[Job]:
+def list_jobs(
+    session: Session,
+    state: JobState | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    tenant: str | None = None,
+    id_prefix: str | None = None,
+) -> Page[Job]:
     """Newest first; with tenant, only that tenant's jobs; with id_prefix, only ids that start with it."""
     query = select(Job)
     if state is not None:
@@ -224,7 +271,7 @@ class Progress:
     val_step: int | None = None
 
     @staticmethod
-    def not_started(total_steps: int) -> "Progress":
+    def not_started(total_steps: int) -> Progress:
         return Progress(0, total_steps, None, None, None, 0, None)
 
 
@@ -233,12 +280,28 @@ _PACE_STEPS = 20  # the ETA's pace: the wall time over this many newest steps
 
 def job_progress(session: Session, job: Job) -> Progress:
     total = int(job.spec.get("train", {}).get("steps", 0))
-    newest = list(session.scalars(select(Metric).where(Metric.job_id == job.id, Metric.loss.is_not(None))
-                                  .order_by(Metric.attempt.desc(), Metric.step.desc()).limit(_PACE_STEPS)))
-    recoveries = session.scalar(select(func.count()).select_from(JobEvent).where(
-        JobEvent.job_id == job.id, JobEvent.to_state == JobState.RECOVERING.value)) or 0
-    validated = session.scalars(select(Metric).where(Metric.job_id == job.id, Metric.val_loss.is_not(None))
-                                .order_by(Metric.attempt.desc(), Metric.step.desc()).limit(1)).first()
+    newest = list(
+        session.scalars(
+            select(Metric)
+            .where(Metric.job_id == job.id, Metric.loss.is_not(None))
+            .order_by(Metric.attempt.desc(), Metric.step.desc())
+            .limit(_PACE_STEPS)
+        )
+    )
+    recoveries = (
+        session.scalar(
+            select(func.count())
+            .select_from(JobEvent)
+            .where(JobEvent.job_id == job.id, JobEvent.to_state == JobState.RECOVERING.value)
+        )
+        or 0
+    )
+    validated = session.scalars(
+        select(Metric)
+        .where(Metric.job_id == job.id, Metric.val_loss.is_not(None))
+        .order_by(Metric.attempt.desc(), Metric.step.desc())
+        .limit(1)
+    ).first()
     validation = {"val_loss": validated.val_loss, "val_step": validated.step} if validated else {}
     if not newest:
         return replace(Progress.not_started(total), recoveries=recoveries, **validation)
@@ -247,26 +310,36 @@ def job_progress(session: Session, job: Job) -> Progress:
     if JobState(job.state) in ACTIVE and latest.wall_time and oldest.wall_time and latest.step > oldest.step:
         seconds_per_step = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
         eta = max(0.0, (total - latest.step) * seconds_per_step)
-    return Progress(latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta,
-                    **validation)
+    return Progress(
+        latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta, **validation
+    )
 
 
-def list_events(session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None) -> Page[JobEvent]:
+def list_events(
+    session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None
+) -> Page[JobEvent]:
     get_job(session, job_id, tenant)
     query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
     return _page(session, query, limit, offset)
 
 
-def list_metrics(session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None) -> Page[Metric]:
+def list_metrics(
+    session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None
+) -> Page[Metric]:
     get_job(session, job_id, tenant)
     query = select(Metric).where(Metric.job_id == job_id).order_by(Metric.attempt, Metric.step)
     return _page(session, query, limit, offset)
 
 
-def list_checkpoints(session: Session, job_id: str, limit: int = 1000, offset: int = 0,
-                     tenant: str | None = None) -> Page[Checkpoint]:
+def list_checkpoints(
+    session: Session, job_id: str, limit: int = 1000, offset: int = 0, tenant: str | None = None
+) -> Page[Checkpoint]:
     get_job(session, job_id, tenant)
-    query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.attempt, Checkpoint.step, Checkpoint.id)
+    query = (
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.attempt, Checkpoint.step, Checkpoint.id)
+    )
     return _page(session, query, limit, offset)
 
 
@@ -276,7 +349,10 @@ def list_memory(session: Session, job_id: str, tenant: str | None = None) -> lis
     spec = JobSpec.model_validate(job.spec)
     query = select(MemoryMeasurement).where(MemoryMeasurement.job_id == job_id)
     rows = session.scalars(query.order_by(MemoryMeasurement.attempt, MemoryMeasurement.rank))
-    return [RankMemoryComparison(row, predicted_rank_state(spec, row.parameter_count, row.dp, row.tp, row.pp)) for row in rows]
+    return [
+        RankMemoryComparison(row, predicted_rank_state(spec, row.parameter_count, row.dp, row.tp, row.pp))
+        for row in rows
+    ]
 
 
 def _page(session: Session, query: Select[T], limit: int, offset: int) -> Page[T]:
@@ -324,13 +400,24 @@ def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
     merged: dict[tuple[int, int], dict[str, Any]] = {}
     for point in report.metrics:  # a step's points (its training point, a val_loss point) as one row's values
         merged.setdefault((point.attempt or job.attempt, point.step), {}).update(
-            point.model_dump(exclude={"step", "attempt"}, exclude_none=True))
+            point.model_dump(exclude={"step", "attempt"}, exclude_none=True)
+        )
     if not merged:
         return
     now = utcnow()
-    session.execute(_metric_upsert(session.get_bind().dialect.name), [{"job_id": job.id, "attempt": attempt, "step": step, "recorded_at": now,
-                                 **{name: values.get(name) for name in _METRIC_VALUES}}
-                                for (attempt, step), values in merged.items()])
+    session.execute(
+        _metric_upsert(session.get_bind().dialect.name),
+        [
+            {
+                "job_id": job.id,
+                "attempt": attempt,
+                "step": step,
+                "recorded_at": now,
+                **{name: values.get(name) for name in _METRIC_VALUES},
+            }
+            for (attempt, step), values in merged.items()
+        ],
+    )
 
 
 @functools.cache
@@ -341,7 +428,8 @@ def _metric_upsert(dialect: str) -> Insert:
     statement = _DIALECT_INSERTS[dialect](table)
     return statement.on_conflict_do_update(
         index_elements=[table.c.job_id, table.c.attempt, table.c.step],
-        set_={name: func.coalesce(statement.excluded[name], table.c[name]) for name in _METRIC_VALUES})
+        set_={name: func.coalesce(statement.excluded[name], table.c[name]) for name in _METRIC_VALUES},
+    )
 
 
 def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> None:
@@ -357,14 +445,31 @@ def _record_checkpoints(session: Session, job: Job, report: DriverReport) -> Non
 
     def store(record: CheckpointRecord | StoredCheckpoint, final: bool, note: str = "") -> None:
         telemetry.record_checkpoints(session, 1)
-        rows[record.uri] = Checkpoint(job_id=job.id, attempt=job.attempt, step=record.step, uri=record.uri,
-                                      world_size=record.world_size, final=final, created_at=now, metric=record.metric,
-                                      metric_value=record.metric_value, best=False)
+        rows[record.uri] = Checkpoint(
+            job_id=job.id,
+            attempt=job.attempt,
+            step=record.step,
+            uri=record.uri,
+            world_size=record.world_size,
+            final=final,
+            created_at=now,
+            metric=record.metric,
+            metric_value=record.metric_value,
+            best=False,
+        )
         session.add(rows[record.uri])
-        value = f" ({record.metric} {record.metric_value:.6g})" if record.metric and record.metric_value is not None else ""
-        session.add(JobEvent(job_id=job.id, at=now, kind="checkpoint",
-                             message=f"{'final ' if final else ''}checkpoint at step {record.step}{value}{note}",
-                             data={"attempt": job.attempt, **record.model_dump(mode="json", exclude={"kept"})}))
+        value = (
+            f" ({record.metric} {record.metric_value:.6g})" if record.metric and record.metric_value is not None else ""
+        )
+        session.add(
+            JobEvent(
+                job_id=job.id,
+                at=now,
+                kind="checkpoint",
+                message=f"{'final ' if final else ''}checkpoint at step {record.step}{value}{note}",
+                data={"attempt": job.attempt, **record.model_dump(mode="json", exclude={"kept"})},
+            )
+        )
 
     def drop(uri: str) -> None:
         deleted = rows.pop(uri, None)
@@ -401,7 +506,9 @@ def _upsert_memory(session: Session, job: Job, report: DriverReport) -> None:
     if not by_rank:
         return
     query = select(MemoryMeasurement).where(
-        MemoryMeasurement.job_id == job.id, MemoryMeasurement.attempt == job.attempt, MemoryMeasurement.rank.in_(by_rank)
+        MemoryMeasurement.job_id == job.id,
+        MemoryMeasurement.attempt == job.attempt,
+        MemoryMeasurement.rank.in_(by_rank),
     )
     rows = {row.rank: row for row in session.scalars(query)}
     now = utcnow()
@@ -418,8 +525,15 @@ def _upsert_memory(session: Session, job: Job, report: DriverReport) -> None:
 
 
 def mark_admitted(
-    session: Session, job: Job, attempt_number: int, submission_id: str, placement_group: str | None, world_size: int | None,
-    *, max_workers: int | None = None, report_token_hash: str | None = None,
+    session: Session,
+    job: Job,
+    attempt_number: int,
+    submission_id: str,
+    placement_group: str | None,
+    world_size: int | None,
+    *,
+    max_workers: int | None = None,
+    report_token_hash: str | None = None,
 ) -> Job:
     """Record a new attempt the dispatcher has placed on Ray and move the job to ADMITTED.
 
@@ -434,7 +548,12 @@ def mark_admitted(
         job,
         JobState.ADMITTED,
         f"attempt {attempt_number} admitted",
-        {"attempt": attempt_number, "submission_id": submission_id, "placement_group": placement_group, "world_size": world_size},
+        {
+            "attempt": attempt_number,
+            "submission_id": submission_id,
+            "placement_group": placement_group,
+            "world_size": world_size,
+        },
     )
     session.add(
         Attempt(

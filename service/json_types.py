@@ -24,7 +24,9 @@ def _kinds(annotation: Any) -> set[type]:
     """The scalar types a field's annotation admits (int | None -> {int, NoneType}; tuple[float, float] -> {float})."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType, tuple, list):
-        return {kind for argument in typing.get_args(annotation) if argument is not Ellipsis for kind in _kinds(argument)}
+        return {
+            kind for argument in typing.get_args(annotation) if argument is not Ellipsis for kind in _kinds(argument)
+        }
     return {annotation} if isinstance(annotation, type) else set()
 
 

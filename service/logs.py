@@ -36,15 +36,20 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         moment = datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
-        extra = " ".join(f"{key}={value}" for key, value in vars(record).items()
-                         if key not in _STANDARD and not key.startswith("_"))
-        line = f"{moment} {record.levelname:<7} {record.name}: {record.getMessage()}" + (f"  [{extra}]" if extra else "")
+        extra = " ".join(
+            f"{key}={value}" for key, value in vars(record).items() if key not in _STANDARD and not key.startswith("_")
+        )
+        line = f"{moment} {record.levelname:<7} {record.name}: {record.getMessage()}" + (
+            f"  [{extra}]" if extra else ""
+        )
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
 
 
-def configure_logging(level: int | str = logging.INFO, stream: TextIO | None = None, log_format: str = "json") -> logging.Handler:
+def configure_logging(
+    level: int | str = logging.INFO, stream: TextIO | None = None, log_format: str = "json"
+) -> logging.Handler:
     """Send the root logger (and uvicorn's, which otherwise keep their own handlers) to one handler: JSON lines, text
     lines, or (auto) text on a terminal and JSON otherwise."""
     stream = stream or sys.stderr

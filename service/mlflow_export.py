@@ -48,8 +48,11 @@ def spec_params(spec: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def metric_rows_after(session: Session, job_id: str, cursor: int, limit: int = _ROWS_PER_PASS) -> list[Metric]:
     """The job's metric rows stored after row `cursor`, oldest first (read through the (job_id, id) index)."""
-    return list(session.scalars(select(Metric).where(Metric.job_id == job_id, Metric.id > cursor).order_by(Metric.id)
-                                .limit(limit)))
+    return list(
+        session.scalars(
+            select(Metric).where(Metric.job_id == job_id, Metric.id > cursor).order_by(Metric.id).limit(limit)
+        )
+    )
 
 
 class MlflowExporter:
@@ -65,15 +68,20 @@ class MlflowExporter:
         while not stop.is_set():
             try:
                 self.run_once()
-            except Exception:  # noqa: BLE001 — MLflow down or slow: try again, training is not affected
+            except Exception:
                 log.warning("MLflow export failed; retrying", exc_info=True)
             stop.wait(EXPORT_INTERVAL_S)
 
     def run_once(self) -> None:
         """Export what is new of every job whose run is not finished yet."""
         with self.sessions() as session:
-            pending = list(session.scalars(select(Job.id).outerjoin(MlflowRun, MlflowRun.job_id == Job.id)
-                                           .where((MlflowRun.finished.is_(None)) | (MlflowRun.finished.is_(False)))))
+            pending = list(
+                session.scalars(
+                    select(Job.id)
+                    .outerjoin(MlflowRun, MlflowRun.job_id == Job.id)
+                    .where((MlflowRun.finished.is_(None)) | (MlflowRun.finished.is_(False)))
+                )
+            )
         for job_id in pending:
             self._export(job_id)
 
@@ -84,34 +92,57 @@ class MlflowExporter:
         return self._experiment_id
 
     def _export(self, job_id: str) -> None:
-        from mlflow.entities import Metric as MlflowMetric, Param, RunTag
+        from mlflow.entities import Metric as MlflowMetric
+        from mlflow.entities import Param, RunTag
 
         with self.sessions() as session:
             known = session.get(MlflowRun, job_id) is not None
         if not known and not self._claim(job_id):
             return
         with session_scope(self.sessions) as session:
-            row = session.scalars(select(MlflowRun).where(MlflowRun.job_id == job_id).with_for_update(skip_locked=True)).one_or_none()
+            row = session.scalars(
+                select(MlflowRun).where(MlflowRun.job_id == job_id).with_for_update(skip_locked=True)
+            ).one_or_none()
             if row is None:
                 return  # another replica is exporting it now
             job = session.get(Job, job_id)
             if row.run_id is None:
-                run = self.client.create_run(self._experiment(), run_name=job.name, tags={
-                    "ringmaster.job_id": job.id, "ringmaster.tenant": job.tenant, "ringmaster.strategy": job.spec.get("strategy", "")})
+                run = self.client.create_run(
+                    self._experiment(),
+                    run_name=job.name,
+                    tags={
+                        "ringmaster.job_id": job.id,
+                        "ringmaster.tenant": job.tenant,
+                        "ringmaster.strategy": job.spec.get("strategy", ""),
+                    },
+                )
                 row.run_id = run.info.run_id
                 params = [Param(key, value) for key, value in spec_params(job.spec).items()]
                 for start in range(0, len(params), _BATCH_PARAMS):
-                    self.client.log_batch(row.run_id, params=params[start:start + _BATCH_PARAMS])
+                    self.client.log_batch(row.run_id, params=params[start : start + _BATCH_PARAMS])
             metrics = metric_rows_after(session, job_id, row.metric_cursor)
-            batch = [MlflowMetric(field, float(getattr(metric, field)), int((metric.wall_time or metric.recorded_at.timestamp()) * 1000),
-                                  metric.step)
-                     for metric in metrics for field in _METRIC_FIELDS if getattr(metric, field) is not None]
+            batch = [
+                MlflowMetric(
+                    field,
+                    float(getattr(metric, field)),
+                    int((metric.wall_time or metric.recorded_at.timestamp()) * 1000),
+                    metric.step,
+                )
+                for metric in metrics
+                for field in _METRIC_FIELDS
+                if getattr(metric, field) is not None
+            ]
             for start in range(0, len(batch), _BATCH_METRICS):
-                self.client.log_batch(row.run_id, metrics=batch[start:start + _BATCH_METRICS])
+                self.client.log_batch(row.run_id, metrics=batch[start : start + _BATCH_METRICS])
             if metrics:
                 row.metric_cursor = metrics[-1].id
-            checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.id > row.checkpoint_cursor)
-                                               .order_by(Checkpoint.id)))
+            checkpoints = list(
+                session.scalars(
+                    select(Checkpoint)
+                    .where(Checkpoint.job_id == job_id, Checkpoint.id > row.checkpoint_cursor)
+                    .order_by(Checkpoint.id)
+                )
+            )
             if checkpoints:
                 tags = [RunTag(f"checkpoint.step-{c.step:08d}", c.uri) for c in checkpoints]
                 tags.append(RunTag("checkpoint.latest", checkpoints[-1].uri))
@@ -120,7 +151,9 @@ class MlflowExporter:
             state = JobState(job.state)
             more = len(metrics) == _ROWS_PER_PASS
             if state in TERMINAL and not more:
-                tags = [RunTag("ringmaster.state", state.value)] + ([RunTag("ringmaster.error", job.error[:5000])] if job.error else [])
+                tags = [RunTag("ringmaster.state", state.value)] + (
+                    [RunTag("ringmaster.error", job.error[:5000])] if job.error else []
+                )
                 self.client.log_batch(row.run_id, tags=tags)
                 self.client.set_terminated(row.run_id, status=_STATUS[state])
                 row.finished = True

@@ -10,13 +10,13 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
-    LargeBinary,
     DateTime,
     Dialect,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -193,7 +193,9 @@ class Attempt(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "number"),
         # The few attempts still open, which every dispatcher pass reads (attempts_to_close) among every one ever run.
-        Index("ix_attempts_open", "id", sqlite_where=text("ended_at IS NULL"), postgresql_where=text("ended_at IS NULL")),
+        Index(
+            "ix_attempts_open", "id", sqlite_where=text("ended_at IS NULL"), postgresql_where=text("ended_at IS NULL")
+        ),
     )
 
 
@@ -218,8 +220,14 @@ class Metric(Base):
         UniqueConstraint("job_id", "attempt", "step"),
         # The newest validation of a job (its progress) among its steps' rows, most without one: read without
         # scanning every step the job ran.
-        Index("ix_metrics_validated", "job_id", "attempt", "step", sqlite_where=text("val_loss IS NOT NULL"),
-              postgresql_where=text("val_loss IS NOT NULL")),
+        Index(
+            "ix_metrics_validated",
+            "job_id",
+            "attempt",
+            "step",
+            sqlite_where=text("val_loss IS NOT NULL"),
+            postgresql_where=text("val_loss IS NOT NULL"),
+        ),
         # The MLflow export's next rows of a job after its cursor, in the order they were stored.
         Index("ix_metrics_job_id_id", "job_id", "id"),
     )

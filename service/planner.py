@@ -57,12 +57,20 @@ PRECISIONS: dict[str, Precision] = {
         "fp32", 4, 4, 8, 4, "fp32 parameters and gradients, AdamW's two fp32 moments: 4 + 4 + 8 = 16 bytes/parameter"
     ),
     "bf16": Precision(
-        "bf16", 4, 4, 8, 2,
+        "bf16",
+        4,
+        4,
+        8,
+        2,
         "ringmaster's train.precision bf16: computes in bf16 (autocast, or FSDP's mixed-precision policy) while "
         "parameters, gradients and AdamW's moments stay fp32: 4 + 4 + 8 = 16 bytes/parameter; activations are 16-bit",
     ),
     "mixed": Precision(
-        "mixed", 2, 2, 12, 2,
+        "mixed",
+        2,
+        2,
+        12,
+        2,
         "mixed-precision Adam (the ZeRO paper and the seeds): bf16 parameters and gradients, an fp32 master copy "
         "and two fp32 moments: 2 + 2 + (4 + 8) = 16 bytes/parameter, of which ZeRO-1 shards the optimizer's 12",
     ),
@@ -109,29 +117,41 @@ def mlp_parameters(in_dim: int, hidden: int, out_dim: int, depth: int) -> int:
 def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
     """A built-in's size from its model_options, so a job on a built-in never has to state it."""
     if name not in BUILTIN_MODELS:
-        raise PlanError(f"model must be a built-in ({', '.join(BUILTIN_MODELS)}), got {name!r}; size any other model (your "
-                        "own, an hf: one) by its parameters instead, with layers, hidden, heads and seq_len for its "
-                        "activations and traffic", field="model")
+        raise PlanError(
+            f"model must be a built-in ({', '.join(BUILTIN_MODELS)}), got {name!r}; size any other model (your "
+            "own, an hf: one) by its parameters instead, with layers, hidden, heads and seq_len for its "
+            "activations and traffic",
+            field="model",
+        )
     builtin = BUILTIN_MODELS[name]
     defaults, data_options = builtin.size_defaults, builtin.data_options
     unknown = sorted(set(options) - set(defaults) - set(data_options))
     if unknown:
         accepted = ", ".join([*defaults, *data_options])
-        raise PlanError(f"{name} has no option {unknown[0]!r}; its options are {accepted}", field=f"model_options.{unknown[0]}")
+        raise PlanError(
+            f"{name} has no option {unknown[0]!r}; its options are {accepted}", field=f"model_options.{unknown[0]}"
+        )
     size: dict[str, int] = {}
     options = builtin.whole_sizes(dict(options))  # 28.0 is a JSON integer
     for key, default in defaults.items():
         value = options.get(key, default)
         lowest = builtin.lowest(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            raise PlanError(f"{name} option {key} must be an integer ≥ {lowest}, got {value!r}", field=f"model_options.{key}")
+            raise PlanError(
+                f"{name} option {key} must be an integer ≥ {lowest}, got {value!r}", field=f"model_options.{key}"
+            )
         size[key] = value
     if name == "mlp":
         return ModelSize(mlp_parameters(**size), None, f"mlp({_options_text(size)})")
     if size["dim"] % size["n_heads"]:
-        raise PlanError(f"tiny-gpt: dim ({size['dim']}) must be divisible by n_heads ({size['n_heads']})", field="model_options.dim",
-                        kind=VALUE_CONFLICT)
-    shape = TransformerShape(layers=size["n_layers"], hidden=size["dim"], heads=size["n_heads"], seq_len=size["seq_len"])
+        raise PlanError(
+            f"tiny-gpt: dim ({size['dim']}) must be divisible by n_heads ({size['n_heads']})",
+            field="model_options.dim",
+            kind=VALUE_CONFLICT,
+        )
+    shape = TransformerShape(
+        layers=size["n_layers"], hidden=size["dim"], heads=size["n_heads"], seq_len=size["seq_len"]
+    )
     return ModelSize(tiny_gpt_parameters(**size), shape, f"tiny-gpt({_options_text(size)})")
 
 
@@ -280,7 +300,9 @@ def communication(model: ModelSize, workload: Workload, layout: Layout) -> Commu
     if layout.zero >= 3 and layout.dp > 1:
         group, replicas = layout.shards, layout.dp // layout.shards
         gathers = 2 * microbatches * ring_all_gather_bytes(model.parameters * prec.parameter_bytes / split, group)
-        data_parallel = gathers + ring_all_gather_bytes(gradients, group) + ring_all_reduce_bytes(gradients / group, replicas)
+        data_parallel = (
+            gathers + ring_all_gather_bytes(gradients, group) + ring_all_reduce_bytes(gradients / group, replicas)
+        )
     else:
         data_parallel = ring_all_reduce_bytes(gradients, layout.dp)
     tensor = pipeline = None
@@ -336,7 +358,11 @@ class Option:
         layout, parts = self.layout, [self.strategy]
         if self.shard and (layout.dp > 1 or self.strategy == "fsdp"):
             parts.append(self.shard)
-        dims = [f"{name}={value}" for name, value in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp)) if value > 1 or name == "dp"]
+        dims = [
+            f"{name}={value}"
+            for name, value in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp))
+            if value > 1 or name == "dp"
+        ]
         return f"{' '.join(parts)} ({', '.join(dims)})"
 
 
@@ -344,8 +370,16 @@ class Option:
 # data-parallel-style sharding first (ZeRO-1/2 move no more than DDP; hybrid keeps ZeRO-3's all-gathers inside
 # a node; ZeRO-3 moves 1.5×), then tensor parallelism (an all-reduce in every block, so only inside a node), then
 # pipelines (idle bubble), then their 3-D composition. Within a tier, fewer model-parallel splits first.
-_TIERS = {("ddp", None): 0, ("zero1", None): 1, ("fsdp", "zero2"): 2, ("fsdp", "hybrid"): 3, ("fsdp", "zero3"): 4,
-          ("tensor", None): 5, ("pipeline", None): 6, ("3d", "zero3"): 7}
+_TIERS = {
+    ("ddp", None): 0,
+    ("zero1", None): 1,
+    ("fsdp", "zero2"): 2,
+    ("fsdp", "hybrid"): 3,
+    ("fsdp", "zero3"): 4,
+    ("tensor", None): 5,
+    ("pipeline", None): 6,
+    ("3d", "zero3"): 7,
+}
 
 
 def strategy_zero_stage(strategy: str, shard: str | None) -> int:
@@ -353,7 +387,9 @@ def strategy_zero_stage(strategy: str, shard: str | None) -> int:
     return STRATEGIES[strategy].zero_stage(shard)
 
 
-def evaluate(model: ModelSize, cluster: Cluster, workload: Workload, strategy: str, shard: str | None, layout: Layout) -> Option:
+def evaluate(
+    model: ModelSize, cluster: Cluster, workload: Workload, strategy: str, shard: str | None, layout: Layout
+) -> Option:
     """Predict one option's memory, traffic and bubble, and whether it fits the GPU."""
     state = state_memory(model.parameters, workload.precision, layout)
     activations = activation_memory(model.shape, workload, layout) if model.shape else None
@@ -368,8 +404,10 @@ def evaluate(model: ModelSize, cluster: Cluster, workload: Workload, strategy: s
 
 
 def _memory_reason(state: StateMemory, activations: float | None, gpu_memory: float | None) -> str:
-    parts = (f"parameters {format_bytes(state.parameters)} + gradients {format_bytes(state.gradients)}"
-             f" + optimizer {format_bytes(state.optimizer)}")
+    parts = (
+        f"parameters {format_bytes(state.parameters)} + gradients {format_bytes(state.gradients)}"
+        f" + optimizer {format_bytes(state.optimizer)}"
+    )
     if activations is not None:
         parts += f" + activations {format_bytes(activations)}"
     total = state.total + (activations or 0.0)
@@ -380,7 +418,13 @@ def _memory_reason(state: StateMemory, activations: float | None, gpu_memory: fl
 
 
 def _strategy_reasons(
-    strategy: str, shard: str | None, layout: Layout, cluster: Cluster, workload: Workload, traffic: Communication, bubble: Fraction | None
+    strategy: str,
+    shard: str | None,
+    layout: Layout,
+    cluster: Cluster,
+    workload: Workload,
+    traffic: Communication,
+    bubble: Fraction | None,
 ) -> list[str]:
     reasons = []
     dp_traffic = f"{format_bytes(traffic.data_parallel)} per GPU per step"
@@ -391,18 +435,26 @@ def _strategy_reasons(
     elif layout.dp > 1 and shard == "zero2":
         reasons.append(f"shards optimizer state and gradients over {layout.dp}; same traffic as DDP ({dp_traffic})")
     elif layout.dp > 1 and shard == "hybrid":
-        reasons.append(f"ZeRO-3 within groups of {layout.shards} GPUs on a node, replicated across {layout.dp // layout.shards}; "
-                       f"the all-gathers stay inside a node ({dp_traffic})")
+        reasons.append(
+            f"ZeRO-3 within groups of {layout.shards} GPUs on a node, replicated across {layout.dp // layout.shards}; "
+            f"the all-gathers stay inside a node ({dp_traffic})"
+        )
     elif layout.dp > 1 and shard == "zero3":
-        reasons.append(f"shards parameters, gradients and optimizer state over {layout.dp}; all-gathers parameters in "
-                       f"forward and backward of each micro-batch, 1.5× DDP's traffic for one ({dp_traffic})")
+        reasons.append(
+            f"shards parameters, gradients and optimizer state over {layout.dp}; all-gathers parameters in "
+            f"forward and backward of each micro-batch, 1.5× DDP's traffic for one ({dp_traffic})"
+        )
     if layout.tp > 1 and cluster.gpus_per_node is not None:
-        reasons.append(f"tp={layout.tp} ≤ {cluster.gpus_per_node} GPUs per node: its all-reduces in every block stay on a node's links")
+        reasons.append(
+            f"tp={layout.tp} ≤ {cluster.gpus_per_node} GPUs per node: its all-reduces in every block stay on a node's links"
+        )
     if bubble is not None:
         formula = "(p−1)/(v·m+p−1)" if workload.schedule == "interleaved1f1b" else "(p−1)/(p+m−1)"
         chunks = f", v={workload.stages_per_rank}" if workload.schedule == "interleaved1f1b" else ""
-        reasons.append(f"pipeline bubble {formula} with p={layout.pp}, m={workload.microbatches}{chunks}: "
-                       f"{bubble.numerator}/{bubble.denominator} = {float(bubble):.1%} idle")
+        reasons.append(
+            f"pipeline bubble {formula} with p={layout.pp}, m={workload.microbatches}{chunks}: "
+            f"{bubble.numerator}/{bubble.denominator} = {float(bubble):.1%} idle"
+        )
     return reasons
 
 
@@ -450,14 +502,18 @@ def plan(model: ModelSize, cluster: Cluster, workload: Workload) -> Plan:
     return Plan(model, cluster, workload, table, choice, reasons)
 
 
-def recommend(table: list[Option], model: ModelSize, cluster: Cluster, workload: Workload) -> tuple[Option | None, tuple[str, ...]]:
+def recommend(
+    table: list[Option], model: ModelSize, cluster: Cluster, workload: Workload
+) -> tuple[Option | None, tuple[str, ...]]:
     """The seeds' selection table: fits on one GPU → DDP; too large → the cheapest option that fits, with why."""
     ddp, gpu_memory = table[0], format_bytes(cluster.gpu_memory or 0)
     if ddp.fits is None:
         return ddp, ("no GPU memory given, so nothing rules DDP out; it is the cheapest",)
     if ddp.fits:
-        return ddp, (f"fits on one GPU ({format_bytes(ddp.memory)} ≤ {gpu_memory}): the bottleneck is time, not memory, "
-                     "so data parallelism (DDP) with no extra traffic",)
+        return ddp, (
+            f"fits on one GPU ({format_bytes(ddp.memory)} ≤ {gpu_memory}): the bottleneck is time, not memory, "
+            "so data parallelism (DDP) with no extra traffic",
+        )
     too_large = f"does not fit on one GPU: DDP needs {format_bytes(ddp.memory)} > {gpu_memory}"
     fitting = [option for option in table if option.fits]
     if not fitting:
@@ -468,7 +524,10 @@ def recommend(table: list[Option], model: ModelSize, cluster: Cluster, workload:
     reasons = [too_large, f"cheapest that fits: {choice.label}, {format_bytes(choice.memory)} per GPU"]
     cheaper = [option for option in table[: table.index(choice)] if option.strategy in ("zero1", "fsdp")]
     if cheaper:
-        reasons.append("cheaper shardings do not fit: " + ", ".join(f"{option.label} {format_bytes(option.memory)}" for option in cheaper))
+        reasons.append(
+            "cheaper shardings do not fit: "
+            + ", ".join(f"{option.label} {format_bytes(option.memory)}" for option in cheaper)
+        )
     return choice, tuple(reasons)
 
 
@@ -482,8 +541,10 @@ def more_hardware_hints(model: ModelSize, cluster: Cluster, workload: Workload) 
         gpus = max(1, math.ceil(state / room))
         hints.append(f"fsdp zero3 over {gpus} GPUs fits ({format_bytes(state / gpus + activations)} per GPU)")
     else:
-        hints.append(f"one micro-batch's activations alone ({format_bytes(activations)}) exceed the GPU: "
-                     "use a smaller micro-batch, or split them with tensor or pipeline parallelism")
+        hints.append(
+            f"one micro-batch's activations alone ({format_bytes(activations)}) exceed the GPU: "
+            "use a smaller micro-batch, or split them with tensor or pipeline parallelism"
+        )
     here = state / cluster.world_size + activations
     hints.append(f"or GPUs with at least {format_bytes(here)} (fsdp zero3 over {cluster.world_size})")
     return hints

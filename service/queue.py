@@ -20,7 +20,9 @@ from ringmaster.service.models import Job, utcnow
 from ringmaster.service.states import JobState
 
 
-def claim_next(sessions: sessionmaker[Session], owner: str, lease_s: float, skip_ids: Set[str] = frozenset()) -> Job | None:
+def claim_next(
+    sessions: sessionmaker[Session], owner: str, lease_s: float, skip_ids: Set[str] = frozenset()
+) -> Job | None:
     """Lease the highest-priority, then oldest, QUEUED job nobody holds; None when there is none."""
     with session_scope(sessions) as session:
         now = utcnow()

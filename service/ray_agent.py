@@ -113,13 +113,16 @@ class RayAgent:
         self._end(graceful=False)
         self._replies = queue.Queue()
         self._stderr.clear()
-        self._process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, bufsize=1)
+        self._process = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+        )
         self.starts += 1
-        threading.Thread(target=_pump, args=(self._process.stdout, self._replies.put, True), daemon=True,
-                         name="ray-agent-replies").start()
-        self._stderr_pump = threading.Thread(target=_pump, args=(self._process.stderr, self._log_stderr), daemon=True,
-                                             name="ray-agent-stderr")
+        threading.Thread(
+            target=_pump, args=(self._process.stdout, self._replies.put, True), daemon=True, name="ray-agent-replies"
+        ).start()
+        self._stderr_pump = threading.Thread(
+            target=_pump, args=(self._process.stderr, self._log_stderr), daemon=True, name="ray-agent-stderr"
+        )
         self._stderr_pump.start()
         ready = self._reply(self.join_timeout_s, "join the cluster")
         if "error" in ready:
@@ -189,8 +192,14 @@ class AgentOps:
 
         self._ray = ray
         # Named, as the dashboard's job list shows it: this connection owns the warm pool's workers.
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False,
-                 configure_logging=False, job_config=ray.job_config.JobConfig(metadata={"job_name": CONTROL_PLANE_JOB_NAME}))
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            configure_logging=False,
+            job_config=ray.job_config.JobConfig(metadata={"job_name": CONTROL_PLANE_JOB_NAME}),
+        )
         self._warm_pool_factory = warm_pool_factory
         self._warm_pool: WarmPool | None = None
 
@@ -223,8 +232,11 @@ class AgentOps:
 
     def node_capacities(self) -> list[dict[str, float]]:
         """Each live node's total CPUs and GPUs, whatever runs there now."""
-        return [{"CPU": node["Resources"].get("CPU", 0.0), "GPU": node["Resources"].get("GPU", 0.0)}
-                for node in self._ray.nodes() if node["Alive"]]
+        return [
+            {"CPU": node["Resources"].get("CPU", 0.0), "GPU": node["Resources"].get("GPU", 0.0)}
+            for node in self._ray.nodes()
+            if node["Alive"]
+        ]
 
     def ping(self) -> str:
         return self._ray.get_runtime_context().gcs_address
@@ -246,7 +258,7 @@ def serve(address: str, warm_pool_factory: WarmPoolFactory | None = None) -> Non
 
     try:
         ops = AgentOps(address, warm_pool_factory)
-    except Exception as error:  # noqa: BLE001 — the control plane reports it and tries again later
+    except Exception as error:
         answer({"error": f"could not join the Ray cluster at {address}: {type(error).__name__}: {error}"})
         return
     answer({"ready": True})
@@ -258,7 +270,7 @@ def serve(address: str, warm_pool_factory: WarmPoolFactory | None = None) -> Non
                 if operation is None:
                     raise ValueError(f"the agent has no operation {request['op']!r}")
                 answer({"id": request["id"], "result": operation(**request["args"])})
-            except Exception as error:  # noqa: BLE001 — a refused call is the caller's to handle
+            except Exception as error:
                 answer({"id": request["id"], "error": f"{type(error).__name__}: {error}"})
     finally:
         ops.shutdown()

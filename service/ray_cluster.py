@@ -33,12 +33,16 @@ class ClusterBackend(Protocol):
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
     def release(self, name: str) -> None: ...
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None: ...
+    def submit(
+        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def start_failure(self, submission_id: str) -> str | None: ...
     def stop(self, submission_id: str) -> None: ...
     def logs(self, submission_id: str) -> str: ...
-    def keep_warm(self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
+    def keep_warm(
+        self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]
+    ) -> None: ...
     def node_capacities(self) -> list[dict[str, float]]: ...
 
 
@@ -46,8 +50,13 @@ class RayCluster:
     """A Ray cluster reached through its dashboard (Jobs API) and, for placement groups and the warm pool, the Ray
     agent's own connection to its GCS."""
 
-    def __init__(self, address: str, dashboard_url: str, agent: list[str] | None = None,
-                 driver_resources: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        dashboard_url: str,
+        agent: list[str] | None = None,
+        driver_resources: dict[str, float] | None = None,
+    ) -> None:
         """`agent`: the command that starts the Ray agent (the composition root's adds the warm pool); by default one
         that keeps no pool. `driver_resources`: what each job's driver asks Ray for (Settings.driver_resources)."""
         self.address = address
@@ -56,7 +65,9 @@ class RayCluster:
         self.agent = RayAgent(agent or agent_command("ringmaster.service.ray_agent", address))
         self._jobs = None
         self._lock = threading.Lock()
-        self._pool_envs: dict[str, tuple[str, float, dict[str, Any]]] = {}  # pool -> (its env, checked at, as Ray takes it)
+        self._pool_envs: dict[
+            str, tuple[str, float, dict[str, Any]]
+        ] = {}  # pool -> (its env, checked at, as Ray takes it)
 
     @property
     def gcs_address(self) -> str | None:
@@ -80,7 +91,9 @@ class RayCluster:
                 try:
                     self._jobs = JobSubmissionClient(self.dashboard_url)
                 except ConnectionError as error:  # the client checks the dashboard's version at once
-                    raise ClusterUnreachable(f"the Ray dashboard at {self.dashboard_url} does not answer: {error}") from error
+                    raise ClusterUnreachable(
+                        f"the Ray dashboard at {self.dashboard_url} does not answer: {error}"
+                    ) from error
         return _JobsApi(self._jobs, self.dashboard_url)
 
     def disconnect(self) -> None:
@@ -94,8 +107,9 @@ class RayCluster:
         job attempt has ended, and idle workers of pools not named."""
         resolved = {pool: self._pool_runtime_env(pool, runtime_env) for pool, runtime_env in runtime_envs.items()}
         self._pool_envs = {pool: entry for pool, entry in self._pool_envs.items() if pool in runtime_envs}
-        self._agent_call("keep_warm", per_node=per_node, active_submissions=sorted(active_submissions),
-                        runtime_envs=resolved)
+        self._agent_call(
+            "keep_warm", per_node=per_node, active_submissions=sorted(active_submissions), runtime_envs=resolved
+        )
 
     def _pool_runtime_env(self, pool: str, runtime_env: dict[str, Any]) -> dict[str, Any]:
         """The pool's runtime_env as an actor takes it, which is no local path: the code zip becomes the same
@@ -127,14 +141,22 @@ class RayCluster:
             raise AgentUnavailable(why)
         return self.agent.call(op, **args)
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
+    def submit(
+        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> None:
         """`runtime_env`: Ray's; a local zip as its working_dir is uploaded as a Ray package unless the cluster has it.
         `metadata`: the Ray job's, shown in the dashboard."""
         jobs = self._jobs_api()
         # The driver holds no CPU of its own (the job's placement group has them all); driver_resources only say
         # where it may run.
-        jobs.submit_job(entrypoint=entrypoint, submission_id=submission_id, entrypoint_num_cpus=0, runtime_env=runtime_env,
-                        metadata=metadata, entrypoint_resources=self.driver_resources or None)
+        jobs.submit_job(
+            entrypoint=entrypoint,
+            submission_id=submission_id,
+            entrypoint_num_cpus=0,
+            runtime_env=runtime_env,
+            metadata=metadata,
+            entrypoint_resources=self.driver_resources or None,
+        )
 
     def status(self, submission_id: str) -> str | None:
         jobs = self._jobs_api()
@@ -213,6 +235,7 @@ class _JobsApi:
                 return attribute(*args, **kwargs)
             except requests.exceptions.ConnectionError as error:
                 raise ClusterUnreachable(f"the Ray dashboard at {self._dashboard_url} does not answer") from error
+
         return call
 
 

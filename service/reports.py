@@ -23,12 +23,16 @@ class MetricPoint(JsonTyped):
     step_time_s: float | None = None
     wall_time: float | None = Field(default=None, description="Unix time at which rank 0 finished the step.")
     lr: float | None = None
-    grad_norm: float | None = Field(default=None, description="The global gradient norm before clipping (train.grad_clip).")
+    grad_norm: float | None = Field(
+        default=None, description="The global gradient norm before clipping (train.grad_clip)."
+    )
     world_size: int | None = None
     attempt: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="The attempt that ran the step, when not the reporting one: a resumed attempt replays the metrics "
-                    "its checkpoint kept, which the attempt that wrote it may not have reported before it failed.")
+        "its checkpoint kept, which the attempt that wrote it may not have reported before it failed.",
+    )
 
 
 class StoredCheckpoint(JsonTyped):
@@ -50,15 +54,28 @@ class CheckpointRecord(JsonTyped):
     uri: str
     world_size: int = Field(ge=1)
     final: bool = False
-    metric: str | None = Field(default=None, max_length=32, description="checkpoint.keep_best's metric, when the job sets one.")
+    metric: str | None = Field(
+        default=None, max_length=32, description="checkpoint.keep_best's metric, when the job sets one."
+    )
     metric_value: float | None = Field(default=None, description="This checkpoint's value of that metric.")
-    best_uri: str | None = Field(default=None, description="The checkpoint retention keeps as the best by the metric, after this commit.")
-    deleted_uris: list[str] = Field(default_factory=list, max_length=10_000, description="Checkpoints retention deleted right after this commit.")
-    kept: list[StoredCheckpoint] | None = Field(default=None, max_length=10_000, description=(
-        "Every committed checkpoint on the job's storage after this commit's retention, this one included: the "
-        "checkpoint rows become these, though a worker lost between its commit and its report took that record "
-        "with it (None: not said)."))
-    blocked_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds training waited for the save to start (staging).")
+    best_uri: str | None = Field(
+        default=None, description="The checkpoint retention keeps as the best by the metric, after this commit."
+    )
+    deleted_uris: list[str] = Field(
+        default_factory=list, max_length=10_000, description="Checkpoints retention deleted right after this commit."
+    )
+    kept: list[StoredCheckpoint] | None = Field(
+        default=None,
+        max_length=10_000,
+        description=(
+            "Every committed checkpoint on the job's storage after this commit's retention, this one included: the "
+            "checkpoint rows become these, though a worker lost between its commit and its report took that record "
+            "with it (None: not said)."
+        ),
+    )
+    blocked_s: float | None = Field(
+        default=None, ge=0, le=1e7, description="Seconds training waited for the save to start (staging)."
+    )
     save_s: float | None = Field(default=None, ge=0, le=1e7, description="Seconds from the save's start to its commit.")
 
 
@@ -82,10 +99,16 @@ class DriverReport(JsonTyped):
 
     model_config = ConfigDict(extra="forbid")
 
-    seq: int | None = Field(default=None, ge=1, description="The driver's sequence number; a report at or below the last applied one is a replay.")
+    seq: int | None = Field(
+        default=None,
+        ge=1,
+        description="The driver's sequence number; a report at or below the last applied one is a replay.",
+    )
     state: Literal["RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"] | None = None
     message: str | None = Field(default=None, max_length=100_000)
-    details: dict[str, Any] = Field(default_factory=dict, description="Stored on the state change's event (e.g. lost node, new world size).")
+    details: dict[str, Any] = Field(
+        default_factory=dict, description="Stored on the state change's event (e.g. lost node, new world size)."
+    )
     metrics: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list, max_length=1000)
     memory: list[RankMemory] = Field(default_factory=list, max_length=4096)

@@ -14,51 +14,104 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RINGMASTER_", extra="ignore")
 
-    data_dir: Path = Field(default=Path(".ringmaster"), description="Where the embedded database, Ray head state and checkpoints live.")
+    data_dir: Path = Field(
+        default=Path(".ringmaster"), description="Where the embedded database, Ray head state and checkpoints live."
+    )
     database_url: str | None = Field(default=None, description="SQLAlchemy URL; default: SQLite file under data_dir.")
-    ray_address: str | None = Field(default=None, description="GCS address of an existing Ray cluster; unset starts an embedded head.")
-    ray_dashboard_url: str | None = Field(default=None, description="That cluster's dashboard / Jobs API URL; derived when embedded.")
+    ray_address: str | None = Field(
+        default=None, description="GCS address of an existing Ray cluster; unset starts an embedded head."
+    )
+    ray_dashboard_url: str | None = Field(
+        default=None, description="That cluster's dashboard / Jobs API URL; derived when embedded."
+    )
     storage_uri: str | None = Field(default=None, description="Checkpoint storage; default: data_dir/checkpoints.")
     api_host: str = "127.0.0.1"
     api_port: int = 8765
-    api_url: str | None = Field(default=None, description="URL the job driver uses to report back; default from host and port.")
+    api_url: str | None = Field(
+        default=None, description="URL the job driver uses to report back; default from host and port."
+    )
     dispatch_interval_s: float = Field(default=0.5, gt=0)
-    lease_s: float = Field(default=30.0, gt=0, description="How long a dispatcher owns a claimed job before another may take it.")
-    admission_wait_s: float = Field(default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued.")
+    lease_s: float = Field(
+        default=30.0, gt=0, description="How long a dispatcher owns a claimed job before another may take it."
+    )
+    admission_wait_s: float = Field(
+        default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued."
+    )
     driver_python: str = Field(default="python", description="Interpreter that runs the job driver on the Ray cluster.")
-    driver_resources: dict[str, float] = Field(default_factory=dict, description="Ray resources a job's driver needs "
-                                               "(the Jobs API's entrypoint_resources), e.g. {\"ringmaster_driver\": 1} "
-                                               "where only worker nodes have that resource: with GCS fault tolerance, "
-                                               "a driver off the head lives through the head's restart. Default: none "
-                                               "(Ray places drivers on the head).")
-    gpus_per_node: int | None = Field(default=None, ge=0, description="GPUs on each node workers run on, when the cluster "
-                                      "does not say; the submit-time check keeps tensor-parallel groups inside a node.")
-    cpus_per_node: float | None = Field(default=None, gt=0, description="CPUs on each node workers run on (CPU jobs), as above.")
+    driver_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources a job's driver needs "
+        '(the Jobs API\'s entrypoint_resources), e.g. {"ringmaster_driver": 1} '
+        "where only worker nodes have that resource: with GCS fault tolerance, "
+        "a driver off the head lives through the head's restart. Default: none "
+        "(Ray places drivers on the head).",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs on each node workers run on, when the cluster "
+        "does not say; the submit-time check keeps tensor-parallel groups inside a node.",
+    )
+    cpus_per_node: float | None = Field(
+        default=None, gt=0, description="CPUs on each node workers run on (CPU jobs), as above."
+    )
     nodes: int | None = Field(default=None, ge=1, description="Nodes in the cluster, when fixed.")
-    code_path: str | None = Field(default=None, description="PYTHONPATH for job drivers and workers, where user models "
-                                  "('package.module:function') are imported from; embedded default: the current directory.")
-    warm_workers_per_node: int = Field(default=2, ge=0, description="Idle CPU worker processes, torch imported, that "
-                                       "the dispatcher keeps on each node for any job to claim: a job's CPU workers "
-                                       "start without a process start or `import torch`. 0 turns the pool off.")
-    warm_runtime_envs: int = Field(default=2, ge=0, description="Runtime envs of jobs that bring their own (code, pip "
-                                   "requirements or variables) that keep a warm pool of their own, the most recently "
-                                   "submitted first: the next job in one of these envs starts warm. 0: such jobs always "
-                                   "start cold workers.")
-    mlflow_tracking_uri: str | None = Field(default=None, description="With it, each job is an MLflow run there: the "
-                                            "JobSpec as parameters, per-step metrics, checkpoint URIs as tags, final state.")
+    code_path: str | None = Field(
+        default=None,
+        description="PYTHONPATH for job drivers and workers, where user models "
+        "('package.module:function') are imported from; embedded default: the current directory.",
+    )
+    warm_workers_per_node: int = Field(
+        default=2,
+        ge=0,
+        description="Idle CPU worker processes, torch imported, that "
+        "the dispatcher keeps on each node for any job to claim: a job's CPU workers "
+        "start without a process start or `import torch`. 0 turns the pool off.",
+    )
+    warm_runtime_envs: int = Field(
+        default=2,
+        ge=0,
+        description="Runtime envs of jobs that bring their own (code, pip "
+        "requirements or variables) that keep a warm pool of their own, the most recently "
+        "submitted first: the next job in one of these envs starts warm. 0: such jobs always "
+        "start cold workers.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="With it, each job is an MLflow run there: the "
+        "JobSpec as parameters, per-step metrics, checkpoint URIs as tags, final state.",
+    )
     mlflow_experiment: str = Field(default="ringmaster", description="The MLflow experiment jobs' runs go in.")
-    ray_start_timeout_s: float = Field(default=60.0, gt=0, description="How long the embedded Ray head may take to "
-                                       "answer before its start counts as failed (it is tried twice).")
-    ray_client_server: bool = Field(default=False, description="Start the Ray client server (ray://) on the embedded "
-                                    "head; ringmaster itself does not need it.")
-    log_format: Literal["auto", "json", "text"] = Field(default="auto", description="`serve`'s log lines: text on a "
-                            "terminal and JSON otherwise (auto), or always json or text.")
-    token: SecretStr | None = Field(default=None, description="API token the CLI and client send; default: the local "
-                                    "admin token an embedded server writes to data_dir/admin.token.")
-    max_request_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body the API reads; "
-                                   "a larger one is refused with 413 before it is read.")
-    max_code_bytes: int = Field(default=100 * 1024 * 1024, ge=1024, description="Largest code archive a job may ship "
-                                "(POST /v1/code), packed and unpacked alike; a larger one is refused with 413.")
+    ray_start_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long the embedded Ray head may take to "
+        "answer before its start counts as failed (it is tried twice).",
+    )
+    ray_client_server: bool = Field(
+        default=False,
+        description="Start the Ray client server (ray://) on the embedded head; ringmaster itself does not need it.",
+    )
+    log_format: Literal["auto", "json", "text"] = Field(
+        default="auto",
+        description="`serve`'s log lines: text on a terminal and JSON otherwise (auto), or always json or text.",
+    )
+    token: SecretStr | None = Field(
+        default=None,
+        description="API token the CLI and client send; default: the local "
+        "admin token an embedded server writes to data_dir/admin.token.",
+    )
+    max_request_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Largest request body the API reads; a larger one is refused with 413 before it is read.",
+    )
+    max_code_bytes: int = Field(
+        default=100 * 1024 * 1024,
+        ge=1024,
+        description="Largest code archive a job may ship "
+        "(POST /v1/code), packed and unpacked alike; a larger one is refused with 413.",
+    )
 
     def resolved_database_url(self) -> str:
         if self.database_url:

@@ -17,8 +17,18 @@ from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ringmaster.service.catalogue import (BUILTIN_MODELS, CORPORA, CORPUS_SEQ_LEN, HF_PREFIX, STRATEGIES, STRATEGY_NAMES,
-                                         USER_DATA, BuiltinModel, builtin_job_rules, strategy_rules)
+from ringmaster.service.catalogue import (
+    BUILTIN_MODELS,
+    CORPORA,
+    CORPUS_SEQ_LEN,
+    HF_PREFIX,
+    STRATEGIES,
+    STRATEGY_NAMES,
+    USER_DATA,
+    BuiltinModel,
+    builtin_job_rules,
+    strategy_rules,
+)
 from ringmaster.service.errors import UNKNOWN_REFERENCE, VALUE_CONFLICT
 from ringmaster.service.hf_models import HFModelFacts, UnknownHFModel, hf_model_facts
 from ringmaster.service.json_types import JsonTyped
@@ -57,14 +67,25 @@ class _Strict(JsonTyped):
 class WorkersSpec(_Strict):
     min: int = Field(default=1, ge=1, le=1024, description="Fewest workers the job may run with (gang admission size).")
     max: int = Field(default=1, ge=1, le=1024, description="Most workers the job may run with.")
-    gpus_per_worker: int = Field(default=0, ge=0, le=16, description="GPUs per worker actor; 0 trains on CPU with gloo.")
-    cpus_per_worker: float = Field(default=1, gt=0, le=256, description="CPUs per worker actor; also its torch thread count.")
-    gpu_memory_gb: float | None = Field(default=None, ge=0.001, le=4096, description="Memory of each GPU, for the planner's fit check at submit.")
-    standby: int = Field(default=0, ge=0, le=64, description="Warm standby workers kept on capacity left idle, outside the "
-                         "group: a lost worker is replaced by one at once instead of by a newly started process.")
+    gpus_per_worker: int = Field(
+        default=0, ge=0, le=16, description="GPUs per worker actor; 0 trains on CPU with gloo."
+    )
+    cpus_per_worker: float = Field(
+        default=1, gt=0, le=256, description="CPUs per worker actor; also its torch thread count."
+    )
+    gpu_memory_gb: float | None = Field(
+        default=None, ge=0.001, le=4096, description="Memory of each GPU, for the planner's fit check at submit."
+    )
+    standby: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Warm standby workers kept on capacity left idle, outside the "
+        "group: a lost worker is replaced by one at once instead of by a newly started process.",
+    )
 
     @model_validator(mode="after")
-    def _min_le_max(self) -> "WorkersSpec":
+    def _min_le_max(self) -> WorkersSpec:
         if self.min > self.max:
             raise conflict("min", f"workers.min ({self.min}) must not exceed workers.max ({self.max})")
         return self
@@ -73,18 +94,26 @@ class WorkersSpec(_Strict):
 class LRScheduleSpec(_Strict):
     """The learning rate after train.warmup_steps, as a function of the step alone (so a resume needs no state)."""
 
-    kind: Literal["constant", "cosine", "linear"] = Field(default="constant", description="constant: lr throughout; "
-                                                          "cosine or linear: decays from lr to lr × min_lr_ratio at the last step.")
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="cosine, linear: the last step's LR as a fraction of lr.")
+    kind: Literal["constant", "cosine", "linear"] = Field(
+        default="constant",
+        description="constant: lr throughout; cosine or linear: decays from lr to lr × min_lr_ratio at the last step.",
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="cosine, linear: the last step's LR as a fraction of lr."
+    )
 
 
 class OptimizerSpec(_Strict):
     name: Literal["adamw", "sgd"] = "adamw"
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="adamw: the moments' decay rates, each in [0, 1).",
-                                       json_schema_extra={"prefixItems": [{"type": "number", "minimum": 0, "exclusiveMaximum": 1}] * 2})
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999),
+        description="adamw: the moments' decay rates, each in [0, 1).",
+        json_schema_extra={"prefixItems": [{"type": "number", "minimum": 0, "exclusiveMaximum": 1}] * 2},
+    )
     eps: float = Field(default=1e-8, gt=0, le=1, description="adamw: added to the denominator.")
-    weight_decay: float | None = Field(default=None, ge=0, le=10, description="Decoupled (adamw) or L2 (sgd) weight decay; "
-                                       "unset: train.weight_decay.")
+    weight_decay: float | None = Field(
+        default=None, ge=0, le=10, description="Decoupled (adamw) or L2 (sgd) weight decay; unset: train.weight_decay."
+    )
 
     @field_validator("betas")
     @classmethod
@@ -100,21 +129,36 @@ class TrainSpec(_Strict):
     micro_batch_size: int = Field(default=4, ge=1)
     lr: float = Field(default=1e-3, gt=0, le=10)
     warmup_steps: int = Field(default=0, ge=0)
-    lr_scaling: Literal["none", "linear"] = Field(default="none", description="linear: lr is multiplied by the world size.")
+    lr_scaling: Literal["none", "linear"] = Field(
+        default="none", description="linear: lr is multiplied by the world size."
+    )
     seed: int = Field(default=0, ge=0)
     precision: Literal["fp32", "bf16"] = "fp32"
     weight_decay: float = Field(default=0.0, ge=0)
-    record_sample_ids: bool = Field(default=False, description="Write which sample ids each step used under the job's storage (data audit).")
+    record_sample_ids: bool = Field(
+        default=False, description="Write which sample ids each step used under the job's storage (data audit)."
+    )
     lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    eval_every_steps: int = Field(default=0, ge=0, description="Evaluate the validation set every this many steps (0: at "
-                                  "the end, and at checkpoints that keep_best by val_loss).")
-    grad_clip: float | None = Field(default=None, gt=0, le=1e6, description="Scale gradients down to this global norm (over "
-                                    "every shard and rank) when it is larger; unset: no clipping. The norm before clipping "
-                                    "is reported each step as grad_norm either way.")
+    eval_every_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Evaluate the validation set every this many steps (0: at "
+        "the end, and at checkpoints that keep_best by val_loss).",
+    )
+    grad_clip: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e6,
+        description="Scale gradients down to this global norm (over "
+        "every shard and rank) when it is larger; unset: no clipping. The norm before clipping "
+        "is reported each step as grad_norm either way.",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
-        default="none", description="Per block: full recomputes each block's activations in backward; selective keeps the "
-        "outputs of everything but element-wise ops and norms, which it recomputes.")
+        default="none",
+        description="Per block: full recomputes each block's activations in backward; selective keeps the "
+        "outputs of everything but element-wise ops and norms, which it recomputes.",
+    )
     compile: bool = Field(default=False, description="torch.compile each block (and the model when it has none).")
 
     @property
@@ -125,17 +169,34 @@ class TrainSpec(_Strict):
 class ParallelSpec(_Strict):
     """How the model is split; which fields apply depends on the strategy."""
 
-    shard: Literal["zero2", "zero3", "hybrid"] = Field(default="zero3", description="fsdp/3d: what FSDP shards; hybrid shards within a node and replicates across nodes.")
-    tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree (tensor, 3d); its group stays inside a node.")
+    shard: Literal["zero2", "zero3", "hybrid"] = Field(
+        default="zero3",
+        description="fsdp/3d: what FSDP shards; hybrid shards within a node and replicates across nodes.",
+    )
+    tp: int = Field(
+        default=1, ge=1, le=64, description="Tensor-parallel degree (tensor, 3d); its group stays inside a node."
+    )
     pp: int = Field(default=1, ge=1, le=64, description="Pipeline stages (pipeline, 3d).")
-    microbatches: int = Field(default=8, ge=1, le=4096, description="Pipeline micro-batches of micro_batch_size per step and data-parallel replica.")
+    microbatches: int = Field(
+        default=8,
+        ge=1,
+        le=4096,
+        description="Pipeline micro-batches of micro_batch_size per step and data-parallel replica.",
+    )
     schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
-    stages_per_rank: int = Field(default=2, ge=1, le=16, description="interleaved1f1b: model chunks (virtual stages) per pipeline rank.")
-    blocks: list[str] | None = Field(default=None, min_length=1, max_length=16, description="Class names of the model's "
-                                     "repeated blocks (the units of FSDP, activation checkpointing, compile and pipeline "
-                                     "splits); unset: a Hugging Face model's _no_split_modules, else the largest list of "
-                                     "same-class modules at any depth.",
-                                     json_schema_extra={"items": {"type": "string", "pattern": _CLASS_NAME.pattern}})
+    stages_per_rank: int = Field(
+        default=2, ge=1, le=16, description="interleaved1f1b: model chunks (virtual stages) per pipeline rank."
+    )
+    blocks: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description="Class names of the model's "
+        "repeated blocks (the units of FSDP, activation checkpointing, compile and pipeline "
+        "splits); unset: a Hugging Face model's _no_split_modules, else the largest list of "
+        "same-class modules at any depth.",
+        json_schema_extra={"items": {"type": "string", "pattern": _CLASS_NAME.pattern}},
+    )
 
     @field_validator("blocks")
     @classmethod
@@ -149,8 +210,10 @@ class ParallelSpec(_Strict):
 class KeepBestSpec(_Strict):
     """Keep the checkpoint with the best value of a metric besides the newest ``keep``."""
 
-    metric: Literal["val_loss", "loss"] = Field(description="val_loss: the validation set evaluated at each checkpoint; "
-                                                "loss: the training loss of the step the checkpoint is taken at.")
+    metric: Literal["val_loss", "loss"] = Field(
+        description="val_loss: the validation set evaluated at each checkpoint; "
+        "loss: the training loss of the step the checkpoint is taken at."
+    )
     mode: Literal["min", "max"] = Field(default="min", description="Whether the lowest or the highest value is best.")
 
 
@@ -159,18 +222,26 @@ class InMemorySpec(_Strict):
     (at most one step redone) without reading storage."""
 
     enabled: bool = Field(default=True, description="false: recover from the newest durable checkpoint only.")
-    replicas: int = Field(default=1, ge=0, le=3, description="Copies of each rank's state held by ranks on other "
-                          "nodes (0: only the rank's own, which covers the loss of other ranks only). ddp copies "
-                          "none: every rank's live state is the whole of it, and each rank's own few values (RNG, "
-                          "metric points) go to every rank.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=3,
+        description="Copies of each rank's state held by ranks on other "
+        "nodes (0: only the rank's own, which covers the loss of other ranks only). ddp copies "
+        "none: every rank's live state is the whole of it, and each rank's own few values (RNG, "
+        "metric points) go to every rank.",
+    )
 
 
 class CheckpointSpec(_Strict):
     every_steps: int = Field(default=0, ge=0, description="0 writes only the final checkpoint.")
     keep: int = Field(default=2, ge=1, le=1000, description="How many of the newest checkpoints are kept.")
     keep_best: KeepBestSpec | None = Field(default=None, description="Also keep the best checkpoint by a metric.")
-    in_memory: InMemorySpec | None = Field(default=None, description="In-memory snapshots of every step; unset: on, "
-                                           "with 1 replica, when the group spans more than one node.")
+    in_memory: InMemorySpec | None = Field(
+        default=None,
+        description="In-memory snapshots of every step; unset: on, "
+        "with 1 replica, when the group spans more than one node.",
+    )
 
     def in_memory_replicas(self, nodes: int) -> int | None:
         """Buddy copies of each rank's snapshot for a group on `nodes` nodes; None: no in-memory snapshots."""
@@ -179,9 +250,12 @@ class CheckpointSpec(_Strict):
         return self.in_memory.replicas if self.in_memory.enabled else None
 
     @model_validator(mode="after")
-    def _best_needs_periodic_checkpoints(self) -> "CheckpointSpec":
+    def _best_needs_periodic_checkpoints(self) -> CheckpointSpec:
         if self.keep_best is not None and self.every_steps == 0:
-            raise conflict("keep_best", "checkpoint.keep_best needs periodic checkpoints to choose from: set checkpoint.every_steps > 0")
+            raise conflict(
+                "keep_best",
+                "checkpoint.keep_best needs periodic checkpoints to choose from: set checkpoint.every_steps > 0",
+            )
         return self
 
 
@@ -190,12 +264,26 @@ class _DataSourceSpec(_Strict):
     tokens (consecutive windows share their boundary token), so a sample id names fixed tokens."""
 
     path: str = Field(min_length=1, max_length=4096, description="Where the data lies, as the workers see it.")
-    seq_len: int | None = Field(default=None, ge=1, le=1_048_576, description="Tokens per sample; unset: the "
-                                "built-in model's seq_len option (a user model must set it).")
-    val_fraction: float = Field(default=0.0, ge=0, lt=1, description="The share of windows, taken from the end, held "
-                                "out as the validation set (0: none, unless a separate validation source is named).")
-    num_workers: int = Field(default=0, ge=0, le=64, description="DataLoader worker processes per rank that read "
-                             "samples (0: the training process reads them); the sample order is the same either way.")
+    seq_len: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_048_576,
+        description="Tokens per sample; unset: the built-in model's seq_len option (a user model must set it).",
+    )
+    val_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="The share of windows, taken from the end, held "
+        "out as the validation set (0: none, unless a separate validation source is named).",
+    )
+    num_workers: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="DataLoader worker processes per rank that read "
+        "samples (0: the training process reads them); the sample order is the same either way.",
+    )
 
     _separate_validation: ClassVar[str]  # the field naming a validation set of its own, besides val_fraction
 
@@ -204,9 +292,12 @@ class _DataSourceSpec(_Strict):
         return getattr(self, self._separate_validation) is not None or self.val_fraction > 0
 
     @model_validator(mode="after")
-    def _one_validation_split(self) -> "_DataSourceSpec":
+    def _one_validation_split(self) -> _DataSourceSpec:
         if getattr(self, self._separate_validation) is not None and self.val_fraction:
-            raise conflict("val_fraction", f"give data.{self._separate_validation} or data.val_fraction for the validation set, not both")
+            raise conflict(
+                "val_fraction",
+                f"give data.{self._separate_validation} or data.val_fraction for the validation set, not both",
+            )
         return self
 
 
@@ -215,11 +306,19 @@ class TokensData(_DataSourceSpec):
     fetched once per node into a local cache."""
 
     kind: Literal["tokens"]
-    path: str = Field(min_length=1, max_length=4096, description="A local path, file:// URI, or any fsspec URI "
-                      "(s3://, gs://, …): fetched once per node into RINGMASTER_DATA_CACHE.")
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="A local path, file:// URI, or any fsspec URI "
+        "(s3://, gs://, …): fetched once per node into RINGMASTER_DATA_CACHE.",
+    )
     dtype: Literal["uint16", "uint32"] = Field(default="uint16", description="The width of each token id in the file.")
-    val_path: str | None = Field(default=None, min_length=1, max_length=4096, description="A second token file, "
-                                 "of the same dtype, used as the validation set.")
+    val_path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="A second token file, of the same dtype, used as the validation set.",
+    )
 
     _separate_validation: ClassVar[str] = "val_path"
 
@@ -231,10 +330,15 @@ class HFDatasetData(_DataSourceSpec):
     kind: Literal["hf_dataset"]
     path: str = Field(min_length=1, max_length=4096, description="The directory datasets.load_from_disk reads.")
     column: str = Field(min_length=1, max_length=256, description="The column of token-id lists or of strings.")
-    split: str | None = Field(default=None, min_length=1, max_length=256, description="The training split when the "
-                              "directory holds a DatasetDict (unset: 'train').")
-    val_split: str | None = Field(default=None, min_length=1, max_length=256, description="A DatasetDict's split "
-                                  "used as the validation set.")
+    split: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="The training split when the directory holds a DatasetDict (unset: 'train').",
+    )
+    val_split: str | None = Field(
+        default=None, min_length=1, max_length=256, description="A DatasetDict's split used as the validation set."
+    )
 
     _separate_validation: ClassVar[str] = "val_split"
 
@@ -254,37 +358,60 @@ def _data_form(value: Any) -> str | None:
 
 
 _DataField = Annotated[
-    Annotated[Literal[(USER_DATA, *CORPORA)], Tag("corpus")] | Annotated[TokensData, Tag("tokens")] | Annotated[HFDatasetData, Tag("hf_dataset")],
-    Discriminator(_data_form, custom_error_type="data_form", custom_error_message=(
-        f"data must be a built-in corpus ({', '.join(map(repr, CORPORA))}), 'user', or a mapping whose kind is "
-        "'tokens' or 'hf_dataset'")),
+    Annotated[Literal[(USER_DATA, *CORPORA)], Tag("corpus")]
+    | Annotated[TokensData, Tag("tokens")]
+    | Annotated[HFDatasetData, Tag("hf_dataset")],
+    Discriminator(
+        _data_form,
+        custom_error_type="data_form",
+        custom_error_message=(
+            f"data must be a built-in corpus ({', '.join(map(repr, CORPORA))}), 'user', or a mapping whose kind is "
+            "'tokens' or 'hf_dataset'"
+        ),
+    ),
 ]
 
 
 class RuntimeEnvSpec(_Strict):
     """What the job's Ray runtime env adds: pip requirements installed for the job alone, and environment variables."""
 
-    pip: list[str] = Field(default_factory=list, max_length=MAX_REQUIREMENTS, description="Requirement strings "
-                           "(PEP 508: 'name==1.2', 'name @ file:///path/to.whl'), installed by Ray for this job's processes.",
-                           json_schema_extra={"items": {"type": "string", "format": PEP508_FORMAT, "maxLength": MAX_REQUIREMENT_CHARS}})
-    env_vars: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_VARS, description="Environment variables "
-                                     f"of the job's driver and workers; names starting {RESERVED_ENV_PREFIX} are ringmaster's own.",
-                                     json_schema_extra={
-                                         "propertyNames": {"pattern": _ENV_VAR_NAME.pattern, "maxLength": MAX_ENV_NAME_CHARS,
-                                                           "not": {"pattern": _RESERVED_ENV_PATTERN}},
-                                         "additionalProperties": {"type": "string", "maxLength": MAX_ENV_VALUE_CHARS}})
+    pip: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_REQUIREMENTS,
+        description="Requirement strings "
+        "(PEP 508: 'name==1.2', 'name @ file:///path/to.whl'), installed by Ray for this job's processes.",
+        json_schema_extra={"items": {"type": "string", "format": PEP508_FORMAT, "maxLength": MAX_REQUIREMENT_CHARS}},
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV_VARS,
+        description="Environment variables "
+        f"of the job's driver and workers; names starting {RESERVED_ENV_PREFIX} are ringmaster's own.",
+        json_schema_extra={
+            "propertyNames": {
+                "pattern": _ENV_VAR_NAME.pattern,
+                "maxLength": MAX_ENV_NAME_CHARS,
+                "not": {"pattern": _RESERVED_ENV_PATTERN},
+            },
+            "additionalProperties": {"type": "string", "maxLength": MAX_ENV_VALUE_CHARS},
+        },
+    )
 
     @field_validator("pip")
     @classmethod
     def _requirements_parse(cls, value: list[str]) -> list[str]:
         for index, text in enumerate(value):
             if len(text) > MAX_REQUIREMENT_CHARS:
-                raise ValueError(f"pip[{index}]: a requirement is at most {MAX_REQUIREMENT_CHARS} characters, got {len(text)}")
+                raise ValueError(
+                    f"pip[{index}]: a requirement is at most {MAX_REQUIREMENT_CHARS} characters, got {len(text)}"
+                )
             try:
                 Requirement(text)
             except InvalidRequirement as error:
-                raise ValueError(f"pip[{index}]: {text[:100]!r} is not a requirement (PEP 508, e.g. 'name==1.2' or "
-                                 f"'name @ file:///path/to.whl'): {error}") from None
+                raise ValueError(
+                    f"pip[{index}]: {text[:100]!r} is not a requirement (PEP 508, e.g. 'name==1.2' or "
+                    f"'name @ file:///path/to.whl'): {error}"
+                ) from None
         return value
 
     @field_validator("env_vars")
@@ -292,12 +419,18 @@ class RuntimeEnvSpec(_Strict):
     def _env_vars_bounded(cls, value: dict[str, str]) -> dict[str, str]:
         for name, text in value.items():
             if len(name) > MAX_ENV_NAME_CHARS or not _ENV_VAR_NAME.fullmatch(name):
-                raise ValueError(f"env_vars: {name[:MAX_ENV_NAME_CHARS]!r} is not a variable name (letters, digits and '_', "
-                                 f"not starting with a digit, at most {MAX_ENV_NAME_CHARS} characters)")
+                raise ValueError(
+                    f"env_vars: {name[:MAX_ENV_NAME_CHARS]!r} is not a variable name (letters, digits and '_', "
+                    f"not starting with a digit, at most {MAX_ENV_NAME_CHARS} characters)"
+                )
             if name.upper().startswith(RESERVED_ENV_PREFIX):
-                raise ValueError(f"env_vars: {name!r} is reserved: names starting {RESERVED_ENV_PREFIX} are ringmaster's own")
+                raise ValueError(
+                    f"env_vars: {name!r} is reserved: names starting {RESERVED_ENV_PREFIX} are ringmaster's own"
+                )
             if len(text) > MAX_ENV_VALUE_CHARS:
-                raise ValueError(f"env_vars: the value of {name!r} is {len(text)} characters; at most {MAX_ENV_VALUE_CHARS}")
+                raise ValueError(
+                    f"env_vars: the value of {name!r} is {len(text)} characters; at most {MAX_ENV_VALUE_CHARS}"
+                )
         return value
 
 
@@ -305,17 +438,31 @@ class JobSpec(_Strict):
     # The rules between fields that JSON Schema can state; the others are 422s of type VALUE_CONFLICT.
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [*builtin_job_rules(), *strategy_rules()]})
 
-    name: str = Field(description="Lower-case name: letters, digits, '.', '_' and '-'.", json_schema_extra={"pattern": _NAME.pattern})
-    model: str = Field(description="Built-in model name, 'package.module:function' for user code, or "
-                       "'hf:<transformers model class>' built from its config's fields in model_options (a class the "
-                       f"server's transformers lacks is a 422 of type {UNKNOWN_REFERENCE}).",
-                       json_schema_extra={"anyOf": [{"enum": list(BUILTIN_MODELS)}, {"pattern": _ENTRYPOINT.pattern},
-                                                    {"pattern": _HF_MODEL.pattern}]})
-    data: _DataField | None = Field(default=None, description="Built-in corpus ('pysource', 'synthetic'), "
-                                              "'user', or a data source ({kind: tokens | hf_dataset, …}); default follows the model.")
-    model_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the model builder (e.g. sizes).")
-    model_parameters: int | None = Field(default=None, ge=1, description="Parameter count of a user model, for the planner "
-                                         "(strategy auto, the fit check against workers.gpu_memory_gb); built-ins are sized from model_options.")
+    name: str = Field(
+        description="Lower-case name: letters, digits, '.', '_' and '-'.", json_schema_extra={"pattern": _NAME.pattern}
+    )
+    model: str = Field(
+        description="Built-in model name, 'package.module:function' for user code, or "
+        "'hf:<transformers model class>' built from its config's fields in model_options (a class the "
+        f"server's transformers lacks is a 422 of type {UNKNOWN_REFERENCE}).",
+        json_schema_extra={
+            "anyOf": [{"enum": list(BUILTIN_MODELS)}, {"pattern": _ENTRYPOINT.pattern}, {"pattern": _HF_MODEL.pattern}]
+        },
+    )
+    data: _DataField | None = Field(
+        default=None,
+        description="Built-in corpus ('pysource', 'synthetic'), "
+        "'user', or a data source ({kind: tokens | hf_dataset, …}); default follows the model.",
+    )
+    model_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options for the model builder (e.g. sizes)."
+    )
+    model_parameters: int | None = Field(
+        default=None,
+        ge=1,
+        description="Parameter count of a user model, for the planner "
+        "(strategy auto, the fit check against workers.gpu_memory_gb); built-ins are sized from model_options.",
+    )
     strategy: Literal[STRATEGY_NAMES] = "ddp"  # type: ignore[valid-type] — the catalogue's names
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     workers: WorkersSpec = Field(default_factory=WorkersSpec)
@@ -323,19 +470,28 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: int = Field(default=3, ge=0, le=100)
     priority: int = Field(default=0, ge=-1000, le=1000)
-    resume_from: str | None = Field(default=None, description="Id of another job (or an unambiguous prefix of one, stored as the whole id): this job starts from that job's newest usable "
-                                    "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.")
-    code: str | None = Field(default=None, description="The job's own code: 'sha256:<hex>' of an archive uploaded with "
-                             "POST /v1/code (`ringmaster submit --code DIR`); the job's processes run in it and import from it.",
-                             json_schema_extra={"anyOf": [{"type": "string", "pattern": CODE_REF.pattern}, {"type": "null"}]})
-    runtime_env: RuntimeEnvSpec | None = Field(default=None, description="pip requirements and environment variables of the "
-                                               "job's own Ray runtime env.")
+    resume_from: str | None = Field(
+        default=None,
+        description="Id of another job (or an unambiguous prefix of one, stored as the whole id): this job starts from that job's newest usable "
+        "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.",
+    )
+    code: str | None = Field(
+        default=None,
+        description="The job's own code: 'sha256:<hex>' of an archive uploaded with "
+        "POST /v1/code (`ringmaster submit --code DIR`); the job's processes run in it and import from it.",
+        json_schema_extra={"anyOf": [{"type": "string", "pattern": CODE_REF.pattern}, {"type": "null"}]},
+    )
+    runtime_env: RuntimeEnvSpec | None = Field(
+        default=None, description="pip requirements and environment variables of the job's own Ray runtime env."
+    )
 
     @field_validator("code")
     @classmethod
     def _code_ref_shape(cls, value: str | None) -> str | None:
         if value is not None and not CODE_REF.fullmatch(value):
-            raise ValueError(f"must be 'sha256:' and 64 lower-case hex digits (what POST /v1/code answers), got {value[:80]!r}")
+            raise ValueError(
+                f"must be 'sha256:' and 64 lower-case hex digits (what POST /v1/code answers), got {value[:80]!r}"
+            )
         return value
 
     @property
@@ -357,15 +513,19 @@ class JobSpec(_Strict):
     @classmethod
     def _name_shape(cls, value: str) -> str:
         if not _NAME.fullmatch(value):
-            raise ValueError("must be 1-64 characters of a-z, 0-9, '.', '_' or '-', starting and ending with a letter or digit")
+            raise ValueError(
+                "must be 1-64 characters of a-z, 0-9, '.', '_' or '-', starting and ending with a letter or digit"
+            )
         return value
 
     @field_validator("model")
     @classmethod
     def _model_known(cls, value: str) -> str:
         if value not in BUILTIN_MODELS and not _ENTRYPOINT.fullmatch(value) and not _HF_MODEL.fullmatch(value):
-            raise ValueError(f"must be one of {', '.join(BUILTIN_MODELS)}, 'package.module:function' or "
-                             f"'{HF_PREFIX}<ModelClass>', got {value!r}")
+            raise ValueError(
+                f"must be one of {', '.join(BUILTIN_MODELS)}, 'package.module:function' or "
+                f"'{HF_PREFIX}<ModelClass>', got {value!r}"
+            )
         if _HF_MODEL.fullmatch(value):
             try:
                 hf_model_facts(value.removeprefix(HF_PREFIX))
@@ -374,7 +534,7 @@ class JobSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "JobSpec":
+    def _consistent(self) -> JobSpec:
         builtin = BUILTIN_MODELS.get(self.model)
         if builtin is not None:
             self.model_options = builtin.whole_sizes(self.model_options)
@@ -382,7 +542,10 @@ class JobSpec(_Strict):
             self.data = builtin.corpus if builtin else USER_DATA
         if isinstance(self.data, str):
             if builtin and self.data != builtin.corpus:
-                raise conflict("data", f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, got {self.data!r}")
+                raise conflict(
+                    "data",
+                    f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, got {self.data!r}",
+                )
         else:
             self._check_data_source(builtin)
         self._check_parallel_fields()
@@ -393,18 +556,22 @@ class JobSpec(_Strict):
             model_parallel = self.parallel.tp * self.parallel.pp
             if world % model_parallel:
                 raise conflict(
-                    "workers.max", f"workers: every world size in [{self.workers.min}, {self.workers.max}] must be a multiple of "
-                    f"parallel.tp × parallel.pp ({self.parallel.tp} × {self.parallel.pp} = {model_parallel}); {world} is not"
+                    "workers.max",
+                    f"workers: every world size in [{self.workers.min}, {self.workers.max}] must be a multiple of "
+                    f"parallel.tp × parallel.pp ({self.parallel.tp} × {self.parallel.pp} = {model_parallel}); {world} is not",
                 )
             per_step = self.samples_per_micro_step(world)
             if train.global_batch_size % per_step:
                 raise conflict(
-                    "train.global_batch_size", f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+                    "train.global_batch_size",
+                    f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
                     f"{self._micro_step_formula(world)} = {per_step}) "
-                    f"for every world size in workers [{self.workers.min}, {self.workers.max}]"
+                    f"for every world size in workers [{self.workers.min}, {self.workers.max}]",
                 )
         if train.warmup_steps > train.steps:
-            raise conflict("train.warmup_steps", f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})")
+            raise conflict(
+                "train.warmup_steps", f"train.warmup_steps ({train.warmup_steps}) exceeds train.steps ({train.steps})"
+            )
         return self
 
     def _check_data_source(self, builtin: BuiltinModel | None) -> None:
@@ -413,27 +580,45 @@ class JobSpec(_Strict):
         assert not isinstance(data, str) and data is not None
         if builtin is not None:
             if builtin.seq_len_option is None:
-                raise conflict("data", f"data: model {self.model!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
-                                 f"needs a model of token sequences")
+                raise conflict(
+                    "data",
+                    f"data: model {self.model!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
+                    f"needs a model of token sequences",
+                )
             model_seq_len = builtin.option(builtin.seq_len_option, self.model_options)
             if data.seq_len is None:
                 data.seq_len = model_seq_len
             elif isinstance(model_seq_len, int) and data.seq_len > model_seq_len:
-                raise conflict("data.seq_len", f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
-                                 f"model_options.{builtin.seq_len_option} ({model_seq_len})")
+                raise conflict(
+                    "data.seq_len",
+                    f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
+                    f"model_options.{builtin.seq_len_option} ({model_seq_len})",
+                )
         elif data.seq_len is None:
             if self.model.startswith(HF_PREFIX):
-                raise conflict("data.seq_len", f"data.seq_len must be set: the length of the windows model {self.model!r} "
-                                 "trains on, at most its context length")
-            raise conflict("data.seq_len", f"data.seq_len must be set: model {self.model!r} is a user model, whose context "
-                             "length ringmaster cannot know")
+                raise conflict(
+                    "data.seq_len",
+                    f"data.seq_len must be set: the length of the windows model {self.model!r} "
+                    "trains on, at most its context length",
+                )
+            raise conflict(
+                "data.seq_len",
+                f"data.seq_len must be set: model {self.model!r} is a user model, whose context "
+                "length ringmaster cannot know",
+            )
         if not data.has_validation:
             separate = "data.val_path" if data.kind == "tokens" else "data.val_split"
             keep_best = self.checkpoint.keep_best
             if self.train.eval_every_steps:
-                raise conflict("train.eval_every_steps", f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}")
+                raise conflict(
+                    "train.eval_every_steps",
+                    f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}",
+                )
             if keep_best is not None and keep_best.metric == "val_loss":
-                raise conflict("checkpoint.keep_best.metric", f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}")
+                raise conflict(
+                    "checkpoint.keep_best.metric",
+                    f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}",
+                )
 
     def _check_hf_model(self) -> None:
         """What transformers' source says of an hf: model: parallel.tp needs the tensor-parallel plan its config
@@ -441,9 +626,12 @@ class JobSpec(_Strict):
         model_class = self.model.removeprefix(HF_PREFIX)
         facts = hf_model_facts(model_class)
         if self.parallel.tp > 1 and not facts.has_tp_plan:
-            raise conflict("parallel.tp", f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
-                             f"({facts.config_class or 'its config'} has no base_model_tp_plan); give the job a model "
-                             "function of your own that returns a ModelBundle with a tensor_parallel hook")
+            raise conflict(
+                "parallel.tp",
+                f"parallel.tp: transformers ships no tensor-parallel plan for {model_class} "
+                f"({facts.config_class or 'its config'} has no base_model_tp_plan); give the job a model "
+                "function of your own that returns a ModelBundle with a tensor_parallel hook",
+            )
         self._check_hf_context(facts)
 
     def _check_hf_context(self, facts: HFModelFacts) -> None:
@@ -468,8 +656,9 @@ class JobSpec(_Strict):
             where, window = "data.seq_len", self.data.seq_len
         if isinstance(window, int) and window > context:
             source = f"model_options.{field}" if given is not None else f"{facts.config_class}'s default {field}"
-            raise conflict(where, f"{where} ({window}) exceeds the context length of model {self.model!r}: {source} is "
-                                  f"{context}")
+            raise conflict(
+                where, f"{where} ({window}) exceeds the context length of model {self.model!r}: {source} is {context}"
+            )
 
     def _check_parallel_fields(self) -> None:
         parallel, strategy = self.parallel, self.strategy
@@ -478,18 +667,29 @@ class JobSpec(_Strict):
         degrees = {"tp": parallel.tp, "pp": parallel.pp}
         if not splits and (parallel.tp, parallel.pp) != (1, 1):
             splitting = [name for name, other in STRATEGIES.items() if other.splits]
-            raise conflict("parallel.tp" if parallel.tp != 1 else "parallel.pp", f"parallel.tp and parallel.pp apply to strategies {', '.join(splitting[:-1])} and "
-                             f"{splitting[-1]}, not {strategy!r}")
+            raise conflict(
+                "parallel.tp" if parallel.tp != 1 else "parallel.pp",
+                f"parallel.tp and parallel.pp apply to strategies {', '.join(splitting[:-1])} and "
+                f"{splitting[-1]}, not {strategy!r}",
+            )
         if entry and entry.requires:
             needs = [f"parallel.{name} >= 2" for name in sorted(entry.requires)]
             needs += [f"parallel.{name} = 1" for name in degrees if name not in splits]
-            if any(degrees[name] < 2 for name in entry.requires) or any(degrees[name] != 1 for name in degrees if name not in splits):
+            if any(degrees[name] < 2 for name in entry.requires) or any(
+                degrees[name] != 1 for name in degrees if name not in splits
+            ):
                 raise conflict("strategy", f"strategy {strategy!r} needs {' and '.join(needs)}")
         if parallel.shard == "hybrid" and not (entry and entry.shards):
             sharding = [name for name, other in STRATEGIES.items() if other.shards]
-            raise conflict("parallel.shard", f"parallel.shard 'hybrid' applies to strategies {' and '.join(sharding)}, not {strategy!r}")
+            raise conflict(
+                "parallel.shard",
+                f"parallel.shard 'hybrid' applies to strategies {' and '.join(sharding)}, not {strategy!r}",
+            )
         if parallel.schedule == "interleaved1f1b" and parallel.pp > 1 and parallel.microbatches % parallel.pp:
-            raise conflict("parallel.microbatches", f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b")
+            raise conflict(
+                "parallel.microbatches",
+                f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b",
+            )
 
     def data_parallel_size(self, world_size: int) -> int:
         """Replicas of the model: what is left of the world after tensor and pipeline splits."""
@@ -514,7 +714,9 @@ class JobSpec(_Strict):
 
     def scaled_lr(self, world_size: int) -> float:
         """lr_scaling: linear multiplies lr by the number of data-parallel replicas (one replica = lr)."""
-        return self.train.lr * self.data_parallel_size(world_size) if self.train.lr_scaling == "linear" else self.train.lr
+        return (
+            self.train.lr * self.data_parallel_size(world_size) if self.train.lr_scaling == "linear" else self.train.lr
+        )
 
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
@@ -534,7 +736,14 @@ class JobSpec(_Strict):
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-_LATER_TRAIN_FIELDS = ("lr_schedule", "optimizer", "eval_every_steps", "grad_clip", "activation_checkpointing", "compile")  # left out of spec_hash at their defaults
+_LATER_TRAIN_FIELDS = (
+    "lr_schedule",
+    "optimizer",
+    "eval_every_steps",
+    "grad_clip",
+    "activation_checkpointing",
+    "compile",
+)  # left out of spec_hash at their defaults
 
 
 def parse_spec_text(text: str) -> JobSpec:
@@ -554,8 +763,11 @@ def field_meant(model: type[JsonTyped], loc: tuple[str | int, ...]) -> str | Non
         if fields:
             models = [nested for field in fields for nested in _models_in(field.annotation)]
         else:  # a union member's tag (data's kind)
-            models = [current for current in models if "kind" in current.model_fields
-                      and part in typing.get_args(current.model_fields["kind"].annotation)]
+            models = [
+                current
+                for current in models
+                if "kind" in current.model_fields and part in typing.get_args(current.model_fields["kind"].annotation)
+            ]
     names = {name for current in models for name in current.model_fields}
     close = difflib.get_close_matches(str(loc[-1]), sorted(names), n=1, cutoff=0.6) if loc else []
     return close[0] if close else None

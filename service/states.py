@@ -22,7 +22,9 @@ _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.ADMITTED, JobState.CANCELLED, JobState.FAILED}),
     JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
     # QUEUED from a live state: the attempt was lost outside the driver's control and is retried.
-    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
+    JobState.RUNNING: frozenset(
+        {JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
+    ),
     JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),

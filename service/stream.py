@@ -29,7 +29,7 @@ class Cursor:
         return f"{self.event_id}:{self.attempt}:{self.step}"
 
     @classmethod
-    def parse(cls, text: str | None) -> "Cursor":
+    def parse(cls, text: str | None) -> Cursor:
         """A Last-Event-ID; anything unreadable starts from the beginning rather than failing the stream."""
         try:
             event_id, attempt, step = (int(part) for part in (text or "").split(":"))
@@ -71,14 +71,19 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
     state = JobState(get_job(session, job_id).state)
     events = list(
         session.scalars(
-            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > cursor.event_id).order_by(JobEvent.id).limit(limit)
+            select(JobEvent)
+            .where(JobEvent.job_id == job_id, JobEvent.id > cursor.event_id)
+            .order_by(JobEvent.id)
+            .limit(limit)
         )
     )
     # A row-value comparison, which both databases answer from the (job_id, attempt, step) index: the OR of the two
     # cases it stands for scanned every step the job ran, at each poll of each stream.
     after = tuple_(Metric.attempt, Metric.step) > tuple_(cursor.attempt, cursor.step)
     metrics = list(
-        session.scalars(select(Metric).where(Metric.job_id == job_id, after).order_by(Metric.attempt, Metric.step).limit(limit))
+        session.scalars(
+            select(Metric).where(Metric.job_id == job_id, after).order_by(Metric.attempt, Metric.step).limit(limit)
+        )
     )
     more = len(events) == limit or len(metrics) == limit
     # The job's end is the stream's last item: it waits for every metric row (a read cut short by the limit sends it
@@ -92,14 +97,33 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
     for row in heapq.merge(events, metrics, key=_happened):
         if isinstance(row, JobEvent):
             cursor = Cursor(row.id, cursor.attempt, cursor.step)
-            data = {"id": row.id, "at": _iso(row.at), "kind": row.kind, "from_state": row.from_state,
-                    "to_state": row.to_state, "message": row.message, "data": row.data}
+            data = {
+                "id": row.id,
+                "at": _iso(row.at),
+                "kind": row.kind,
+                "from_state": row.from_state,
+                "to_state": row.to_state,
+                "message": row.message,
+                "data": row.data,
+            }
             items.append(StreamItem("state" if row.kind == "transition" else "event", cursor, data))
         else:
             cursor = Cursor(cursor.event_id, row.attempt, row.step)
-            data = {field: getattr(row, field) for field in
-                    ("attempt", "step", "loss", "val_loss", "samples_per_s", "step_time_s", "wall_time", "lr",
-                     "grad_norm", "world_size")}
+            data = {
+                field: getattr(row, field)
+                for field in (
+                    "attempt",
+                    "step",
+                    "loss",
+                    "val_loss",
+                    "samples_per_s",
+                    "step_time_s",
+                    "wall_time",
+                    "lr",
+                    "grad_norm",
+                    "world_size",
+                )
+            }
             data["recorded_at"] = _iso(row.recorded_at)
             items.append(StreamItem("metric", cursor, data))
     return Batch(items, cursor, finished=state in TERMINAL and not more, more=more)

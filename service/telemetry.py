@@ -19,7 +19,8 @@ from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric as PromMetric
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import Metric as PromMetric
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, and_, event, func, select
 from sqlalchemy.orm import Session
@@ -40,7 +41,10 @@ class Telemetry:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.transitions = Counter(
-            "ringmaster_job_transitions", "Job state transitions, by the state entered.", ["to_state"], registry=registry
+            "ringmaster_job_transitions",
+            "Job state transitions, by the state entered.",
+            ["to_state"],
+            registry=registry,
         )
         self.dispatch_latency = Histogram(
             "ringmaster_dispatch_latency_seconds",
@@ -48,29 +52,42 @@ class Telemetry:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self.recoveries = Counter("ringmaster_recoveries", "Transitions to RECOVERING (a worker was lost).", registry=registry)
+        self.recoveries = Counter(
+            "ringmaster_recoveries", "Transitions to RECOVERING (a worker was lost).", registry=registry
+        )
         self.recovery_duration = Histogram(
             "ringmaster_recovery_duration_seconds",
             "Time from RECOVERING back to RUNNING.",
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self.checkpoints = Counter("ringmaster_checkpoints", "Checkpoints reported by drivers (each URI once).", registry=registry)
+        self.checkpoints = Counter(
+            "ringmaster_checkpoints", "Checkpoints reported by drivers (each URI once).", registry=registry
+        )
         self.checkpoint_save = Histogram(
-            "ringmaster_checkpoint_save_seconds", "Seconds from a checkpoint save's start to its commit.",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "ringmaster_checkpoint_save_seconds",
+            "Seconds from a checkpoint save's start to its commit.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.checkpoint_blocked = Histogram(
-            "ringmaster_checkpoint_blocked_seconds", "Seconds training waited for a checkpoint save to start (staging).",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "ringmaster_checkpoint_blocked_seconds",
+            "Seconds training waited for a checkpoint save to start (staging).",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.checkpoint_restore = Histogram(
-            "ringmaster_checkpoint_restore_seconds", "Seconds a job took to load a checkpoint when it started or re-formed.",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "ringmaster_checkpoint_restore_seconds",
+            "Seconds a job took to load a checkpoint when it started or re-formed.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.reconciler_actions = Counter(
-            "ringmaster_reconciler_actions", "What the reconciler did: resubmitted a lost attempt, adopted a running "
-            "Ray job it had not started, closed an ended attempt, failed a job whose driver never started.", ["action"], registry=registry,
+            "ringmaster_reconciler_actions",
+            "What the reconciler did: resubmitted a lost attempt, adopted a running "
+            "Ray job it had not started, closed an ended attempt, failed a job whose driver never started.",
+            ["action"],
+            registry=registry,
         )
         for action in RECONCILER_ACTIONS:
             self.reconciler_actions.labels(action=action)
@@ -105,7 +122,7 @@ class Observation:
     value: float = 1.0
 
 
-_sinks: "weakref.WeakKeyDictionary[Engine, list[Telemetry]]" = weakref.WeakKeyDictionary()
+_sinks: weakref.WeakKeyDictionary[Engine, list[Telemetry]] = weakref.WeakKeyDictionary()
 _sinks_lock = threading.Lock()
 
 
@@ -158,9 +175,14 @@ def record_checkpoints(session: Session, count: int) -> None:
         _pending(session).append(Observation("checkpoint", value=float(count)))
 
 
-def record_checkpoint_timing(session: Session, *, save_s: float | None = None, blocked_s: float | None = None,
-                             restore_s: float | None = None) -> None:
-    for kind, seconds in (("checkpoint_save", save_s), ("checkpoint_blocked", blocked_s), ("checkpoint_restore", restore_s)):
+def record_checkpoint_timing(
+    session: Session, *, save_s: float | None = None, blocked_s: float | None = None, restore_s: float | None = None
+) -> None:
+    for kind, seconds in (
+        ("checkpoint_save", save_s),
+        ("checkpoint_blocked", blocked_s),
+        ("checkpoint_restore", restore_s),
+    ):
         if seconds is not None:
             _pending(session).append(Observation(kind, value=seconds))
 
@@ -201,17 +223,32 @@ class DatabaseCollector(Collector):
         database = self._database()
         if database is None:  # before the app's startup
             return
-        jobs = GaugeMetricFamily("ringmaster_jobs", "Jobs in each state, by tenant (QUEUED is the queue depth).",
-                                 labels=["state", "tenant"])
-        steps = GaugeMetricFamily("ringmaster_job_steps_per_second", "Steps per second of a running job (1 / its latest step time).",
-                                  labels=["job_id", "name"])
-        samples = GaugeMetricFamily("ringmaster_job_samples_per_second", "Samples per second of a running job at its latest step.",
-                                    labels=["job_id", "name"])
-        loss = GaugeMetricFamily("ringmaster_job_loss", "Training loss of a running job at its latest step.", labels=["job_id", "name"])
-        step = GaugeMetricFamily("ringmaster_job_step", "Latest step a running job reported in its current attempt.", labels=["job_id", "name"])
+        jobs = GaugeMetricFamily(
+            "ringmaster_jobs", "Jobs in each state, by tenant (QUEUED is the queue depth).", labels=["state", "tenant"]
+        )
+        steps = GaugeMetricFamily(
+            "ringmaster_job_steps_per_second",
+            "Steps per second of a running job (1 / its latest step time).",
+            labels=["job_id", "name"],
+        )
+        samples = GaugeMetricFamily(
+            "ringmaster_job_samples_per_second",
+            "Samples per second of a running job at its latest step.",
+            labels=["job_id", "name"],
+        )
+        loss = GaugeMetricFamily(
+            "ringmaster_job_loss", "Training loss of a running job at its latest step.", labels=["job_id", "name"]
+        )
+        step = GaugeMetricFamily(
+            "ringmaster_job_step",
+            "Latest step a running job reported in its current attempt.",
+            labels=["job_id", "name"],
+        )
         with session_scope(database.sessions) as session:
             counts: dict[tuple[str, str], int] = {}
-            for state, tenant, count in session.execute(select(Job.state, Job.tenant, func.count()).group_by(Job.state, Job.tenant)):
+            for state, tenant, count in session.execute(
+                select(Job.state, Job.tenant, func.count()).group_by(Job.state, Job.tenant)
+            ):
                 counts[(state, tenant)] = count
             for row in _latest_running_metrics(session):
                 labels = [row.job_id, row.name]

@@ -47,7 +47,7 @@ class Quota:
     jobs: int | None = None
 
     @classmethod
-    def of(cls, tenant: Tenant) -> "Quota":
+    def of(cls, tenant: Tenant) -> Quota:
         return cls(tenant.quota_gpus, tenant.quota_cpus, tenant.quota_jobs)
 
     @property
@@ -61,7 +61,7 @@ class Usage:
     cpus: float = 0.0
     jobs: int = 0
 
-    def plus(self, other: "Usage") -> "Usage":
+    def plus(self, other: Usage) -> Usage:
         return Usage(self.gpus + other.gpus, self.cpus + other.cpus, self.jobs + other.jobs)
 
 
@@ -80,16 +80,20 @@ def footprint(gpus_per_worker: int, cpus_per_worker: float, workers: int) -> Usa
 
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
-        raise InvalidTenant(f"tenant name {name!r}: must be 1-64 characters of a-z, 0-9, '.', '_' or '-', "
-                            "starting and ending with a letter or digit", field="name")
+        raise InvalidTenant(
+            f"tenant name {name!r}: must be 1-64 characters of a-z, 0-9, '.', '_' or '-', "
+            "starting and ending with a letter or digit",
+            field="name",
+        )
     return name
 
 
 def check_quota(quota: Quota) -> Quota:
     for resource, value in (("gpus", quota.gpus), ("cpus", quota.cpus), ("jobs", quota.jobs)):
         if value is not None and not 0 <= value <= 1_000_000:
-            raise InvalidTenant(f"quota {resource} must be between 0 and 1000000 (or unset for unlimited), got {value}",
-                                field=resource)
+            raise InvalidTenant(
+                f"quota {resource} must be between 0 and 1000000 (or unset for unlimited), got {value}", field=resource
+            )
     return quota
 
 
@@ -137,8 +141,13 @@ def usage(session: Session, tenant: str, *, exclude_job: str | None = None) -> U
         if job_id == exclude_job:
             continue
         workers: dict[str, Any] = spec.get("workers", {})
-        total = total.plus(footprint(workers.get("gpus_per_worker", 0), workers.get("cpus_per_worker", 1.0),
-                                     (max_workers or workers.get("max", 1)) + workers.get("standby", 0)))
+        total = total.plus(
+            footprint(
+                workers.get("gpus_per_worker", 0),
+                workers.get("cpus_per_worker", 1.0),
+                (max_workers or workers.get("max", 1)) + workers.get("standby", 0),
+            )
+        )
     return total
 
 
@@ -161,16 +170,33 @@ def submit_rejections(spec: JobSpec, tenant: Tenant) -> list[dict[str, Any]]:
     counted = f"workers.min ({workers.min})" + (f" + workers.standby ({workers.standby})" if workers.standby else "")
     errors: list[dict[str, Any]] = []
     if quota.jobs == 0:
-        errors.append({"type": QUOTA_EXCEEDED, "loc": ["workers"],
-                       "msg": f"tenant {tenant.name!r} has a quota of 0 concurrent jobs: it cannot run any job"})
+        errors.append(
+            {
+                "type": QUOTA_EXCEEDED,
+                "loc": ["workers"],
+                "msg": f"tenant {tenant.name!r} has a quota of 0 concurrent jobs: it cannot run any job",
+            }
+        )
     if quota.gpus is not None and smallest.gpus > quota.gpus:
-        errors.append({"type": QUOTA_EXCEEDED, "loc": ["workers", "min"], "input": workers.min,
-                       "msg": f"{counted} × workers.gpus_per_worker ({workers.gpus_per_worker}) = "
-                              f"{smallest.gpus} GPUs exceeds tenant {tenant.name!r}'s GPU quota of {quota.gpus}"})
+        errors.append(
+            {
+                "type": QUOTA_EXCEEDED,
+                "loc": ["workers", "min"],
+                "input": workers.min,
+                "msg": f"{counted} × workers.gpus_per_worker ({workers.gpus_per_worker}) = "
+                f"{smallest.gpus} GPUs exceeds tenant {tenant.name!r}'s GPU quota of {quota.gpus}",
+            }
+        )
     if quota.cpus is not None and smallest.cpus > quota.cpus + _CPU_EPSILON:
-        errors.append({"type": QUOTA_EXCEEDED, "loc": ["workers", "min"], "input": workers.min,
-                       "msg": f"{counted} × workers.cpus_per_worker ({workers.cpus_per_worker:g}) = "
-                              f"{smallest.cpus:g} CPUs exceeds tenant {tenant.name!r}'s CPU quota of {quota.cpus:g}"})
+        errors.append(
+            {
+                "type": QUOTA_EXCEEDED,
+                "loc": ["workers", "min"],
+                "input": workers.min,
+                "msg": f"{counted} × workers.cpus_per_worker ({workers.cpus_per_worker:g}) = "
+                f"{smallest.cpus:g} CPUs exceeds tenant {tenant.name!r}'s CPU quota of {quota.cpus:g}",
+            }
+        )
     return errors
 
 
@@ -186,16 +212,25 @@ def grant(session: Session, job: Job, spec: JobSpec, *, lock: bool = False) -> G
     held = usage(session, tenant.name, exclude_job=job.id)
     workers = spec.workers
     for size in range(workers.max, workers.min - 1, -1):
-        if _exceeded(quota, held.plus(footprint(workers.gpus_per_worker, workers.cpus_per_worker, size + workers.standby))) is None:
+        if (
+            _exceeded(
+                quota, held.plus(footprint(workers.gpus_per_worker, workers.cpus_per_worker, size + workers.standby))
+            )
+            is None
+        ):
             return Grant(size)
     need = footprint(workers.gpus_per_worker, workers.cpus_per_worker, workers.min + workers.standby)
     resource = _exceeded(quota, held.plus(need))
     if resource == "jobs":
         reason = f"tenant {tenant.name!r} already runs {held.jobs} of its {quota.jobs} concurrent job(s)"
     elif resource == "gpus":
-        reason = (f"tenant {tenant.name!r} holds {held.gpus} of its {quota.gpus} GPU(s); this job needs "
-                  f"{need.gpus} more at workers.min {workers.min}")
+        reason = (
+            f"tenant {tenant.name!r} holds {held.gpus} of its {quota.gpus} GPU(s); this job needs "
+            f"{need.gpus} more at workers.min {workers.min}"
+        )
     else:
-        reason = (f"tenant {tenant.name!r} holds {held.cpus:g} of its {quota.cpus:g} CPU(s); this job needs "
-                  f"{need.cpus:g} more at workers.min {workers.min}")
+        reason = (
+            f"tenant {tenant.name!r} holds {held.cpus:g} of its {quota.cpus:g} CPU(s); this job needs "
+            f"{need.cpus:g} more at workers.min {workers.min}"
+        )
     return Grant(None, f"over quota: {reason}")

@@ -63,8 +63,12 @@ class PacedModel(nn.Module):
         fingerprint = hashlib.sha1()
         for parameter in self.inner.parameters():
             fingerprint.update(parameter.detach().cpu().numpy().tobytes())
-        self._record.write(json.dumps({"at": time.time(), "parameters": fingerprint.hexdigest(),
-                                       "ids": [int(i) for i in ids.tolist()]}) + "\n")
+        self._record.write(
+            json.dumps(
+                {"at": time.time(), "parameters": fingerprint.hexdigest(), "ids": [int(i) for i in ids.tolist()]}
+            )
+            + "\n"
+        )
         self._record.flush()  # a line must survive the process being killed right after
 
 
@@ -90,6 +94,9 @@ def read_tagged_steps(id_record_dir: str | Path) -> tuple[list[set[int]], int]:
             first, ids = computations.setdefault(record["parameters"], (record["at"], set()))
             computations[record["parameters"]] = (min(first, record["at"]), ids | set(record["ids"]))
     ordered = [ids for _, ids in sorted(computations.values(), key=lambda entry: entry[0])]
-    steps = [ids for index, ids in enumerate(ordered)
-             if not any(ids < other for other in ordered) and ids not in ordered[:index]]
+    steps = [
+        ids
+        for index, ids in enumerate(ordered)
+        if not any(ids < other for other in ordered) and ids not in ordered[:index]
+    ]
     return steps, len(ordered) - len(steps)

@@ -22,7 +22,6 @@ from ringmaster.service.errors import RULES_BEYOND_SCHEMA
 from ringmaster.service.spec import PEP508_FORMAT
 
 
-
 def _zipped(files: dict[str, bytes]) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -32,13 +31,20 @@ def _zipped(files: dict[str, bytes]) -> bytes:
 
 
 _PATHS = st.from_regex(r"\A[a-z][a-z0-9_]{0,7}(/[a-z][a-z0-9_]{0,7}){0,2}\.py\Z")
-schemathesis.openapi.media_type("application/zip", st.dictionaries(_PATHS, st.binary(max_size=64), min_size=1, max_size=3).map(_zipped))
+schemathesis.openapi.media_type(
+    "application/zip", st.dictionaries(_PATHS, st.binary(max_size=64), min_size=1, max_size=3).map(_zipped)
+)
 
 _NAME = st.from_regex(r"\A[A-Za-z][A-Za-z0-9]{0,15}\Z")
 _VERSION = st.from_regex(r"\A[0-9]{1,3}(\.[0-9]{1,3}){0,2}\Z")
-schemathesis.openapi.format(PEP508_FORMAT, st.builds(lambda name, pin: name + pin, _NAME,
-                                                     st.one_of(st.just(""), _VERSION.map(lambda v: f"=={v}"),
-                                                               _VERSION.map(lambda v: f">={v}"))))
+schemathesis.openapi.format(
+    PEP508_FORMAT,
+    st.builds(
+        lambda name, pin: name + pin,
+        _NAME,
+        st.one_of(st.just(""), _VERSION.map(lambda v: f"=={v}"), _VERSION.map(lambda v: f">={v}")),
+    ),
+)
 
 # What positive_data_acceptance allows by default besides 2xx and 3xx: credentials, a resource that is gone or
 # busy, throttling. 5xx is not_a_server_error's to report.
@@ -46,7 +52,7 @@ _ALLOWED_REFUSALS = frozenset({401, 403, 404, 409, 429})
 
 
 @schemathesis.check
-def positive_data_accepted_unless_a_rule_beyond_the_schema(ctx, response, case):  # noqa: ANN001, ANN201 — the hook's signature
+def positive_data_accepted_unless_a_rule_beyond_the_schema(ctx, response, case):
     meta = case.meta
     if meta is None or not meta.generation.mode.is_positive:
         return None
@@ -57,17 +63,24 @@ def positive_data_accepted_unless_a_rule_beyond_the_schema(ctx, response, case):
             errors = json.loads(response.content)["detail"]
         except (ValueError, KeyError, TypeError):
             errors = None
-        if isinstance(errors, list) and errors and all(
+        if (
+            isinstance(errors, list)
+            and errors
+            and all(
                 isinstance(error, dict) and error.get("type") in RULES_BEYOND_SCHEMA and error.get("field")
-                for error in errors):
+                for error in errors
+            )
+        ):
             return None
-    raise AssertionError(f"A request the schema allows was refused with {response.status_code}, not for a rule "
-                         f"beyond the schema ({', '.join(RULES_BEYOND_SCHEMA)}) naming its field: "
-                         f"{response.content[:600].decode('utf-8', 'replace')}")
+    raise AssertionError(
+        f"A request the schema allows was refused with {response.status_code}, not for a rule "
+        f"beyond the schema ({', '.join(RULES_BEYOND_SCHEMA)}) naming its field: "
+        f"{response.content[:600].decode('utf-8', 'replace')}"
+    )
 
 
 @schemathesis.check
-def every_422_names_its_field(ctx, response, case):  # noqa: ANN001, ANN201 — the hook's signature
+def every_422_names_its_field(ctx, response, case):
     if response.status_code != 422:
         return None
     errors = json.loads(response.content)["detail"]

@@ -25,16 +25,37 @@ LR, WEIGHT_DECAY, WARMUP_STEPS = 3e-3, 0.1, 2
 MODEL_OPTIONS = {"n_layers": 4, "dim": 32, "n_heads": 4, "seq_len": 32, "max_corpus_bytes": 32_768}
 
 
-def strategy_spec(name: str, strategy: str, workers: int, steps: int, micro_batch_size: int, *,
-                  precision: str = "fp32", grad_clip: float | None = None, global_batch: int = GLOBAL_BATCH,
-                  **parallel: Any) -> dict[str, Any]:
+def strategy_spec(
+    name: str,
+    strategy: str,
+    workers: int,
+    steps: int,
+    micro_batch_size: int,
+    *,
+    precision: str = "fp32",
+    grad_clip: float | None = None,
+    global_batch: int = GLOBAL_BATCH,
+    **parallel: Any,
+) -> dict[str, Any]:
     """A JobSpec document for ``strategy`` training the reference model on the reference batches."""
     return {
-        "name": name, "model": "tiny-gpt", "model_options": MODEL_OPTIONS, "strategy": strategy, "parallel": parallel,
+        "name": name,
+        "model": "tiny-gpt",
+        "model_options": MODEL_OPTIONS,
+        "strategy": strategy,
+        "parallel": parallel,
         "workers": {"min": workers, "max": workers, "cpus_per_worker": 1},
-        "train": {"steps": steps, "global_batch_size": global_batch, "micro_batch_size": micro_batch_size, "lr": LR,
-                  "warmup_steps": WARMUP_STEPS, "weight_decay": WEIGHT_DECAY, "seed": SEED, "precision": precision,
-                  "grad_clip": grad_clip},
+        "train": {
+            "steps": steps,
+            "global_batch_size": global_batch,
+            "micro_batch_size": micro_batch_size,
+            "lr": LR,
+            "warmup_steps": WARMUP_STEPS,
+            "weight_decay": WEIGHT_DECAY,
+            "seed": SEED,
+            "precision": precision,
+            "grad_clip": grad_clip,
+        },
         "checkpoint": {"every_steps": 0, "keep": 1},
     }
 
@@ -48,14 +69,17 @@ class ReferenceRun:
 
 
 def train_reference(steps: int, grad_clip: float | None = None, global_batch: int = GLOBAL_BATCH) -> ReferenceRun:
-    spec = JobSpec.model_validate(strategy_spec("reference", "ddp", 1, steps, global_batch, grad_clip=grad_clip,
-                                                global_batch=global_batch))
+    spec = JobSpec.model_validate(
+        strategy_spec("reference", "ddp", 1, steps, global_batch, grad_clip=grad_clip, global_batch=global_batch)
+    )
     torch.manual_seed(SEED)  # run_training seeds torch with spec.train.seed right before building the bundle
     bundle = build_bundle(spec)
     model = bundle.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = LambdaLR(optimizer, lambda completed: min(1.0, (completed + 1) / WARMUP_STEPS))
-    permutation = list(DistributedSampler(bundle.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=True))
+    permutation = list(
+        DistributedSampler(bundle.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=True)
+    )
     run = ReferenceRun([], [], [], {})
     for step in range(steps):
         indices = permutation[step * global_batch : (step + 1) * global_batch]

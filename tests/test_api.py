@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_tokens import authorize, table_rows
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from ringmaster.api.app import create_app
-from api_tokens import authorize, table_rows
 from ringmaster.service import auth
 from ringmaster.service.auth import new_report_token
 from ringmaster.service.db import Database, session_scope
@@ -20,7 +20,12 @@ from ringmaster.service.jobs import get_job, mark_admitted, requeue
 from ringmaster.service.settings import Settings
 
 DASHBOARD = "http://ray-head:8265"
-SPEC = {"name": "mnist-ish", "model": "mlp", "workers": {"min": 1, "max": 2}, "train": {"global_batch_size": 16, "micro_batch_size": 4}}
+SPEC = {
+    "name": "mnist-ish",
+    "model": "mlp",
+    "workers": {"min": 1, "max": 2},
+    "train": {"global_batch_size": 16, "micro_batch_size": 4},
+}
 
 
 @pytest.fixture
@@ -49,15 +54,18 @@ def _admit(client: TestClient, job_id: str, number: int = 1) -> str:
     submission_id = f"ringmaster-{job_id}-{number}"
     secret, secret_hash = new_report_token()
     with session_scope(_db(client).sessions) as session:
-        mark_admitted(session, get_job(session, job_id), number, submission_id, f"pg-{job_id}", 2, report_token_hash=secret_hash)
+        mark_admitted(
+            session, get_job(session, job_id), number, submission_id, f"pg-{job_id}", 2, report_token_hash=secret_hash
+        )
     _report_tokens[(job_id, number)] = secret
     return submission_id
 
 
 def _report(client: TestClient, job_id: str, body: dict[str, Any], attempt: int = 1) -> Any:
     token = _report_tokens.get((job_id, attempt), "no-such-token")
-    return client.post(f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body,
-                       headers={"Authorization": f"Bearer {token}"})
+    return client.post(
+        f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body, headers={"Authorization": f"Bearer {token}"}
+    )
 
 
 def _total_jobs(client: TestClient) -> int:
@@ -85,7 +93,12 @@ def test_submit_yaml_body(client: TestClient) -> None:
 @pytest.mark.parametrize(
     ("body", "content_type", "field", "message"),
     [
-        ({**SPEC, "workers": {"min": 3, "max": 2}}, "json", "workers.min", "workers.min (3) must not exceed workers.max (2)"),
+        (
+            {**SPEC, "workers": {"min": 3, "max": 2}},
+            "json",
+            "workers.min",
+            "workers.min (3) must not exceed workers.max (2)",
+        ),
         ({**SPEC, "optimizer": "adam"}, "json", "optimizer", "Extra inputs are not permitted"),
         ({**SPEC, "model": "resnet"}, "json", "model", "got 'resnet'"),
         ({**SPEC, "name": "Bad Name"}, "json", "name", "must be 1-64 characters"),
@@ -113,10 +126,19 @@ def test_invalid_spec_is_422_naming_the_field_and_writes_nothing(
 
 @pytest.mark.parametrize(
     ("fields", "field", "message"),
-    [({"train": {"micro_batch_sz": 4}}, "train.micro_batch_sz", "Extra inputs are not permitted: did you mean 'micro_batch_size'?"),
-     ({"data": {"kind": "tokens", "path": "/data/t.bin", "seq_len": 8, "dtyp": "uint16"}}, "data.tokens.dtyp",
-      "Extra inputs are not permitted: did you mean 'dtype'?"),
-     ({"workers": {"min": 1, "max": 1, "colour": "red"}}, "workers.colour", "Extra inputs are not permitted")],
+    [
+        (
+            {"train": {"micro_batch_sz": 4}},
+            "train.micro_batch_sz",
+            "Extra inputs are not permitted: did you mean 'micro_batch_size'?",
+        ),
+        (
+            {"data": {"kind": "tokens", "path": "/data/t.bin", "seq_len": 8, "dtyp": "uint16"}},
+            "data.tokens.dtyp",
+            "Extra inputs are not permitted: did you mean 'dtype'?",
+        ),
+        ({"workers": {"min": 1, "max": 1, "colour": "red"}}, "workers.colour", "Extra inputs are not permitted"),
+    ],
 )
 def test_a_misspelt_field_is_answered_with_the_field_of_that_place_it_is_closest_to(
     client: TestClient, fields: dict[str, Any], field: str, message: str
@@ -146,7 +168,8 @@ def test_list_filters_by_state_and_pages_newest_first(client: TestClient) -> Non
 
 
 @pytest.mark.parametrize(
-    ("params", "field"), [({"state": "sleeping"}, "state"), ({"limit": 0}, "limit"), ({"limit": 501}, "limit"), ({"offset": -1}, "offset")]
+    ("params", "field"),
+    [({"state": "sleeping"}, "state"), ({"limit": 0}, "limit"), ({"limit": 501}, "limit"), ({"offset": -1}, "offset")],
 )
 def test_list_rejects_bad_query_parameters(client: TestClient, params: dict[str, Any], field: str) -> None:
     response = client.get("/v1/jobs", params=params)
@@ -156,7 +179,14 @@ def test_list_rejects_bad_query_parameters(client: TestClient, params: dict[str,
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("get", ""), ("post", "/cancel"), ("get", "/events"), ("get", "/metrics"), ("get", "/checkpoints"), ("get", "/logs")],
+    [
+        ("get", ""),
+        ("post", "/cancel"),
+        ("get", "/events"),
+        ("get", "/metrics"),
+        ("get", "/checkpoints"),
+        ("get", "/logs"),
+    ],
 )
 def test_unknown_job_is_404(client: TestClient, method: str, path: str) -> None:
     response = client.request(method, f"/v1/jobs/0123456789abcdef{path}")
@@ -180,14 +210,18 @@ def test_one_attempts_secret_cannot_report_for_another(client: TestClient) -> No
     first, second = _submit(client)["id"], _submit(client)["id"]
     _admit(client, first)
     _admit(client, second)
-    forged = client.post(f"/v1/internal/jobs/{second}/attempts/1/report", json={"state": "RUNNING"},
-                         headers={"Authorization": f"Bearer {_report_tokens[(first, 1)]}"})
+    forged = client.post(
+        f"/v1/internal/jobs/{second}/attempts/1/report",
+        json={"state": "RUNNING"},
+        headers={"Authorization": f"Bearer {_report_tokens[(first, 1)]}"},
+    )
     assert forged.status_code == 401 and "attempt 1 of job" in forged.json()["detail"]
     assert client.get(f"/v1/jobs/{second}").json()["state"] == "ADMITTED"
 
 
 def test_a_report_token_found_good_is_looked_up_once_and_a_wrong_one_is_refused_after_it(
-        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     job_id = _submit(client)["id"]
     _admit(client, job_id)
     lookups: list[str | None] = []
@@ -199,11 +233,19 @@ def test_a_report_token_found_good_is_looked_up_once_and_a_wrong_one_is_refused_
 
     monkeypatch.setattr(auth, "check_report_token", counted)
     for step in (1, 2, 3):
-        assert _report(client, job_id, {"seq": step, "state": "RUNNING", "metrics": [{"step": step, "loss": 1.0}]}).status_code == 200
+        assert (
+            _report(
+                client, job_id, {"seq": step, "state": "RUNNING", "metrics": [{"step": step, "loss": 1.0}]}
+            ).status_code
+            == 200
+        )
     wrong = new_report_token()[0]
     for seq in (4, 5):
-        forged = client.post(f"/v1/internal/jobs/{job_id}/attempts/1/report", json={"seq": seq, "metrics": [{"step": seq, "loss": 9.0}]},
-                             headers={"Authorization": f"Bearer {wrong}"})
+        forged = client.post(
+            f"/v1/internal/jobs/{job_id}/attempts/1/report",
+            json={"seq": seq, "metrics": [{"step": seq, "loss": 9.0}]},
+            headers={"Authorization": f"Bearer {wrong}"},
+        )
         assert forged.status_code == 401
     # The first report's token was looked up and the next two were not; the wrong secret each time, never taken as good.
     assert lookups == [_report_tokens[(job_id, 1)], wrong, wrong]
@@ -235,7 +277,11 @@ def test_driver_reports_run_the_job_to_success(client: TestClient) -> None:
     running = _report(client, job_id, {"state": "RUNNING", "message": "2 workers up"})
     assert running.json() == {"state": "RUNNING", "accepted": True}
     assert client.get(f"/v1/jobs/{job_id}").json()["started_at"] is not None
-    done = _report(client, job_id, {"state": "SUCCEEDED", "checkpoints": [{"step": 9, "uri": "file:///c/9", "world_size": 2, "final": True}]})
+    done = _report(
+        client,
+        job_id,
+        {"state": "SUCCEEDED", "checkpoints": [{"step": 9, "uri": "file:///c/9", "world_size": 2, "final": True}]},
+    )
     assert done.json() == {"state": "SUCCEEDED", "accepted": True}
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["finished_at"] is not None and job["error"] is None
@@ -269,7 +315,11 @@ def test_replayed_report_stores_one_row_per_step_and_checkpoint(client: TestClie
     for _ in range(2):
         assert _report(client, job_id, report).json() == {"state": "RUNNING", "accepted": True}
     metrics = client.get(f"/v1/jobs/{job_id}/metrics").json()
-    assert metrics["total"] == 3 and [(m["attempt"], m["step"], m["loss"]) for m in metrics["items"]] == [(1, 1, 2.0), (1, 2, 1.0), (1, 3, 2.0 / 3)]
+    assert metrics["total"] == 3 and [(m["attempt"], m["step"], m["loss"]) for m in metrics["items"]] == [
+        (1, 1, 2.0),
+        (1, 2, 1.0),
+        (1, 3, 2.0 / 3),
+    ]
     checkpoints = client.get(f"/v1/jobs/{job_id}/checkpoints").json()
     assert [(c["step"], c["uri"], c["final"]) for c in checkpoints["items"]] == [(3, "file:///ckpt/3", False)]
     events = client.get(f"/v1/jobs/{job_id}/events").json()["items"]
@@ -283,17 +333,29 @@ def test_later_report_merges_val_loss_into_the_existing_step(client: TestClient)
     _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 10, "loss": 0.5, "lr": 0.001}]})
     _report(client, job_id, {"metrics": [{"step": 10, "val_loss": 0.7}, {"step": 11, "loss": 0.4}]})
     rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
-    assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [(10, 0.5, 0.7, 0.001), (11, 0.4, None, None)]
+    assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [
+        (10, 0.5, 0.7, 0.001),
+        (11, 0.4, None, None),
+    ]
 
 
 def test_a_step_reported_twice_in_one_report_is_one_row_with_both_points_values(client: TestClient) -> None:
     # A validated step's training point and its val_loss point travel in the same report.
     job_id = _submit(client)["id"]
     _admit(client, job_id)
-    _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 5, "loss": 0.5, "lr": 0.001}, {"step": 5, "val_loss": 0.6},
-                                                            {"step": 6, "loss": 0.4}]})
+    _report(
+        client,
+        job_id,
+        {
+            "state": "RUNNING",
+            "metrics": [{"step": 5, "loss": 0.5, "lr": 0.001}, {"step": 5, "val_loss": 0.6}, {"step": 6, "loss": 0.4}],
+        },
+    )
     rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
-    assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [(5, 0.5, 0.6, 0.001), (6, 0.4, None, None)]
+    assert [(m["step"], m["loss"], m["val_loss"], m["lr"]) for m in rows] == [
+        (5, 0.5, 0.6, 0.001),
+        (6, 0.4, None, None),
+    ]
 
 
 def test_replayed_points_of_an_earlier_attempt_are_stored_as_that_attempts(client: TestClient) -> None:
@@ -311,10 +373,16 @@ def test_replayed_points_of_an_earlier_attempt_are_stored_as_that_attempts(clien
     rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
     assert [(m["attempt"], m["step"], m["loss"]) for m in rows] == [(1, 1, 1.0), (1, 2, 0.9), (2, 3, 0.8)]
 
-    future = _report(client, job_id, {"metrics": [{"step": 4, "loss": 0.7}, {"step": 4, "loss": 0.7, "attempt": 3}]}, attempt=2)
+    future = _report(
+        client, job_id, {"metrics": [{"step": 4, "loss": 0.7}, {"step": 4, "loss": 0.7, "attempt": 3}]}, attempt=2
+    )
     assert future.status_code == 422, future.text
     [error] = future.json()["detail"]
-    assert (error["field"], error["msg"], error["input"]) == ("metrics.1.attempt", "must be at most the reporting attempt (2)", 3)
+    assert (error["field"], error["msg"], error["input"]) == (
+        "metrics.1.attempt",
+        "must be at most the reporting attempt (2)",
+        3,
+    )
     assert client.get(f"/v1/jobs/{job_id}/metrics").json()["total"] == 3, "a refused report stored nothing"
 
 
@@ -327,7 +395,12 @@ def test_reports_from_stale_attempts_or_finished_jobs_are_ignored(client: TestCl
     stale = _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 1, "loss": 1.0}]}, attempt=1)
     assert stale.json() == {"state": "ADMITTED", "accepted": False}
     client.post(f"/v1/jobs/{job_id}/cancel")
-    late = _report(client, job_id, {"metrics": [{"step": 2, "loss": 1.0}], "checkpoints": [{"step": 2, "uri": "u", "world_size": 1}]}, attempt=2)
+    late = _report(
+        client,
+        job_id,
+        {"metrics": [{"step": 2, "loss": 1.0}], "checkpoints": [{"step": 2, "uri": "u", "world_size": 1}]},
+        attempt=2,
+    )
     assert late.json() == {"state": "CANCELLED", "accepted": False}
     assert client.get(f"/v1/jobs/{job_id}/metrics").json()["total"] == 0
     assert client.get(f"/v1/jobs/{job_id}/checkpoints").json()["total"] == 0
@@ -401,7 +474,9 @@ def test_background_hook_starts_after_schema_and_stops_on_shutdown(db_url: str, 
             calls.append(f"tables ready: {session.connection().exec_driver_sql('SELECT count(*) FROM jobs').scalar()}")
         return lambda: calls.append("stopped")
 
-    with TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path), start_background=start)) as test_client:
+    with TestClient(
+        create_app(Settings(database_url=db_url, data_dir=tmp_path), start_background=start)
+    ) as test_client:
         assert test_client.get("/healthz").status_code == 200
         assert calls == ["tables ready: 0"]
     assert calls == ["tables ready: 0", "stopped"]

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from harness.process_group import run_on_ranks
 import ringmaster.workers.checkpoint as checkpoint_module
 from harness.checkpoints import latest_committed, load_model_weights, save_checkpoint, usable_checkpoints
+from harness.process_group import run_on_ranks
+from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint import (
     MANIFEST_NAME,
@@ -28,7 +29,6 @@ from ringmaster.workers.checkpoint import (
 )
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.models import build_bundle
-from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training
 
 STEPS = 6
@@ -49,28 +49,51 @@ def _uninterrupted_then_interrupted_and_resumed(rank: int, world_size: int, root
     runs: dict[str, list] = {"straight": [], "before_stop": [], "after_resume": [], "checkpoints": []}
 
     def context(storage: str, metrics: list, **callbacks) -> TrainContext:
-        return TrainContext(rank, world_size, torch.device("cpu"), "resume", f"{root}/{storage}", sink=CallbackSink(on_metric=metrics.append, **callbacks))
+        return TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "resume",
+            f"{root}/{storage}",
+            sink=CallbackSink(on_metric=metrics.append, **callbacks),
+        )
 
     run_training(SPEC, context("straight", runs["straight"]))
     calls = itertools.count(1)
     # The control plane stored the first two points (the driver confirms them) and not the third.
-    stopped = run_training(SPEC, context("resumed", runs["before_stop"], should_stop=lambda: next(calls) >= STOP_AFTER,
-                                         metrics_confirmed=lambda: min(len(runs["before_stop"]), 2)))
+    stopped = run_training(
+        SPEC,
+        context(
+            "resumed",
+            runs["before_stop"],
+            should_stop=lambda: next(calls) >= STOP_AFTER,
+            metrics_confirmed=lambda: min(len(runs["before_stop"]), 2),
+        ),
+    )
     if rank == 0:
         crashed = Path(checkpoint_dir(f"{root}/resumed", STOP_AFTER + 2))
         crashed.mkdir()
         (crashed / "__0_0.distcp").write_bytes(b"half-written")
     dist.barrier()
-    resumed = run_training(SPEC, context("resumed", runs["after_resume"], on_checkpoint=lambda record: runs["checkpoints"].append(record)))
+    resumed = run_training(
+        SPEC, context("resumed", runs["after_resume"], on_checkpoint=lambda record: runs["checkpoints"].append(record))
+    )
     if rank == 0:
         # Points naming their attempt are the resumed checkpoint's, replayed; the rest the resumed run's own.
         replayed = [p.step for p in runs["after_resume"] if p.attempt is not None]
         runs["after_resume"] = [p for p in runs["after_resume"] if p.attempt is None]
-        losses = {name: [p.loss for p in runs[name] if p.loss is not None] for name in ("straight", "before_stop", "after_resume")}
+        losses = {
+            name: [p.loss for p in runs[name] if p.loss is not None]
+            for name in ("straight", "before_stop", "after_resume")
+        }
         first_resumed_step = next(p.step for p in runs["after_resume"])
         records = [record.model_dump(include={"step", "uri", "world_size", "final"}) for record in runs["checkpoints"]]
-        summary = {"losses": losses, "stopped": [stopped.stopped, stopped.step], "first_resumed_step": first_resumed_step,
-                   "replayed": replayed}
+        summary = {
+            "losses": losses,
+            "stopped": [stopped.stopped, stopped.step],
+            "first_resumed_step": first_resumed_step,
+            "replayed": replayed,
+        }
         summary.update(records=records, resumed_step=resumed.step, resumed_uri=resumed.checkpoint_uri)
         Path(f"{root}/summary.json").write_text(json.dumps(summary))
 
@@ -81,7 +104,9 @@ def test_resume_reproduces_uninterrupted_run_and_ignores_uncommitted_directory(t
     losses = summary["losses"]
 
     assert summary["stopped"] == [True, STOP_AFTER]
-    assert summary["first_resumed_step"] == STOP_AFTER + 1, "resume must start after the stop checkpoint, not the crashed step 5"
+    assert summary["first_resumed_step"] == STOP_AFTER + 1, (
+        "resume must start after the stop checkpoint, not the crashed step 5"
+    )
     assert summary["replayed"] == [STOP_AFTER], "the stop checkpoint kept the one point not yet stored"
     assert len(losses["straight"]) == STEPS
     assert losses["before_stop"] + losses["after_resume"] == losses["straight"]
@@ -141,7 +166,9 @@ def test_load_restores_rng_states_and_progress(tmp_path: Path, single_rank_group
     torch.manual_seed(11)
     random.seed(11)
     np.random.seed(11)
-    save_checkpoint(tmp_path, spec, step=9, position=DataPosition(2, 5), model_parts=[bundle.model], optimizers=[optimizer])
+    save_checkpoint(
+        tmp_path, spec, step=9, position=DataPosition(2, 5), model_parts=[bundle.model], optimizers=[optimizer]
+    )
     expected = (torch.rand(3), random.random(), np.random.rand())
 
     progress = load_checkpoint(checkpoint_dir(tmp_path, 9), model_parts=[bundle.model], optimizers=[optimizer])
@@ -157,22 +184,53 @@ CORRUPT_STOP = 4
 def _corrupt_newest_then_resume(rank: int, world_size: int, root: str) -> None:
     """Straight run; a run stopped at step 4 (checkpoints 2 and 4), its step-4 shard truncated, then resumed."""
     straight, before, after, events = [], [], [], []
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)))
+    run_training(
+        SPEC,
+        TrainContext(
+            rank, world_size, torch.device("cpu"), "c", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)
+        ),
+    )
     calls = itertools.count(1)
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", sink=CallbackSink(on_metric=before.append, should_stop=lambda: next(calls) >= CORRUPT_STOP)))
+    run_training(
+        SPEC,
+        TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "c",
+            f"{root}/corrupt",
+            sink=CallbackSink(on_metric=before.append, should_stop=lambda: next(calls) >= CORRUPT_STOP),
+        ),
+    )
     shard = Path(checkpoint_dir(f"{root}/corrupt", CORRUPT_STOP)) / "__0_0.distcp"
     if rank == 0:
         shard.write_bytes(shard.read_bytes()[:100])
     dist.barrier()
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "c", f"{root}/corrupt", sink=CallbackSink(on_metric=after.append, on_event=lambda message, details: events.append([message, details]))))
+    run_training(
+        SPEC,
+        TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "c",
+            f"{root}/corrupt",
+            sink=CallbackSink(
+                on_metric=after.append, on_event=lambda message, details: events.append([message, details])
+            ),
+        ),
+    )
     if rank == 0:
-        Path(f"{root}/summary.json").write_text(json.dumps({
-            "straight": [p.loss for p in straight if p.loss is not None],
-            "before": [p.step for p in before if p.loss is not None],
-            "after": [[p.step, p.loss] for p in after if p.loss is not None and p.attempt is None],
-            "replayed": [p.step for p in after if p.attempt is not None],
-            "events": events,
-        }))
+        Path(f"{root}/summary.json").write_text(
+            json.dumps(
+                {
+                    "straight": [p.loss for p in straight if p.loss is not None],
+                    "before": [p.step for p in before if p.loss is not None],
+                    "after": [[p.step, p.loss] for p in after if p.loss is not None and p.attempt is None],
+                    "replayed": [p.step for p in after if p.attempt is not None],
+                    "events": events,
+                }
+            )
+        )
 
 
 def test_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path: Path) -> None:
@@ -184,10 +242,14 @@ def test_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path: Path) -> N
     assert resumed_steps == list(range(3, STEPS + 1)), "resume must use step 2, the newest checkpoint that verifies"
     assert [loss for _, loss in summary["after"]] == summary["straight"][2:]
     assert summary["replayed"] == [1, 2], "the points step 2's checkpoint kept, not those of the corrupt step 4"
-    restored, corrupt = ([event for event in summary["events"] if ("is corrupt" in event[0]) == flag] for flag in (False, True))
+    restored, corrupt = (
+        [event for event in summary["events"] if ("is corrupt" in event[0]) == flag] for flag in (False, True)
+    )
     assert [details["restored_step"] for _, details in restored] == [2] and restored[0][1]["restore_s"] > 0
     [[message, details]] = corrupt
-    assert message.startswith(f"checkpoint step {CORRUPT_STOP} is corrupt (step-00000004/__0_0.distcp: 100 bytes, manifest says ")
+    assert message.startswith(
+        f"checkpoint step {CORRUPT_STOP} is corrupt (step-00000004/__0_0.distcp: 100 bytes, manifest says "
+    )
     assert message.endswith("); resumed from step 2")
     assert details["resumed_from_step"] == 2 and details["corrupt_checkpoints"][0]["step"] == CORRUPT_STOP
 
@@ -197,9 +259,13 @@ def test_manifest_lists_files_and_detects_changed_metadata(tmp_path: Path, singl
     bundle = build_bundle(spec)
     optimizer = torch.optim.AdamW(bundle.model.parameters())
     for step in (1, 2):
-        save_checkpoint(tmp_path, spec, step=step, position=DataPosition(), model_parts=[bundle.model], optimizers=[optimizer])
+        save_checkpoint(
+            tmp_path, spec, step=step, position=DataPosition(), model_parts=[bundle.model], optimizers=[optimizer]
+        )
     manifest = json.loads((Path(checkpoint_dir(tmp_path, 2)) / MANIFEST_NAME).read_text())
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"} and all(size > 0 for size in manifest["files"].values())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"} and all(
+        size > 0 for size in manifest["files"].values()
+    )
     assert [c.step for c in usable_checkpoints(tmp_path)] == [2, 1]
 
     metadata = Path(checkpoint_dir(tmp_path, 2)) / ".metadata"
@@ -211,7 +277,8 @@ def test_manifest_lists_files_and_detects_changed_metadata(tmp_path: Path, singl
     assert latest_committed(tmp_path).step == 1
     newest, skipped = find_resume_point(tmp_path)
     assert newest.step == 1 and [(c.step, problem) for c, problem in skipped] == [
-        (2, "step-00000002/.metadata: sha256 differs from the manifest's")]
+        (2, "step-00000002/.metadata: sha256 differs from the manifest's")
+    ]
 
 
 class _HeldWriter(dcp.FileSystemWriter):
@@ -232,7 +299,9 @@ def _train_while_save_is_held(rank: int, world_size: int, root: str) -> None:
     """Every rank's step-2 save is held until rank 0 has seen step 4's metric: training must go on meanwhile."""
     release = Path(root, "release")
     storage = Path(root, "held")
-    checkpoint_module._storage_writer = lambda path: _HeldWriter(path, release) if path.endswith("step-00000002") else dcp.FileSystemWriter(path)
+    checkpoint_module._storage_writer = lambda path: (
+        _HeldWriter(path, release) if path.endswith("step-00000002") else dcp.FileSystemWriter(path)
+    )
     log: list[list] = []
 
     def on_metric(point) -> None:
@@ -242,7 +311,19 @@ def _train_while_save_is_held(rank: int, world_size: int, root: str) -> None:
         if point.step == 4:
             release.touch()
 
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "held", str(storage), sink=CallbackSink(on_metric=on_metric, on_checkpoint=lambda record: log.append(["checkpoint", record.step, record.final]))))
+    run_training(
+        SPEC,
+        TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "held",
+            str(storage),
+            sink=CallbackSink(
+                on_metric=on_metric, on_checkpoint=lambda record: log.append(["checkpoint", record.step, record.final])
+            ),
+        ),
+    )
     if rank == 0:
         Path(root, "log.json").write_text(json.dumps(log))
 
@@ -254,8 +335,12 @@ def test_async_save_does_not_block_training(tmp_path: Path) -> None:
     # Steps 3 and 4 ran while step 2's shards could not be written, and nothing was committed or
     # reported before the write finished; step 4's save waited for step 2's (one in flight at a time).
     assert log[:6] == [
-        ["metric", 1, False], ["metric", 2, False], ["metric", 3, False], ["metric", 4, False],
-        ["checkpoint", 2, False], ["metric", 5, True],
+        ["metric", 1, False],
+        ["metric", 2, False],
+        ["metric", 3, False],
+        ["metric", 4, False],
+        ["checkpoint", 2, False],
+        ["metric", 5, True],
     ]
     # Step 4's save commits whenever its write completes (seen at a step boundary), before the final one.
     assert sorted(log[6:]) == [["checkpoint", 4, False], ["checkpoint", 6, True], ["metric", 6, True]]

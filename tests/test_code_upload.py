@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_tokens import mint
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
+from test_dispatcher import FakeCluster
 from typer.testing import CliRunner
 
-from api_tokens import mint
 from ringmaster.api.app import create_app
 from ringmaster.service import cli, code_store, jobs
 from ringmaster.service.code_packing import CodeDirectoryError, files_to_pack, pack_directory
@@ -30,11 +31,15 @@ from ringmaster.service.ray_cluster import runtime_env_failure_reason
 from ringmaster.service.reports import REPORT_TOKEN_ENV, DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
-from test_dispatcher import FakeCluster
 
 LIMIT = 64 * 1024
-SPEC = {"name": "shipped", "model": "shipped_model:build", "data": "synthetic",
-        "workers": {"min": 1, "max": 1}, "train": {"global_batch_size": 4, "micro_batch_size": 4}}
+SPEC = {
+    "name": "shipped",
+    "model": "shipped_model:build",
+    "data": "synthetic",
+    "workers": {"min": 1, "max": 1},
+    "train": {"global_batch_size": 4, "micro_batch_size": 4},
+}
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -55,13 +60,26 @@ def _zip(entries: dict[str, bytes]) -> bytes:
 
 # --- packing -------------------------------------------------------------------------------------------------------
 
+
 def test_packing_honours_gitignore_and_ringmasterignore_and_leaves_out_git_caches_and_venvs(tmp_path: Path) -> None:
-    root = _tree(tmp_path / "project", {
-        "model.py": "x = 1\n", "pkg/__init__.py": "", "pkg/data.csv": "1,2\n", "pkg/.gitignore": "*.csv\n",
-        ".gitignore": "build/\n*.log\n!keep.log\n", ".ringmasterignore": "notes/\n",
-        "build/out.py": "", "run.log": "", "keep.log": "kept", "notes/todo.md": "",
-        ".git/HEAD": "ref", "pkg/__pycache__/m.cpython-311.pyc": "", ".venv/bin/python": "",
-    })
+    root = _tree(
+        tmp_path / "project",
+        {
+            "model.py": "x = 1\n",
+            "pkg/__init__.py": "",
+            "pkg/data.csv": "1,2\n",
+            "pkg/.gitignore": "*.csv\n",
+            ".gitignore": "build/\n*.log\n!keep.log\n",
+            ".ringmasterignore": "notes/\n",
+            "build/out.py": "",
+            "run.log": "",
+            "keep.log": "kept",
+            "notes/todo.md": "",
+            ".git/HEAD": "ref",
+            "pkg/__pycache__/m.cpython-311.pyc": "",
+            ".venv/bin/python": "",
+        },
+    )
     packed = [name for name, _ in files_to_pack(root)]
     assert packed == [".gitignore", ".ringmasterignore", "keep.log", "model.py", "pkg/.gitignore", "pkg/__init__.py"]
 
@@ -88,6 +106,7 @@ def test_packing_more_than_the_limit_names_the_setting(tmp_path: Path) -> None:
 
 
 # --- POST /v1/code and submit ----------------------------------------------------------------------------------------
+
 
 class Api:
     def __init__(self, client: TestClient) -> None:
@@ -123,8 +142,12 @@ def test_an_upload_is_stored_once_per_tenant_and_a_spec_naming_it_is_queued(api:
     assert api.call("a", "GET", f"/v1/code/{packed.ref}").json()["size_bytes"] == len(packed.content)
     assert api.archives() == 1
 
-    job = api.call("a", "POST", "/v1/jobs", json={**SPEC, "code": packed.ref,
-                                                   "runtime_env": {"pip": ["tinydep==1.0"], "env_vars": {"MODE": "x"}}})
+    job = api.call(
+        "a",
+        "POST",
+        "/v1/jobs",
+        json={**SPEC, "code": packed.ref, "runtime_env": {"pip": ["tinydep==1.0"], "env_vars": {"MODE": "x"}}},
+    )
     assert job.status_code == 201, job.text
     assert job.json()["spec"]["code"] == packed.ref and job.json()["spec"]["runtime_env"]["env_vars"] == {"MODE": "x"}
 
@@ -138,8 +161,13 @@ def test_a_missing_or_another_tenants_code_hash_is_refused_at_submit(api: Api, t
         assert response.status_code == 422, response.text
         [error] = response.json()["detail"]
         assert error["field"] == "code"
-        assert error["msg"] == f"no code archive {ref} for tenant 'team-b': upload it first (POST /v1/code, or `ringmaster submit --code DIR`)"
-    assert api.call("b", "GET", f"/v1/code/{packed.ref}").status_code == 404, "another tenant's archive reads as unknown"
+        assert (
+            error["msg"]
+            == f"no code archive {ref} for tenant 'team-b': upload it first (POST /v1/code, or `ringmaster submit --code DIR`)"
+        )
+    assert api.call("b", "GET", f"/v1/code/{packed.ref}").status_code == 404, (
+        "another tenant's archive reads as unknown"
+    )
     malformed = api.call("a", "POST", "/v1/jobs", json={**SPEC, "code": "abc123"})
     assert malformed.status_code == 422 and malformed.json()["detail"][0]["field"] == "code"
     with api.db.sessions() as session:
@@ -150,26 +178,33 @@ def test_an_oversized_archive_is_413_naming_the_limit_and_nothing_is_stored(api:
     too_big = os.urandom(LIMIT + 1)
     response = api.upload("a", too_big)
     assert response.status_code == 413
-    assert response.json()["detail"] == f"the request body exceeds the limit of {LIMIT} bytes (RINGMASTER_MAX_CODE_BYTES)"
+    assert (
+        response.json()["detail"] == f"the request body exceeds the limit of {LIMIT} bytes (RINGMASTER_MAX_CODE_BYTES)"
+    )
     # Small packed, large unpacked: refused by what it would take on every node.
     bomb = _zip({"zeros.bin": b"\0" * (LIMIT * 4)})
     assert len(bomb) < LIMIT
     response = api.upload("a", bomb)
     assert response.status_code == 413
-    assert response.json()["detail"] == (f"the code archive unpacked is {LIMIT * 4} bytes, over the limit of {LIMIT} bytes "
-                                         "(RINGMASTER_MAX_CODE_BYTES)")
+    assert response.json()["detail"] == (
+        f"the code archive unpacked is {LIMIT * 4} bytes, over the limit of {LIMIT} bytes (RINGMASTER_MAX_CODE_BYTES)"
+    )
     assert api.archives() == 0
 
 
-@pytest.mark.parametrize(("content", "content_type", "status", "message"), [
-    (b"not a zip at all", "application/zip", 422, "not a zip archive"),
-    (_zip({"../escape.py": b"x = 1"}), "application/zip", 422, "every path must be relative"),
-    (_zip({"/etc/cron.d/x": b"x"}), "application/zip", 422, "every path must be relative"),
-    (_zip({}), "application/zip", 422, "holds no files"),
-    (_zip({"m.py": b"x"}), "text/plain", 415, "application/zip"),
-])
-def test_an_upload_that_is_not_a_safe_zip_is_refused_with_the_reason(api: Api, content: bytes, content_type: str,
-                                                                      status: int, message: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "message"),
+    [
+        (b"not a zip at all", "application/zip", 422, "not a zip archive"),
+        (_zip({"../escape.py": b"x = 1"}), "application/zip", 422, "every path must be relative"),
+        (_zip({"/etc/cron.d/x": b"x"}), "application/zip", 422, "every path must be relative"),
+        (_zip({}), "application/zip", 422, "holds no files"),
+        (_zip({"m.py": b"x"}), "text/plain", 415, "application/zip"),
+    ],
+)
+def test_an_upload_that_is_not_a_safe_zip_is_refused_with_the_reason(
+    api: Api, content: bytes, content_type: str, status: int, message: str
+) -> None:
     response = api.upload("a", content, content_type)
     assert response.status_code == status, response.text
     detail = response.json()["detail"]
@@ -177,17 +212,22 @@ def test_an_upload_that_is_not_a_safe_zip_is_refused_with_the_reason(api: Api, c
     assert api.archives() == 0
 
 
-@pytest.mark.parametrize(("runtime_env", "field", "message"), [
-    ({"pip": ["numpy>=1 ; ;"]}, "runtime_env.pip", "is not a requirement"),
-    ({"pip": ["--index-url http://elsewhere"]}, "runtime_env.pip", "is not a requirement"),
-    ({"pip": ["x" * 1001]}, "runtime_env.pip", "at most 1000 characters"),
-    ({"pip": [f"pkg{i}" for i in range(101)]}, "runtime_env.pip", "at most 100"),
-    ({"env_vars": {"RINGMASTER_REPORT_TOKEN": "mine"}}, "runtime_env.env_vars", "is reserved"),
-    ({"env_vars": {"1BAD": "x"}}, "runtime_env.env_vars", "is not a variable name"),
-    ({"env_vars": {"BIG": "x" * (32 * 1024 + 1)}}, "runtime_env.env_vars", "at most 32768"),
-    ({"conda": "env.yaml"}, "runtime_env.conda", "Extra inputs"),
-])
-def test_a_bad_runtime_env_is_422_naming_the_field(api: Api, runtime_env: dict[str, Any], field: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("runtime_env", "field", "message"),
+    [
+        ({"pip": ["numpy>=1 ; ;"]}, "runtime_env.pip", "is not a requirement"),
+        ({"pip": ["--index-url http://elsewhere"]}, "runtime_env.pip", "is not a requirement"),
+        ({"pip": ["x" * 1001]}, "runtime_env.pip", "at most 1000 characters"),
+        ({"pip": [f"pkg{i}" for i in range(101)]}, "runtime_env.pip", "at most 100"),
+        ({"env_vars": {"RINGMASTER_REPORT_TOKEN": "mine"}}, "runtime_env.env_vars", "is reserved"),
+        ({"env_vars": {"1BAD": "x"}}, "runtime_env.env_vars", "is not a variable name"),
+        ({"env_vars": {"BIG": "x" * (32 * 1024 + 1)}}, "runtime_env.env_vars", "at most 32768"),
+        ({"conda": "env.yaml"}, "runtime_env.conda", "Extra inputs"),
+    ],
+)
+def test_a_bad_runtime_env_is_422_naming_the_field(
+    api: Api, runtime_env: dict[str, Any], field: str, message: str
+) -> None:
     response = api.call("a", "POST", "/v1/jobs", json={**SPEC, "runtime_env": runtime_env})
     assert response.status_code == 422, response.text
     [error] = response.json()["detail"]
@@ -203,6 +243,7 @@ def test_spec_hash_leaves_out_code_and_runtime_env_only_when_unset() -> None:
 
 
 # --- dispatch and reconcile ------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def dispatched(db: Database, tmp_path: Path) -> tuple[Dispatcher, FakeCluster, str]:
@@ -222,9 +263,15 @@ def _submit(db: Database, **fields: Any) -> str:
 
 def test_the_ray_job_gets_the_code_as_working_dir_and_the_specs_runtime_env(db: Database, dispatched) -> None:
     dispatcher, cluster, ref = dispatched
-    job_id = _submit(db, code=ref, max_failures=2,
-                     runtime_env={"pip": ["tinydep @ file:///wheels/tinydep-0.1-py3-none-any.whl"],
-                                  "env_vars": {"MODE": "fast", "PYTHONPATH": "/mine"}})
+    job_id = _submit(
+        db,
+        code=ref,
+        max_failures=2,
+        runtime_env={
+            "pip": ["tinydep @ file:///wheels/tinydep-0.1-py3-none-any.whl"],
+            "env_vars": {"MODE": "fast", "PYTHONPATH": "/mine"},
+        },
+    )
     dispatcher.run_once()
     runtime_env = cluster.runtime_envs[f"ringmaster-{job_id}-1"]
     working_dir = Path(runtime_env["working_dir"])
@@ -256,13 +303,17 @@ def test_a_driver_that_never_started_fails_its_job_once_with_the_reason(db: Data
     dispatcher.run_once()
     submission = f"ringmaster-{job_id}-1"
     cluster.ray_status[submission] = "FAILED"
-    cluster.start_failures[submission] = "its runtime env could not be set up: ERROR: No matching distribution found for no-such-dist==9"
+    cluster.start_failures[submission] = (
+        "its runtime env could not be set up: ERROR: No matching distribution found for no-such-dist==9"
+    )
     dispatcher.run_once()
     with db.sessions() as session:
         job = session.get(Job, job_id)
         assert (job.state, job.attempt) == ("FAILED", 1), "not resubmitted: every attempt would fail the same way"
-        assert job.error == (f"attempt 1: the job's driver never started: its runtime env could not be set up: "
-                             "ERROR: No matching distribution found for no-such-dist==9")
+        assert job.error == (
+            "attempt 1: the job's driver never started: its runtime env could not be set up: "
+            "ERROR: No matching distribution found for no-such-dist==9"
+        )
     assert list(cluster.submitted) == [submission]
     dispatcher.run_once()
     assert cluster.stopped == [submission] and cluster.free_cpus == 4, "its placement group is released"
@@ -290,18 +341,25 @@ Last 50 lines of stdout:
 def test_a_failed_pip_install_is_told_by_pips_errors_not_rays_traceback() -> None:
     assert runtime_env_failure_reason(RAY_PIP_FAILURE) == (
         "pip install failed: Could not find a version that satisfies the requirement no-such-dist==9 (from versions: "
-        "none); No matching distribution found for no-such-dist==9")
+        "none); No matching distribution found for no-such-dist==9"
+    )
 
 
 def test_another_runtime_env_failure_is_told_by_the_exception_rays_traceback_ends_in() -> None:
     message = RAY_PIP_FAILURE.split("Last 50 lines")[0].replace(
         "ray._private.runtime_env.utils.SubprocessCalledProcessError: Run cmd[9] failed with the following details.",
-        "ValueError: working_dir 'gcs://_ray_pkg_0.zip' is not in the package store")
-    assert runtime_env_failure_reason(message) == "ValueError: working_dir 'gcs://_ray_pkg_0.zip' is not in the package store"
+        "ValueError: working_dir 'gcs://_ray_pkg_0.zip' is not in the package store",
+    )
+    assert (
+        runtime_env_failure_reason(message)
+        == "ValueError: working_dir 'gcs://_ray_pkg_0.zip' is not in the package store"
+    )
     assert runtime_env_failure_reason("the agent is gone") == "the agent is gone"
 
 
-def test_a_driver_lost_after_it_reported_is_resubmitted_even_if_ray_calls_it_a_start_failure(db: Database, dispatched) -> None:
+def test_a_driver_lost_after_it_reported_is_resubmitted_even_if_ray_calls_it_a_start_failure(
+    db: Database, dispatched
+) -> None:
     dispatcher, cluster, _ = dispatched
     job_id = _submit(db, max_failures=3)
     dispatcher.run_once()
@@ -321,7 +379,10 @@ def test_a_driver_lost_after_it_reported_is_resubmitted_even_if_ray_calls_it_a_s
 
 # --- CLI -----------------------------------------------------------------------------------------------------------
 
-def test_cli_submit_with_code_over_the_limit_is_one_line_and_exit_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_cli_submit_with_code_over_the_limit_is_one_line_and_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = tmp_path / "job.yaml"
     spec.write_text("name: shipped\nmodel: shipped_model:build\n")
     project = _tree(tmp_path / "project", {"weights.bin": "0" * 4096})
@@ -334,8 +395,14 @@ def test_cli_submit_with_code_over_the_limit_is_one_line_and_exit_1(tmp_path: Pa
         cli.get_settings.cache_clear()
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
-    assert lines == [f"error: the code in {project.resolve()} (unpacked) is 4096 bytes, over the limit of 2048 bytes "
-                     "(RINGMASTER_MAX_CODE_BYTES); leave out what the job need not ship with a .ringmasterignore"]
+    assert lines == [
+        f"error: the code in {project.resolve()} (unpacked) is 4096 bytes, over the limit of 2048 bytes "
+        "(RINGMASTER_MAX_CODE_BYTES); leave out what the job need not ship with a .ringmasterignore"
+    ]
     assert "Traceback" not in result.output
-    missing = CliRunner().invoke(cli.app, ["submit", str(spec), "--code", str(tmp_path / "nowhere")], env={"COLUMNS": "300"})
-    assert missing.exit_code == 2 and "Invalid value for '--code'" in missing.output and "does not exist" in missing.output
+    missing = CliRunner().invoke(
+        cli.app, ["submit", str(spec), "--code", str(tmp_path / "nowhere")], env={"COLUMNS": "300"}
+    )
+    assert (
+        missing.exit_code == 2 and "Invalid value for '--code'" in missing.output and "does not exist" in missing.output
+    )

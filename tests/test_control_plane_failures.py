@@ -31,14 +31,14 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 from sqlalchemy import Engine, text
 
+from harness.fault_tolerant_cluster import DRIVER_RESOURCE, FaultTolerantCluster, redis_server_path
+from harness.ports import free_port
+from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
 from ringmaster.service import auth
 from ringmaster.service.client import ApiError, RingmasterClient
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.models import DEFAULT_TENANT
-from harness.fault_tolerant_cluster import DRIVER_RESOURCE, FaultTolerantCluster, redis_server_path
-from harness.ports import free_port
-from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
 from ringmaster.workers.checkpoint import committed_checkpoints
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,9 @@ TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 def _spec(name: str, steps: int, every_steps: int) -> dict:
     return {
-        "name": name, "model": "tests.paced_model:build", "model_options": {"pause_s": PAUSE_S, "n_val": 64},
+        "name": name,
+        "model": "tests.paced_model:build",
+        "model_options": {"pause_s": PAUSE_S, "n_val": 64},
         "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 4, "lr": 0.01},
         # keep everything: the resume test reads which checkpoints attempt 1 committed
@@ -89,16 +91,23 @@ class Server:
             **self.settings,
         )
         with open(self.data_dir / "server.log", "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "serve"], cwd=REPO_ROOT, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ringmaster.service.cli", "serve"],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 90
         client = api(self)
         try:
             while not client.healthy():
-                assert self.process.poll() is None, \
+                assert self.process.poll() is None, (
                     f"the server exited with {self.process.returncode} (Ray head alive: {self.head.alive()}):\n{self.log_tail()}"
-                assert time.monotonic() < deadline, \
+                )
+                assert time.monotonic() < deadline, (
                     f"the server did not answer within 90 s (Ray head alive: {self.head.alive()}):\n{self.log_tail()}"
+                )
                 time.sleep(0.2)
         finally:
             client.close()
@@ -140,7 +149,9 @@ def _mint_admin_token(database_url: str) -> str:
     database = Database.connect(database_url)
     try:
         with session_scope(database.sessions) as session:
-            return auth.create_token(session, DEFAULT_TENANT, admin=True, description="control-plane failure tests").secret
+            return auth.create_token(
+                session, DEFAULT_TENANT, admin=True, description="control-plane failure tests"
+            ).secret
     finally:
         database.dispose()
 
@@ -169,13 +180,16 @@ def _sqlite_server(tmp_path: Path, head: RayHead, servers: list[Server]) -> Serv
     return server
 
 
-def _poll(client: RingmasterClient, job_id: str, until: Callable[[dict], object], timeout_s: float, server: Server) -> dict:
+def _poll(
+    client: RingmasterClient, job_id: str, until: Callable[[dict], object], timeout_s: float, server: Server
+) -> dict:
     """The job once until(job) holds; API errors while the control plane is down or restarting are waited out."""
     deadline = time.monotonic() + timeout_s
     job: dict = {}
     while True:
-        assert server.process is None or server.process.poll() is None, \
+        assert server.process is None or server.process.poll() is None, (
             f"the server exited with {server.process.returncode}:\n{server.log_tail()}"
+        )
         try:
             job = client.job(job_id)
             if until(job):
@@ -183,7 +197,9 @@ def _poll(client: RingmasterClient, job_id: str, until: Callable[[dict], object]
         except (ApiError, httpx.HTTPError) as error:
             if isinstance(error, ApiError) and error.status < 500:
                 raise
-        assert time.monotonic() < deadline, f"job {job_id} is {job.get('state')} after {timeout_s} s:\n{server.log_tail()}"
+        assert time.monotonic() < deadline, (
+            f"job {job_id} is {job.get('state')} after {timeout_s} s:\n{server.log_tail()}"
+        )
         time.sleep(0.25)
 
 
@@ -198,8 +214,11 @@ def _transitions(client: RingmasterClient, job_id: str) -> list[tuple[str | None
 def _ray_jobs(head: RayHead, job_id: str) -> dict[str, str]:
     """Every Ray job this job ever had, by submission id, with its status."""
     listed = JobSubmissionClient(head.dashboard_url).list_jobs()
-    return {job.submission_id: str(job.status.value) for job in listed
-            if job.submission_id and job.submission_id.startswith(f"ringmaster-{job_id}-")}
+    return {
+        job.submission_id: str(job.status.value)
+        for job in listed
+        if job.submission_id and job.submission_id.startswith(f"ringmaster-{job_id}-")
+    }
 
 
 def _wait_ray_status(head: RayHead, submission_id: str, status: str, timeout_s: float = 30) -> None:
@@ -214,7 +233,9 @@ def _assert_every_step_once(rows: list[dict], steps: range) -> None:
     counts = Counter(row["step"] for row in rows)
     missing = sorted(set(steps) - set(counts))
     doubled = sorted(step for step, times in counts.items() if times > 1)
-    assert not missing and not doubled and set(counts) == set(steps), f"steps missing: {missing}, stored twice: {doubled}"
+    assert not missing and not doubled and set(counts) == set(steps), (
+        f"steps missing: {missing}, stored twice: {doubled}"
+    )
 
 
 def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_head, servers):
@@ -237,8 +258,12 @@ def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_
 
     assert done["state"] == "SUCCEEDED", done["error"]
     assert (done["attempt"], done["failures"]) == (1, 0)
-    assert _transitions(client, job["id"]) == [(None, "QUEUED"), ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"),
-                                               ("RUNNING", "SUCCEEDED")]
+    assert _transitions(client, job["id"]) == [
+        (None, "QUEUED"),
+        ("QUEUED", "ADMITTED"),
+        ("ADMITTED", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
     rows = client.metrics(job["id"])["items"]
     _assert_every_step_once(rows, range(1, steps + 1))
     assert {row["attempt"] for row in rows} == {1}
@@ -270,17 +295,26 @@ def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, 
     assert (done["attempt"], done["failures"]) == (2, 1)
     events = client.events(job_id)["items"]
     assert [(e["from_state"], e["to_state"]) for e in events if e["to_state"]] == [
-        (None, "QUEUED"), ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"), ("RUNNING", "QUEUED"),
-        ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"), ("RUNNING", "SUCCEEDED")]
+        (None, "QUEUED"),
+        ("QUEUED", "ADMITTED"),
+        ("ADMITTED", "RUNNING"),
+        ("RUNNING", "QUEUED"),
+        ("QUEUED", "ADMITTED"),
+        ("ADMITTED", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
     requeued = next(e for e in events if e["to_state"] == "QUEUED" and e["from_state"])
     assert requeued["message"].startswith(
-        f"attempt 1: Ray job {first_attempt} ended FAILED without the driver reporting; resubmitting"), requeued["message"]
+        f"attempt 1: Ray job {first_attempt} ended FAILED without the driver reporting; resubmitting"
+    ), requeued["message"]
 
     rows = client.metrics(job_id)["items"]
     second = sorted(row["step"] for row in rows if row["attempt"] == 2)
     resumed_from = second[0] - 1
     # Attempt 2 started right after a checkpoint attempt 1 committed: the newest one before it began.
-    attempt_one_checkpoints = [c.step for c in committed_checkpoints(tmp_path / "checkpoints" / job_id) if c.step < second[0]]
+    attempt_one_checkpoints = [
+        c.step for c in committed_checkpoints(tmp_path / "checkpoints" / job_id) if c.step < second[0]
+    ]
     assert resumed_from >= seen_checkpoint > 0
     assert resumed_from == max(attempt_one_checkpoints), (resumed_from, attempt_one_checkpoints)
     assert second == list(range(resumed_from + 1, steps + 1)), "attempt 2 ran a step twice or skipped one"
@@ -304,20 +338,28 @@ def test_a_replaced_ray_cluster_is_joined_by_the_living_server_and_the_job_resum
         stop_head(heads[0], grace_s=0.0)  # every process of the cluster: GCS, raylet, the driver, the workers
         time.sleep(3.0)  # the control plane meets a cluster that is gone
         assert server.process.poll() is None, f"the server died with its cluster:\n{server.log_tail()}"
-        heads.append(start_head(tmp_path / "ray-2", num_cpus=CLUSTER_CPUS,
-                                port=int(heads[0].gcs_address.rsplit(":", 1)[1]),
-                                dashboard_port=urlsplit(heads[0].dashboard_url).port))
+        heads.append(
+            start_head(
+                tmp_path / "ray-2",
+                num_cpus=CLUSTER_CPUS,
+                port=int(heads[0].gcs_address.rsplit(":", 1)[1]),
+                dashboard_port=urlsplit(heads[0].dashboard_url).port,
+            )
+        )
         assert heads[1].gcs_address == heads[0].gcs_address and heads[1].dashboard_url == heads[0].dashboard_url
 
         done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 180, server)  # checks the server is alive
         assert done["state"] == "SUCCEEDED", done["error"]
         assert (done["attempt"], done["failures"]) == (2, 1)
         requeued = next(e for e in client.events(job_id)["items"] if e["to_state"] == "QUEUED" and e["from_state"])
-        assert requeued["message"].startswith(f"attempt 1: Ray job ringmaster-{job_id}-1 is gone from Ray; resubmitting"), \
-            requeued["message"]
+        assert requeued["message"].startswith(
+            f"attempt 1: Ray job ringmaster-{job_id}-1 is gone from Ray; resubmitting"
+        ), requeued["message"]
         rows = client.metrics(job_id)["items"]
         second = sorted(row["step"] for row in rows if row["attempt"] == 2)
-        assert second[0] - 1 >= seen_checkpoint, "attempt 2 did not resume from the newest checkpoint attempt 1 committed"
+        assert second[0] - 1 >= seen_checkpoint, (
+            "attempt 2 did not resume from the newest checkpoint attempt 1 committed"
+        )
         assert second == list(range(second[0], steps + 1))
         # The second cluster ran it, through an agent of the server's that joined it (the first one's was lost).
         _wait_ray_status(heads[1], f"ringmaster-{job_id}-2", "SUCCEEDED")
@@ -343,12 +385,21 @@ def fault_tolerant_cluster(tmp_path: Path) -> Iterator[FaultTolerantCluster]:
         cluster.shutdown()
 
 
-def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_attempt_1(tmp_path, servers,
-                                                                                     fault_tolerant_cluster):
+def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_attempt_1(
+    tmp_path, servers, fault_tolerant_cluster
+):
     cluster = fault_tolerant_cluster
     steps = 500  # 50 s: the head is down and back well within it (a loaded machine's restart has taken over 25 s)
-    server = Server(tmp_path, f"sqlite:///{tmp_path / 'ringmaster.db'}", cluster.head, free_port(), settings={
-        "RINGMASTER_DRIVER_RESOURCES": json.dumps({DRIVER_RESOURCE: 1}), "RINGMASTER_WARM_WORKERS_PER_NODE": "0"})
+    server = Server(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'ringmaster.db'}",
+        cluster.head,
+        free_port(),
+        settings={
+            "RINGMASTER_DRIVER_RESOURCES": json.dumps({DRIVER_RESOURCE: 1}),
+            "RINGMASTER_WARM_WORKERS_PER_NODE": "0",
+        },
+    )
     servers.append(server)
     server.start()
     client = api(server)
@@ -362,15 +413,22 @@ def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_atte
     done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 180, server)  # checks the server is alive
 
     assert done["state"] == "SUCCEEDED", done["error"]
-    assert (done["attempt"], done["failures"]) == (1, 0), "the job was restarted instead of living through the head's restart"
-    assert _transitions(client, job_id) == [(None, "QUEUED"), ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"),
-                                            ("RUNNING", "SUCCEEDED")]
+    assert (done["attempt"], done["failures"]) == (1, 0), (
+        "the job was restarted instead of living through the head's restart"
+    )
+    assert _transitions(client, job_id) == [
+        (None, "QUEUED"),
+        ("QUEUED", "ADMITTED"),
+        ("ADMITTED", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
     rows = client.metrics(job_id)["items"]
     _assert_every_step_once(rows, range(1, steps + 1))  # no step redone, none skipped
     finished = [row["wall_time"] for row in rows if row["loss"] is not None]
     assert any(killed_at < at < back_at for at in finished), "no step was trained while the head was down"
-    assert any(at > back_at for at in finished), (f"the job had finished before the head came back (the restart took "
-                                                  f"{back_at - killed_at:.1f} s)")
+    assert any(at > back_at for at in finished), (
+        f"the job had finished before the head came back (the restart took {back_at - killed_at:.1f} s)"
+    )
     assert server.process.poll() is None
 
 
@@ -380,7 +438,9 @@ def postgres_schema_url(postgres_admin: Engine) -> Iterator[str]:
     schema = f"failures_{uuid.uuid4().hex[:12]}"
     with postgres_admin.connect() as connection:
         connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    yield postgres_admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+    yield postgres_admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False
+    )
     postgres_admin.dispose()  # its pooled connections died with the restart
     with postgres_admin.connect() as connection:
         connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
@@ -394,7 +454,9 @@ def _restart_postgres(admin: Engine) -> None:
     assert version and name, f"cannot tell which cluster to restart from cluster_name={cluster!r}"
     # Down for a couple of seconds, as in a failover: a restart alone can fall between two of the driver's reports.
     for action in ("stop", "start"):
-        result = subprocess.run(["pg_ctlcluster", version, name, action], capture_output=True, text=True, timeout=90, check=False)
+        result = subprocess.run(
+            ["pg_ctlcluster", version, name, action], capture_output=True, text=True, timeout=90, check=False
+        )
         assert result.returncode == 0, f"pg_ctlcluster {version} {name} {action} failed: {result.stdout}{result.stderr}"
         if action == "stop":
             time.sleep(2.0)
@@ -413,14 +475,19 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, pos
     _first_metrics(client, job_id, 90, server)
     _restart_postgres(postgres_admin)
     submission_id = f"ringmaster-{job_id}-1"
-    assert str(JobSubmissionClient(ray_head.dashboard_url).get_job_status(submission_id).value) == "RUNNING", \
+    assert str(JobSubmissionClient(ray_head.dashboard_url).get_job_status(submission_id).value) == "RUNNING", (
         "the job ended before PostgreSQL came back"
+    )
 
     done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 90, server)
     assert done["state"] == "SUCCEEDED", done["error"]
     assert (done["attempt"], done["failures"]) == (1, 0)
-    assert _transitions(client, job_id) == [(None, "QUEUED"), ("QUEUED", "ADMITTED"), ("ADMITTED", "RUNNING"),
-                                            ("RUNNING", "SUCCEEDED")]
+    assert _transitions(client, job_id) == [
+        (None, "QUEUED"),
+        ("QUEUED", "ADMITTED"),
+        ("ADMITTED", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
     rows = client.metrics(job_id)["items"]
     _assert_every_step_once(rows, range(1, steps + 1))
     assert all(row["loss"] is not None for row in rows)
@@ -429,9 +496,15 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, pos
     announced = [e["data"]["step"] for e in client.events(job_id)["items"] if e["kind"] == "checkpoint"]
     assert announced == checkpoint_steps, "a checkpoint event is missing or doubled"
     # The dispatcher loop outlived the restart: it still closes the finished attempt.
-    _poll(client, job_id, lambda _: any(e["message"] == "attempt 1 closed: SUCCEEDED" for e in client.events(job_id)["items"]),
-          60, server)
+    _poll(
+        client,
+        job_id,
+        lambda _: any(e["message"] == "attempt 1 closed: SUCCEEDED" for e in client.events(job_id)["items"]),
+        60,
+        server,
+    )
     assert server.process is not None and server.process.poll() is None, "the server died with the database"
     logs = JobSubmissionClient(ray_head.dashboard_url).get_job_logs(submission_id)
-    assert "control plane answered 503" in logs or "control plane unreachable" in logs, \
+    assert "control plane answered 503" in logs or "control plane unreachable" in logs, (
         "no report met the restart: the test did not exercise it"
+    )

@@ -14,11 +14,12 @@ import fsspec
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
-from torch.utils.data import DataLoader
-
 from api_tokens import authorize, table_rows
 from data_source_ranks import STOP_AFTER, fetch_on_rank, train_on_ranks
+from fastapi.testclient import TestClient
+from test_checkpoint_storage import BUCKET, s3_endpoint  # noqa: F401 (a fixture: a moto S3 server)
+from torch.utils.data import DataLoader
+
 from harness.process_group import run_on_ranks
 from ringmaster.api.app import create_app
 from ringmaster.service.settings import Settings
@@ -30,7 +31,6 @@ from ringmaster.workers.data.stream import DataPosition, GlobalBatchStream
 from ringmaster.workers.data.tokens import TokenWindows
 from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models import EntrypointError, build_bundle
-from test_checkpoint_storage import BUCKET, s3_endpoint  # noqa: F401 (a fixture: a moto S3 server)
 
 # Learnable, deterministic text: ringmaster's own model source, as byte tokens.
 TEXT = (Path(__file__).resolve().parents[1] / "workers" / "models" / "tiny_gpt.py").read_bytes()
@@ -54,6 +54,7 @@ def _tokens_spec(path: Path | str, **data: Any) -> TokensData:
 
 
 # --- token files ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_token_file_windows_hold_exactly_the_files_tokens(tmp_path: Path, dtype: str) -> None:
@@ -97,7 +98,9 @@ def test_validation_split_is_the_last_windows_or_a_file_of_its_own(tmp_path: Pat
     train, validation = data_source_splits(_tokens_spec(path, seq_len=4, val_fraction=0.1))
 
     assert (len(train), len(validation)) == (90, 10)
-    assert validation[0][0].tolist() == tokens[360:364].tolist() and validation[9][1].tolist() == tokens[397:401].tolist()
+    assert (
+        validation[0][0].tolist() == tokens[360:364].tolist() and validation[9][1].tolist() == tokens[397:401].tolist()
+    )
     assert train[89][1].tolist() == tokens[357:361].tolist()  # the last training window ends where validation starts
 
     val_tokens = (np.arange(41) * 3) % 256
@@ -114,8 +117,11 @@ def test_token_id_outside_the_models_vocab_fails_naming_the_file_and_window(tmp_
     tokens = np.arange(200) % 256
     tokens[150] = 300
     path = _token_file(tmp_path / "train.bin", tokens)
-    bundle = build_bundle(JobSpec(name="vocab", model="tiny-gpt", model_options={"seq_len": 16},
-                                  data={"kind": "tokens", "path": str(path)}))
+    bundle = build_bundle(
+        JobSpec(
+            name="vocab", model="tiny-gpt", model_options={"seq_len": 16}, data={"kind": "tokens", "path": str(path)}
+        )
+    )
 
     assert bundle.train_dataset[8][1][-1].item() == 144  # the window before reads fine
     with pytest.raises(JobInputError, match=f"'{path}': window 9 holds token id 300, outside the model's vocab of 256"):
@@ -135,12 +141,18 @@ def build_user_model(width: int = 8) -> tuple:
 
 def test_a_user_model_on_a_token_file_gets_its_windows(tmp_path: Path) -> None:
     path = _token_file(tmp_path / "train.bin", np.arange(1000) % 256)
-    spec = JobSpec(name="user", model=f"{__name__}:build_user_model",
-                   data={"kind": "tokens", "path": str(path), "seq_len": 16, "val_fraction": 0.1})
+    spec = JobSpec(
+        name="user",
+        model=f"{__name__}:build_user_model",
+        data={"kind": "tokens", "path": str(path), "seq_len": 16, "val_fraction": 0.1},
+    )
 
     bundle = build_bundle(spec)
 
-    assert isinstance(bundle.train_dataset, TokenWindows) and (len(bundle.train_dataset), len(bundle.val_dataset)) == (56, 6)
+    assert isinstance(bundle.train_dataset, TokenWindows) and (len(bundle.train_dataset), len(bundle.val_dataset)) == (
+        56,
+        6,
+    )
     assert bundle.train_dataset.seq_len == 16 and bundle.train_dataset.vocab_size is None
     assert bundle.loss_fn(bundle.model, bundle.train_dataset[0]).ndim == 0
 
@@ -150,39 +162,71 @@ def build_llama_alone(context: int = 64) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=200,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=context,
+        )
+    )
 
 
 def build_embedding_alone() -> torch.nn.Module:
     return torch.nn.Embedding(256, 8)
 
 
-def test_a_user_model_returned_alone_trains_on_the_data_sources_windows_with_the_next_token_loss(tmp_path: Path) -> None:
+def test_a_user_model_returned_alone_trains_on_the_data_sources_windows_with_the_next_token_loss(
+    tmp_path: Path,
+) -> None:
     directory = tmp_path / "hf"
     datasets.Dataset.from_dict({"ids": [list(range(0, 150)), list(range(150, 190))]}).save_to_disk(str(directory))
-    spec = JobSpec(name="alone", model=f"{__name__}:build_llama_alone",
-                   data={"kind": "hf_dataset", "path": str(directory), "column": "ids", "seq_len": 8, "val_fraction": 0.2})
+    spec = JobSpec(
+        name="alone",
+        model=f"{__name__}:build_llama_alone",
+        data={"kind": "hf_dataset", "path": str(directory), "column": "ids", "seq_len": 8, "val_fraction": 0.2},
+    )
 
     bundle = build_bundle(spec)
 
     assert (len(bundle.train_dataset), len(bundle.val_dataset)) == (19, 4)
     assert bundle.train_dataset.vocab_size == 200, "token ids are bounded by the model's own vocab"
     inputs, targets = (torch.stack(pair) for pair in zip(*(bundle.train_dataset[i] for i in range(3))))
-    by_hand = torch.nn.functional.cross_entropy(bundle.model(input_ids=inputs).logits.reshape(-1, 200), targets.reshape(-1))
+    by_hand = torch.nn.functional.cross_entropy(
+        bundle.model(input_ids=inputs).logits.reshape(-1, 200), targets.reshape(-1)
+    )
     assert torch.equal(bundle.loss_fn(bundle.model, (inputs, targets)), by_hand)
     assert bundle.tensor_parallel is not None and bundle.pipeline_stage is not None, "the transformers hooks as for hf:"
 
 
-@pytest.mark.parametrize(("entrypoint", "fields", "message"), [
-    ("build_embedding_alone", {}, "model entrypoint '{module}:build_embedding_alone' returned a Embedding alone, and "
-     "with data 'user' it must also return its datasets and loss"),
-    ("build_embedding_alone", {"data": "synthetic"}, "with data 'synthetic' it must also return its datasets and loss"),
-    ("build_llama_alone", {"data": {"kind": "tokens", "path": "{path}", "seq_len": 100}},
-     "data.seq_len (100) exceeds the context length of model '{module}:build_llama_alone': its config's "
-     "max_position_embeddings is 64"),
-])
-def test_a_model_alone_where_it_cannot_train_is_a_clear_error(tmp_path: Path, entrypoint: str, fields: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    ("entrypoint", "fields", "message"),
+    [
+        (
+            "build_embedding_alone",
+            {},
+            "model entrypoint '{module}:build_embedding_alone' returned a Embedding alone, and "
+            "with data 'user' it must also return its datasets and loss",
+        ),
+        (
+            "build_embedding_alone",
+            {"data": "synthetic"},
+            "with data 'synthetic' it must also return its datasets and loss",
+        ),
+        (
+            "build_llama_alone",
+            {"data": {"kind": "tokens", "path": "{path}", "seq_len": 100}},
+            "data.seq_len (100) exceeds the context length of model '{module}:build_llama_alone': its config's "
+            "max_position_embeddings is 64",
+        ),
+    ],
+)
+def test_a_model_alone_where_it_cannot_train_is_a_clear_error(
+    tmp_path: Path, entrypoint: str, fields: dict, message: str
+) -> None:
     path = _token_file(tmp_path / "train.bin", np.arange(1000) % 200)
     fields = json.loads(json.dumps(fields).replace("{path}", str(path)))
     with pytest.raises(EntrypointError) as raised:
@@ -204,6 +248,7 @@ def test_token_windows_pickle_as_their_path_not_their_tokens(tmp_path: Path) -> 
 
 
 # --- remote token files: fetched once per node -------------------------------------------------------------------
+
 
 def test_remote_token_file_is_fetched_once_into_the_cache_and_again_when_it_changes(node_cache: Path) -> None:
     filesystem = fsspec.filesystem("memory")
@@ -239,6 +284,7 @@ def test_two_ranks_on_a_node_fetch_an_s3_token_file_once(s3_endpoint: str, tmp_p
 
 # --- Hugging Face datasets directories ---------------------------------------------------------------------------
 
+
 def _hf_data(path: Path, **fields: Any):
     from ringmaster.service.spec import HFDatasetData
 
@@ -265,8 +311,12 @@ def test_string_column_is_packed_as_utf8_bytes_joined_by_newlines(hf_dir: Path) 
 def test_token_list_column_is_packed_id_after_id(hf_dir: Path) -> None:
     train, _ = hf_dataset_splits(_hf_data(hf_dir, column="ids", seq_len=2), vocab_size=None)
 
-    assert [(train[i][0].tolist(), train[i][1].tolist()) for i in range(len(train))] == \
-        [([1, 2], [2, 3]), ([3, 4], [4, 5]), ([5, 6], [6, 7]), ([7, 8], [8, 9])]
+    assert [(train[i][0].tolist(), train[i][1].tolist()) for i in range(len(train))] == [
+        ([1, 2], [2, 3]),
+        ([3, 4], [4, 5]),
+        ([5, 6], [6, 7]),
+        ([7, 8], [8, 9]),
+    ]
 
 
 def test_missing_column_names_it_and_the_columns_there_are(hf_dir: Path) -> None:
@@ -278,16 +328,22 @@ def test_missing_column_names_it_and_the_columns_there_are(hf_dir: Path) -> None
 
 def test_dataset_dict_trains_on_its_split_and_validates_on_another(tmp_path: Path) -> None:
     directory = tmp_path / "dict"
-    datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"ids": [list(range(0, 50)), list(range(50, 81))]}),
-        "validation": datasets.Dataset.from_dict({"ids": [list(range(100, 121))]}),
-    }).save_to_disk(str(directory))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"ids": [list(range(0, 50)), list(range(50, 81))]}),
+            "validation": datasets.Dataset.from_dict({"ids": [list(range(100, 121))]}),
+        }
+    ).save_to_disk(str(directory))
 
-    train, validation = hf_dataset_splits(_hf_data(directory, column="ids", seq_len=10, val_split="validation"), vocab_size=None)
+    train, validation = hf_dataset_splits(
+        _hf_data(directory, column="ids", seq_len=10, val_split="validation"), vocab_size=None
+    )
     assert (len(train), len(validation)) == (8, 2)
     assert train[7][1].tolist() == list(range(71, 81)) and validation[1][0].tolist() == list(range(110, 120))
 
-    train, validation = hf_dataset_splits(_hf_data(directory, column="ids", seq_len=10, val_fraction=0.25), vocab_size=None)
+    train, validation = hf_dataset_splits(
+        _hf_data(directory, column="ids", seq_len=10, val_fraction=0.25), vocab_size=None
+    )
     assert (len(train), len(validation)) == (6, 2) and validation[0][0].tolist() == list(range(60, 70))
 
     with pytest.raises(ValueError, match=r"has no split 'test'; its splits are \['train', 'validation'\]"):
@@ -318,9 +374,20 @@ def test_hf_packing_is_written_once_per_node(hf_dir: Path, node_cache: Path) -> 
 
 # --- the exactly-once order with DataLoader workers -------------------------------------------------------------
 
-def _stream(dataset: TokenWindows, dp_rank: int, num_workers: int, position: DataPosition = DataPosition()) -> GlobalBatchStream:
-    return GlobalBatchStream(dataset, micro_batch_size=3, dp_rank=dp_rank, dp_size=2, seed=5, global_batch_size=12,
-                             position=position, num_workers=num_workers)
+
+def _stream(
+    dataset: TokenWindows, dp_rank: int, num_workers: int, position: DataPosition = DataPosition()
+) -> GlobalBatchStream:
+    return GlobalBatchStream(
+        dataset,
+        micro_batch_size=3,
+        dp_rank=dp_rank,
+        dp_size=2,
+        seed=5,
+        global_batch_size=12,
+        position=position,
+        num_workers=num_workers,
+    )
 
 
 def _draw(stream: GlobalBatchStream, count: int) -> list[tuple[int, list[int], list[list[int]]]]:
@@ -367,6 +434,7 @@ def test_a_stream_resumed_mid_epoch_with_workers_continues_with_the_same_samples
 
 # --- training on a token file ------------------------------------------------------------------------------------
 
+
 def test_tiny_gpt_trains_on_a_token_file_over_two_ranks_the_same_with_dataloader_workers(tmp_path: Path) -> None:
     path = _token_file(tmp_path / "text.bin", np.frombuffer(TEXT, dtype=np.uint8))
 
@@ -382,6 +450,7 @@ def test_tiny_gpt_trains_on_a_token_file_over_two_ranks_the_same_with_dataloader
 
 # --- bad input at submit -----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'ringmaster.db'}", data_dir=tmp_path)
@@ -393,32 +462,79 @@ def api(tmp_path: Path) -> Iterator[TestClient]:
 TOKENS = {"kind": "tokens", "path": "s3://corpora/train.bin"}
 
 
-@pytest.mark.parametrize(("fields", "field", "message"), [
-    ({"data": {**TOKENS, "seq_len": 65}}, "data.seq_len", "data.seq_len (65) exceeds model 'tiny-gpt''s model_options.seq_len (64)"),
-    ({"data": {**TOKENS, "seq_len": 129}, "model_options": {"seq_len": 128}}, "data.seq_len", "model_options.seq_len (128)"),
-    ({"data": {**TOKENS, "dtype": "int8"}}, "data.tokens.dtype", "'uint16' or 'uint32'"),
-    ({"data": {**TOKENS, "val_fraction": 1.0}}, "data.tokens.val_fraction", "less than 1"),
-    ({"data": {**TOKENS, "num_workers": 65}}, "data.tokens.num_workers", "less than or equal to 64"),
-    ({"data": {**TOKENS, "seq_len": 0}}, "data.tokens.seq_len", "greater than or equal to 1"),
-    ({"data": {**TOKENS, "val_fraction": 0.1, "val_path": "/data/val.bin"}}, "data.tokens.val_fraction", "not both"),
-    ({"data": {"kind": "parquet", "path": "/data"}}, "data", "a mapping whose kind is 'tokens' or 'hf_dataset'"),
-    ({"data": {"kind": "hf_dataset", "path": "/data/hf"}}, "data.hf_dataset.column", "Field required"),
-    ({"data": TOKENS, "model": "mlp"}, "data", "model 'mlp' trains on 'synthetic' only"),
-    ({"data": TOKENS, "model": "my_pkg.models:build"}, "data.seq_len", "data.seq_len must be set"),
-    ({"data": TOKENS, "train": {"eval_every_steps": 5}}, "train.eval_every_steps", "train.eval_every_steps needs a validation set"),
-    ({"data": "pysource", "model": "mlp"}, "data", "trains on 'synthetic' or a token data source, got 'pysource'"),
-    ({"data": {**TOKENS, "seq_len": 4096}, "model": "hf:LlamaForCausalLM", "model_options": {"max_position_embeddings": 128}},
-     "data.seq_len", "data.seq_len (4096) exceeds the context length of model 'hf:LlamaForCausalLM': "
-                     "model_options.max_position_embeddings is 128"),
-    ({"data": {**TOKENS, "seq_len": 1025}, "model": "hf:GPT2LMHeadModel"},  # GPT-2's context length is n_positions
-     "data.seq_len", "GPT2Config's default n_positions is 1024"),
-    ({"data": {**TOKENS, "seq_len": 129}, "model": "hf:LlamaForCausalLM", "model_options": {"max_position_embeddings": 128.0}},
-     "data.seq_len", "model_options.max_position_embeddings is 128"),  # a JSON number written 128.0 is the same length
-    ({"model": "hf:GPT2LMHeadModel", "model_options": {"n_positions": 32}},  # the built-in corpus's windows are 64
-     "model_options.seq_len", "model_options.seq_len (64) exceeds the context length of model 'hf:GPT2LMHeadModel': "
-                              "model_options.n_positions is 32"),
-])
-def test_bad_data_is_a_422_naming_what_is_wrong_and_writes_nothing(api: TestClient, fields: dict, field: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        (
+            {"data": {**TOKENS, "seq_len": 65}},
+            "data.seq_len",
+            "data.seq_len (65) exceeds model 'tiny-gpt''s model_options.seq_len (64)",
+        ),
+        (
+            {"data": {**TOKENS, "seq_len": 129}, "model_options": {"seq_len": 128}},
+            "data.seq_len",
+            "model_options.seq_len (128)",
+        ),
+        ({"data": {**TOKENS, "dtype": "int8"}}, "data.tokens.dtype", "'uint16' or 'uint32'"),
+        ({"data": {**TOKENS, "val_fraction": 1.0}}, "data.tokens.val_fraction", "less than 1"),
+        ({"data": {**TOKENS, "num_workers": 65}}, "data.tokens.num_workers", "less than or equal to 64"),
+        ({"data": {**TOKENS, "seq_len": 0}}, "data.tokens.seq_len", "greater than or equal to 1"),
+        (
+            {"data": {**TOKENS, "val_fraction": 0.1, "val_path": "/data/val.bin"}},
+            "data.tokens.val_fraction",
+            "not both",
+        ),
+        ({"data": {"kind": "parquet", "path": "/data"}}, "data", "a mapping whose kind is 'tokens' or 'hf_dataset'"),
+        ({"data": {"kind": "hf_dataset", "path": "/data/hf"}}, "data.hf_dataset.column", "Field required"),
+        ({"data": TOKENS, "model": "mlp"}, "data", "model 'mlp' trains on 'synthetic' only"),
+        ({"data": TOKENS, "model": "my_pkg.models:build"}, "data.seq_len", "data.seq_len must be set"),
+        (
+            {"data": TOKENS, "train": {"eval_every_steps": 5}},
+            "train.eval_every_steps",
+            "train.eval_every_steps needs a validation set",
+        ),
+        ({"data": "pysource", "model": "mlp"}, "data", "trains on 'synthetic' or a token data source, got 'pysource'"),
+        (
+            {
+                "data": {**TOKENS, "seq_len": 4096},
+                "model": "hf:LlamaForCausalLM",
+                "model_options": {"max_position_embeddings": 128},
+            },
+            "data.seq_len",
+            "data.seq_len (4096) exceeds the context length of model 'hf:LlamaForCausalLM': "
+            "model_options.max_position_embeddings is 128",
+        ),
+        (
+            {
+                "data": {**TOKENS, "seq_len": 1025},
+                "model": "hf:GPT2LMHeadModel",
+            },  # GPT-2's context length is n_positions
+            "data.seq_len",
+            "GPT2Config's default n_positions is 1024",
+        ),
+        (
+            {
+                "data": {**TOKENS, "seq_len": 129},
+                "model": "hf:LlamaForCausalLM",
+                "model_options": {"max_position_embeddings": 128.0},
+            },
+            "data.seq_len",
+            "model_options.max_position_embeddings is 128",
+        ),  # a JSON number written 128.0 is the same length
+        (
+            {
+                "model": "hf:GPT2LMHeadModel",
+                "model_options": {"n_positions": 32},
+            },  # the built-in corpus's windows are 64
+            "model_options.seq_len",
+            "model_options.seq_len (64) exceeds the context length of model 'hf:GPT2LMHeadModel': "
+            "model_options.n_positions is 32",
+        ),
+    ],
+)
+def test_bad_data_is_a_422_naming_what_is_wrong_and_writes_nothing(
+    api: TestClient, fields: dict, field: str, message: str
+) -> None:
     before = table_rows(api.app)
     response = api.post("/v1/jobs", json={"name": "bad-data", "model": "tiny-gpt", **fields})
 
@@ -434,7 +550,14 @@ def test_a_token_job_is_accepted_with_its_seq_len_from_the_model(api: TestClient
     response = api.post("/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
 
     assert response.status_code == 201, response.text
-    assert response.json()["spec"]["data"] == {"kind": "tokens", "path": "s3://corpora/train.bin", "dtype": "uint16",
-                                               "seq_len": 128, "val_path": None, "val_fraction": 0.0, "num_workers": 0}
+    assert response.json()["spec"]["data"] == {
+        "kind": "tokens",
+        "path": "s3://corpora/train.bin",
+        "dtype": "uint16",
+        "seq_len": 128,
+        "val_path": None,
+        "val_fraction": 0.0,
+        "num_workers": 0,
+    }
     stored = JobSpec.model_validate(response.json()["spec"])
     assert stored.spec_hash() == JobSpec.model_validate(stored.model_dump(mode="json")).spec_hash()

@@ -21,9 +21,15 @@ TEXT = (Path(__file__).resolve().parents[1] / "workers" / "models" / "tiny_gpt.p
 
 
 def _spec(name: str, data: dict) -> dict:
-    return {"name": name, "model": "tiny-gpt", "model_options": {"n_layers": 1, "dim": 32, "n_heads": 2, "seq_len": 32},
-            "data": data, "workers": {"min": 2, "max": 2},
-            "train": {"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 0.01}, "max_failures": 3}
+    return {
+        "name": name,
+        "model": "tiny-gpt",
+        "model_options": {"n_layers": 1, "dim": 32, "n_heads": 2, "seq_len": 32},
+        "data": data,
+        "workers": {"min": 2, "max": 2},
+        "train": {"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 0.01},
+        "max_failures": 3,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,9 @@ def submitted(ray_server, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     return {name: client.submit(spec)["id"] for name, spec in specs.items()}
 
 
-def test_tiny_gpt_trains_on_a_token_file_with_dataloader_workers(submitted: dict[str, str], client: RingmasterClient) -> None:
+def test_tiny_gpt_trains_on_a_token_file_with_dataloader_workers(
+    submitted: dict[str, str], client: RingmasterClient
+) -> None:
     done = wait_for_state(client, submitted["tokens"], {"SUCCEEDED", "FAILED", "CANCELLED"})
     assert done["state"] == "SUCCEEDED", done["error"]
 
@@ -54,12 +62,18 @@ def test_tiny_gpt_trains_on_a_token_file_with_dataloader_workers(submitted: dict
     assert all(row["world_size"] == 2 for row in rows) and math.isfinite(rows[-1]["val_loss"])
 
 
-@pytest.mark.parametrize(("name", "reason"), [
-    ("missing", r"data\.path: data file '\S+/absent\.bin' does not exist on this node"),
-    ("odd-size", r"data file '\S+/odd\.bin' holds \d+ bytes, not a whole number of uint16 token ids \(2 bytes each\): "
-                 r"is data\.dtype right\?"),
-    ("no-column", r"data\.column 'content' is not a column of '\S+/hf'; its columns are \['text'\]"),
-])
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("missing", r"data\.path: data file '\S+/absent\.bin' does not exist on this node"),
+        (
+            "odd-size",
+            r"data file '\S+/odd\.bin' holds \d+ bytes, not a whole number of uint16 token ids \(2 bytes each\): "
+            r"is data\.dtype right\?",
+        ),
+        ("no-column", r"data\.column 'content' is not a column of '\S+/hf'; its columns are \['text'\]"),
+    ],
+)
 def test_a_data_source_the_workers_cannot_read_fails_the_job_once_with_the_reason_alone(
     name: str, reason: str, submitted: dict[str, str], client: RingmasterClient
 ) -> None:

@@ -11,11 +11,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import default_collate
 
-from harness.process_group import run_on_ranks
 from harness.checkpoints import latest_committed, load_model_weights
+from harness.process_group import run_on_ranks
+from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.models import build_bundle
-from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training
 
 WORLD_SIZE = 2
@@ -53,17 +53,28 @@ def _train_every_model(rank: int, world_size: int, root: str) -> None:
     step_gradients: list[torch.Tensor] = []
 
     def record_gradient(optimizer, args, kwargs) -> None:
-        step_gradients.append(torch.cat([p.grad.flatten() for group in optimizer.param_groups for p in group["params"]]))
+        step_gradients.append(
+            torch.cat([p.grad.flatten() for group in optimizer.param_groups for p in group["params"]])
+        )
 
     hook = register_optimizer_step_pre_hook(record_gradient)
     try:
         for model in MODEL_OPTIONS:
             step_gradients.clear()
             points = []
-            context = TrainContext(rank, world_size, torch.device("cpu"), "numerics", f"{root}/{model}", sink=CallbackSink(on_metric=points.append))
+            context = TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                "numerics",
+                f"{root}/{model}",
+                sink=CallbackSink(on_metric=points.append),
+            )
             run_training(numerics_spec(model), context)
             if rank == 0:
-                Path(f"{root}/{model}/losses.json").write_text(json.dumps([p.loss for p in points if p.loss is not None]))
+                Path(f"{root}/{model}/losses.json").write_text(
+                    json.dumps([p.loss for p in points if p.loss is not None])
+                )
                 torch.save(list(step_gradients), f"{root}/{model}/gradients.pt")
     finally:
         hook.remove()
@@ -119,7 +130,9 @@ def test_ddp_grad_accumulation_matches_single_process(distributed_runs: Path, mo
     distributed_gradients = torch.load(run_dir / "gradients.pt")
     assert len(distributed_gradients) == STEPS
     for step, (distributed, reference) in enumerate(zip(distributed_gradients, gradients), start=1):
-        torch.testing.assert_close(distributed, reference, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} gradient: {m}")
+        torch.testing.assert_close(
+            distributed, reference, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} gradient: {m}"
+        )
 
     torch.manual_seed(SEED + 1)
     trained = build_bundle(spec).model

@@ -26,9 +26,10 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -52,8 +53,14 @@ PLACEHOLDER_IMAGES = ("ringmaster-ray", "ringmaster-control-plane")
 EXPECTED: dict[str, dict[str, Any]] = {
     "dev": {"gpus": False, "ray_tag": "cpu", "control_plane_tag": "cpu", "bundled_postgres": True, "rwx": False},
     "gpu": {"gpus": True, "ray_tag": "cuda", "control_plane_tag": "cpu", "bundled_postgres": False, "rwx": True},
-    "ha": {"gpus": False, "ray_tag": "cpu", "control_plane_tag": "cpu", "bundled_postgres": True, "rwx": False,
-           "gcs_fault_tolerance": True},
+    "ha": {
+        "gpus": False,
+        "ray_tag": "cpu",
+        "control_plane_tag": "cpu",
+        "bundled_postgres": True,
+        "rwx": False,
+        "gcs_fault_tolerance": True,
+    },
 }
 
 
@@ -101,7 +108,7 @@ def render(kubectl: str, path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
-def overlay(request: pytest.FixtureRequest, kubectl: str) -> "Rendered":
+def overlay(request: pytest.FixtureRequest, kubectl: str) -> Rendered:
     name = request.param
     if name not in EXPECTED:
         pytest.fail(f"overlay {name!r} has no entry in EXPECTED in {Path(__file__).name}: say what it promises")
@@ -185,7 +192,9 @@ class Rendered:
             for kind, key in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
                 if key in source:
                     ref = source[key]
-                    assert self.find(kind, ref["name"]), f"{self.name}: {variable['name']} names a missing {kind} {ref['name']!r}"
+                    assert self.find(kind, ref["name"]), (
+                        f"{self.name}: {variable['name']} names a missing {kind} {ref['name']!r}"
+                    )
                     values = self.data(kind, ref["name"])
                     assert ref["key"] in values, f"{self.name}: {kind} {ref['name']} has no key {ref['key']!r}"
                     environment[variable["name"]] = values[ref["key"]]
@@ -248,8 +257,11 @@ RAYCLUSTER_SCHEMA: dict[str, Any] = {
         "metadata": {
             "type": "object",
             "required": ["name"],
-            "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
-                           "labels": _STRING_MAP, "annotations": _STRING_MAP},
+            "properties": {
+                "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+                "labels": _STRING_MAP,
+                "annotations": _STRING_MAP,
+            },
         },
         "spec": {
             "type": "object",
@@ -262,28 +274,42 @@ RAYCLUSTER_SCHEMA: dict[str, Any] = {
                     "type": "object",
                     "additionalProperties": False,
                     "properties": {
-                        "resources": _OBJECT, "image": {"type": "string"},
+                        "resources": _OBJECT,
+                        "image": {"type": "string"},
                         "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
-                        "securityContext": _OBJECT, "idleTimeoutSeconds": _COUNT,
+                        "securityContext": _OBJECT,
+                        "idleTimeoutSeconds": _COUNT,
                         "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
-                        "version": {"enum": ["v1", "v2"]}, "env": _ARRAY, "envFrom": _ARRAY,
-                        "volumeMounts": _ARRAY, "command": _ARRAY, "args": _ARRAY,
+                        "version": {"enum": ["v1", "v2"]},
+                        "env": _ARRAY,
+                        "envFrom": _ARRAY,
+                        "volumeMounts": _ARRAY,
+                        "command": _ARRAY,
+                        "args": _ARRAY,
                     },
                 },
                 "headServiceAnnotations": _STRING_MAP,
                 "suspend": {"type": "boolean"},
                 "managedBy": {"enum": ["ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue"]},
-                "upgradeStrategy": _OBJECT, "authOptions": _OBJECT, "gcsFaultToleranceOptions": _OBJECT,
-                "historyServerOptions": _OBJECT, "networkPolicy": _OBJECT, "tlsOptions": _OBJECT,
+                "upgradeStrategy": _OBJECT,
+                "authOptions": _OBJECT,
+                "gcsFaultToleranceOptions": _OBJECT,
+                "historyServerOptions": _OBJECT,
+                "networkPolicy": _OBJECT,
+                "tlsOptions": _OBJECT,
                 "headGroupSpec": {
                     "type": "object",
                     "required": ["template"],
                     "additionalProperties": False,
                     "properties": {
-                        "template": _OBJECT, "rayStartParams": _STRING_MAP,
+                        "template": _OBJECT,
+                        "rayStartParams": _STRING_MAP,
                         "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-                        "headService": _OBJECT, "enableIngress": {"type": "boolean"}, "ingressOptions": _OBJECT,
-                        "resources": _STRING_MAP, "labels": _STRING_MAP,
+                        "headService": _OBJECT,
+                        "enableIngress": {"type": "boolean"},
+                        "ingressOptions": _OBJECT,
+                        "resources": _STRING_MAP,
+                        "labels": _STRING_MAP,
                     },
                 },
                 "workerGroupSpecs": {
@@ -294,11 +320,18 @@ RAYCLUSTER_SCHEMA: dict[str, Any] = {
                         "additionalProperties": False,
                         "properties": {
                             "groupName": {"type": "string", "minLength": 1},
-                            "replicas": _COUNT, "minReplicas": _COUNT, "maxReplicas": _COUNT,
+                            "replicas": _COUNT,
+                            "minReplicas": _COUNT,
+                            "maxReplicas": _COUNT,
                             "numOfHosts": {"type": "integer", "minimum": 1},
-                            "idleTimeoutSeconds": _COUNT, "priority": {"type": "integer"},
-                            "rayStartParams": _STRING_MAP, "resources": _STRING_MAP, "labels": _STRING_MAP,
-                            "template": _OBJECT, "scaleStrategy": _OBJECT, "suspend": {"type": "boolean"},
+                            "idleTimeoutSeconds": _COUNT,
+                            "priority": {"type": "integer"},
+                            "rayStartParams": _STRING_MAP,
+                            "resources": _STRING_MAP,
+                            "labels": _STRING_MAP,
+                            "template": _OBJECT,
+                            "scaleStrategy": _OBJECT,
+                            "suspend": {"type": "boolean"},
                         },
                     },
                 },
@@ -312,13 +345,17 @@ def raycluster_problems(cluster: dict[str, Any], kv, version: str) -> list[str]:
     """What is wrong with a RayCluster: its structure, its pod templates (core schema), its groups."""
     import jsonschema  # kubernetes-validate's dependency
 
-    problems = [f"{'.'.join(map(str, error.path)) or '<root>'}: {error.message}"
-                for error in jsonschema.Draft202012Validator(RAYCLUSTER_SCHEMA).iter_errors(cluster)]
+    problems = [
+        f"{'.'.join(map(str, error.path)) or '<root>'}: {error.message}"
+        for error in jsonschema.Draft202012Validator(RAYCLUSTER_SCHEMA).iter_errors(cluster)
+    ]
     if problems:
         return problems
     spec = cluster["spec"]
     templates = [("headGroupSpec.template", spec["headGroupSpec"]["template"])]
-    templates += [(f"workerGroupSpecs[{i}].template", g["template"]) for i, g in enumerate(spec.get("workerGroupSpecs", []))]
+    templates += [
+        (f"workerGroupSpecs[{i}].template", g["template"]) for i, g in enumerate(spec.get("workerGroupSpecs", []))
+    ]
     for where, template in templates:
         wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"}, "template": template}
         try:
@@ -332,13 +369,17 @@ def raycluster_problems(cluster: dict[str, Any], kv, version: str) -> list[str]:
         low, high = group.get("minReplicas", 0), group.get("maxReplicas", 2**31 - 1)
         replicas = group.get("replicas", low)
         if not low <= replicas <= high:
-            problems.append(f"worker group {group['groupName']}: needs minReplicas {low} ≤ replicas {replicas} ≤ maxReplicas {high}")
+            problems.append(
+                f"worker group {group['groupName']}: needs minReplicas {low} ≤ replicas {replicas} ≤ maxReplicas {high}"
+            )
         if high < 1:
             problems.append(f"worker group {group['groupName']}: maxReplicas {high} leaves it without workers")
     head_params = spec["headGroupSpec"].get("rayStartParams", {})
     if head_params.get("dashboard-host") != "0.0.0.0":
-        problems.append("headGroupSpec.rayStartParams.dashboard-host must be '0.0.0.0': the control plane "
-                        f"reaches the dashboard / Jobs API through the head Service (got {head_params.get('dashboard-host')!r})")
+        problems.append(
+            "headGroupSpec.rayStartParams.dashboard-host must be '0.0.0.0': the control plane "
+            f"reaches the dashboard / Jobs API through the head Service (got {head_params.get('dashboard-host')!r})"
+        )
     return problems
 
 
@@ -354,7 +395,9 @@ def validation_problems(doc: dict[str, Any], kv, versions: tuple[str, ...]) -> l
             if doc.get("kind") == "RayCluster":
                 problems += [f"{where} (Kubernetes {version}): {p}" for p in raycluster_problems(doc, kv, version)]
             else:
-                problems.append(f"{where}: no schema for {doc.get('apiVersion')} {doc.get('kind')} in Kubernetes {version}")
+                problems.append(
+                    f"{where}: no schema for {doc.get('apiVersion')} {doc.get('kind')} in Kubernetes {version}"
+                )
     return problems
 
 
@@ -390,7 +433,9 @@ def test_schema_checks_catch_mistakes(overlay: Rendered, kv, versions) -> None:
     deployment["spec"]["replicas"] = "two"
     assert validation_problems(deployment, kv, versions)
     deployment = copy.deepcopy(overlay.control_plane)
-    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {"httpGet": {"path": "/healthz", "port": 8765}}
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {
+        "httpGet": {"path": "/healthz", "port": 8765}
+    }
     assert validation_problems(deployment, kv, versions)
 
     def broken(change) -> list[str]:
@@ -404,7 +449,9 @@ def test_schema_checks_catch_mistakes(overlay: Rendered, kv, versions) -> None:
     assert broken(lambda spec: spec["headGroupSpec"]["rayStartParams"].update({"num-gpus": 0}))
     assert broken(lambda spec: spec["headGroupSpec"]["rayStartParams"].pop("dashboard-host"))
     assert broken(lambda spec: spec["headGroupSpec"]["template"]["spec"]["containers"][0].update(imagePolicy="Always"))
-    assert broken(lambda spec: spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"].update(limits=[]))
+    assert broken(
+        lambda spec: spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"].update(limits=[])
+    )
 
 
 # -- the RayCluster --------------------------------------------------------------------------------
@@ -436,7 +483,11 @@ def test_raycluster_workers_autoscale_within_bounds(overlay: Rendered) -> None:
 
 
 def test_gpus_in_the_gpu_overlay_and_none_in_dev(overlay: Rendered) -> None:
-    workers = [(g["groupName"], c) for g in overlay.raycluster["spec"]["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]]
+    workers = [
+        (g["groupName"], c)
+        for g in overlay.raycluster["spec"]["workerGroupSpecs"]
+        for c in g["template"]["spec"]["containers"]
+    ]
     if overlay.expect["gpus"]:
         for group, container in workers:
             request, limit = _gpus(container)
@@ -445,7 +496,9 @@ def test_gpus_in_the_gpu_overlay_and_none_in_dev(overlay: Rendered) -> None:
     else:
         for where, container, pod in overlay.containers():
             assert _gpus(container) == (None, None), f"{overlay.name}: {where} asks for GPUs"
-            assert not [t for t in pod.get("tolerations", []) if t.get("key") == GPU], f"{overlay.name}: {where} tolerates GPU nodes"
+            assert not [t for t in pod.get("tolerations", []) if t.get("key") == GPU], (
+                f"{overlay.name}: {where} tolerates GPU nodes"
+            )
         for group in overlay.raycluster["spec"]["workerGroupSpecs"]:
             assert group["rayStartParams"].get("num-gpus", "0") == "0"
 
@@ -473,10 +526,14 @@ def test_checkpoint_volume_is_mounted_at_the_storage_uri_everywhere(overlay: Ren
     if urlsplit(storage).scheme:  # an object store (s3://, gs://): nothing to mount
         assert urlsplit(storage).scheme in {"s3", "gs", "gcs", "az", "abfs"}, storage
         return
-    assert storage.startswith("/"), f"{overlay.name}: RINGMASTER_STORAGE_URI {storage!r} is neither an absolute path nor a URI"
+    assert storage.startswith("/"), (
+        f"{overlay.name}: RINGMASTER_STORAGE_URI {storage!r} is neither an absolute path nor a URI"
+    )
     cluster = overlay.raycluster["spec"]
-    pods = {"control plane": overlay.control_plane["spec"]["template"]["spec"],
-            "ray head": cluster["headGroupSpec"]["template"]["spec"]}
+    pods = {
+        "control plane": overlay.control_plane["spec"]["template"]["spec"],
+        "ray head": cluster["headGroupSpec"]["template"]["spec"],
+    }
     pods.update({f"ray workers {g['groupName']}": g["template"]["spec"] for g in cluster["workerGroupSpecs"]})
     claims = set()
     for where, pod in pods.items():
@@ -484,13 +541,17 @@ def test_checkpoint_volume_is_mounted_at_the_storage_uri_everywhere(overlay: Ren
         mounts = [m for m in main.get("volumeMounts", []) if m["mountPath"] == storage]
         assert len(mounts) == 1, f"{overlay.name}: {where} does not mount anything at {storage}"
         volume = next(v for v in pod["volumes"] if v["name"] == mounts[0]["name"])
-        assert "persistentVolumeClaim" in volume, f"{overlay.name}: {where} mounts {volume} at {storage}, not the shared claim"
+        assert "persistentVolumeClaim" in volume, (
+            f"{overlay.name}: {where} mounts {volume} at {storage}, not the shared claim"
+        )
         claims.add(volume["persistentVolumeClaim"]["claimName"])
         assert not mounts[0].get("readOnly") and not mounts[0].get("subPath"), f"{overlay.name}: {where}"
     assert len(claims) == 1, f"{overlay.name}: the pods mount different claims {claims}"
     claim = overlay.get("PersistentVolumeClaim", claims.pop())
     if overlay.expect["rwx"]:
-        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], f"{overlay.name}: checkpoints must be shared across nodes"
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], (
+            f"{overlay.name}: checkpoints must be shared across nodes"
+        )
 
 
 # -- the control plane -----------------------------------------------------------------------------
@@ -507,7 +568,9 @@ def test_control_plane_runs_two_replicas_probed_on_healthz(overlay: Rendered) ->
     for probe in ("livenessProbe", "readinessProbe"):
         http = container.get(probe, {}).get("httpGet")
         assert http and http["path"] == "/healthz", f"{overlay.name}: {probe} is not GET /healthz"
-        assert container_port(containers, http["port"]) == api_port, f"{overlay.name}: {probe} port {http['port']} is not the API port"
+        assert container_port(containers, http["port"]) == api_port, (
+            f"{overlay.name}: {probe} port {http['port']} is not the API port"
+        )
 
 
 def test_every_container_has_resource_requests_and_limits(overlay: Rendered) -> None:
@@ -517,7 +580,9 @@ def test_every_container_has_resource_requests_and_limits(overlay: Rendered) -> 
             missing = {"cpu", "memory"} - set(resources.get(kind, {}))
             assert not missing, f"{overlay.name}: {where} has no {kind} for {missing}"
         request, limit = resources["requests"]["cpu"], resources["limits"]["cpu"]
-        assert cpu_quantity(request) <= cpu_quantity(limit), f"{overlay.name}: {where}: cpu request {request} > limit {limit}"
+        assert cpu_quantity(request) <= cpu_quantity(limit), (
+            f"{overlay.name}: {where}: cpu request {request} > limit {limit}"
+        )
     autoscaler = overlay.raycluster["spec"].get("autoscalerOptions", {}).get("resources", {})
     assert {"requests", "limits"} <= set(autoscaler), f"{overlay.name}: the autoscaler sidecar has no resources"
 
@@ -527,11 +592,18 @@ def test_every_ringmaster_variable_is_a_settings_field_and_parses(overlay: Rende
     for where, container, _ in overlay.containers():
         environment = overlay.environment(container)
         ours = {k: v for k, v in environment.items() if k.upper().startswith(ENV_PREFIX)}
-        unknown = {k for k in ours if k[len(ENV_PREFIX):].lower() not in fields}
-        assert not unknown, f"{overlay.name}: {where} sets {sorted(unknown)}, which service.settings.Settings does not read"
+        unknown = {k for k in ours if k[len(ENV_PREFIX) :].lower() not in fields}
+        assert not unknown, (
+            f"{overlay.name}: {where} sets {sorted(unknown)}, which service.settings.Settings does not read"
+        )
         settings_from({k: v for k, v in ours.items() if v is not None})  # raises when a value does not parse
-    assert {"RINGMASTER_DATABASE_URL", "RINGMASTER_RAY_ADDRESS", "RINGMASTER_RAY_DASHBOARD_URL", "RINGMASTER_API_URL",
-            "RINGMASTER_STORAGE_URI"} <= set(overlay.environment(overlay.control_plane["spec"]["template"]["spec"]["containers"][0]))
+    assert {
+        "RINGMASTER_DATABASE_URL",
+        "RINGMASTER_RAY_ADDRESS",
+        "RINGMASTER_RAY_DASHBOARD_URL",
+        "RINGMASTER_API_URL",
+        "RINGMASTER_STORAGE_URI",
+    } <= set(overlay.environment(overlay.control_plane["spec"]["template"]["spec"]["containers"][0]))
 
 
 def test_ray_addresses_point_at_the_head_service(overlay: Rendered) -> None:
@@ -541,7 +613,9 @@ def test_ray_addresses_point_at_the_head_service(overlay: Rendered) -> None:
     ray = urlsplit(settings.ray_address)
     # The control plane is no Ray node: it joins as a Ray Client (ray://…:10001); a bare GCS address
     # needs a raylet in the same pod.
-    assert ray.scheme == "ray", f"{overlay.name}: RINGMASTER_RAY_ADDRESS {settings.ray_address!r} is not a ray:// address"
+    assert ray.scheme == "ray", (
+        f"{overlay.name}: RINGMASTER_RAY_ADDRESS {settings.ray_address!r} is not a ray:// address"
+    )
     assert ray.hostname == head_service and ray.port == container_port(head, "client") == 10001
     dashboard = urlsplit(settings.ray_dashboard_url)
     assert (dashboard.scheme, dashboard.hostname) == ("http", head_service)
@@ -559,7 +633,9 @@ def test_gcs_fault_tolerance_has_its_redis_and_keeps_drivers_off_the_head(overla
     host, port = options["redisAddress"].rsplit(":", 1)
     redis = overlay.get("Service", host)
     assert int(port) in {p["port"] for p in redis["spec"]["ports"]}, f"{overlay.name}: {host} has no port {port}"
-    redis_pods = [t for _, t in overlay.pod_templates() if redis["spec"]["selector"].items() <= t["metadata"]["labels"].items()]
+    redis_pods = [
+        t for _, t in overlay.pod_templates() if redis["spec"]["selector"].items() <= t["metadata"]["labels"].items()
+    ]
     assert len(redis_pods) == 1 and container_port(redis_pods[0]["spec"]["containers"], int(port))
     secret = options["redisPassword"]["valueFrom"]["secretKeyRef"]
     assert secret["key"] in overlay.data("Secret", secret["name"]), f"{overlay.name}: no Redis password secret"
@@ -569,8 +645,9 @@ def test_gcs_fault_tolerance_has_its_redis_and_keeps_drivers_off_the_head(overla
     assert head_resources is None or not set(driver_resources) & set(json.loads(json.loads(head_resources)))
     for group in spec["workerGroupSpecs"]:
         offered = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
-        assert all(offered.get(name, 0) >= amount for name, amount in driver_resources.items()), \
+        assert all(offered.get(name, 0) >= amount for name, amount in driver_resources.items()), (
             f"{overlay.name}: worker group {group['groupName']} offers {offered}, drivers need {driver_resources}"
+        )
 
 
 def test_api_url_reaches_the_control_plane_through_its_service(overlay: Rendered) -> None:
@@ -594,8 +671,9 @@ def test_service_selectors_match_pod_labels(overlay: Rendered) -> None:
         for port in service["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
             for where, template in matched:
-                assert container_port(template["spec"]["containers"], target), \
+                assert container_port(template["spec"]["containers"], target), (
                     f"{overlay.name}: Service {service['metadata']['name']} targets port {target!r}, which {where} does not declare"
+                )
     for kind in ("Deployment", "StatefulSet"):
         for workload in overlay.of_kind(kind):
             labels = workload["spec"]["template"]["metadata"]["labels"]
@@ -611,7 +689,10 @@ def test_service_selectors_match_pod_labels(overlay: Rendered) -> None:
 def test_node_shape_settings_match_the_worker_pods(overlay: Rendered) -> None:
     """RINGMASTER_GPUS_PER_NODE / CPUS_PER_NODE, when set, are what one worker pod gives Ray."""
     settings = overlay.control_plane_settings
-    workers = [g["template"]["spec"]["containers"][0]["resources"]["limits"] for g in overlay.raycluster["spec"]["workerGroupSpecs"]]
+    workers = [
+        g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        for g in overlay.raycluster["spec"]["workerGroupSpecs"]
+    ]
     if settings.gpus_per_node is not None:
         assert {int(w.get(GPU, 0)) for w in workers} == {settings.gpus_per_node}
     if settings.cpus_per_node is not None:
@@ -635,17 +716,25 @@ def test_database_url_points_at_the_bundled_or_an_external_postgresql(overlay: R
         assert service["spec"]["selector"].items() <= postgres["metadata"]["labels"].items()
         environment = overlay.environment(postgres["spec"]["containers"][0])
         assert (url.username, url.password, url.database) == (
-            environment["POSTGRES_USER"], environment["POSTGRES_PASSWORD"], environment["POSTGRES_DB"])
+            environment["POSTGRES_USER"],
+            environment["POSTGRES_PASSWORD"],
+            environment["POSTGRES_DB"],
+        )
     else:
         assert not statefulsets, f"{overlay.name}: an external-database overlay bundles a StatefulSet"
-        assert not overlay.find("Service", url.host.split(".")[0]), f"{overlay.name}: {url.host} is a Service of this render"
-        assert PLACEHOLDER in str(url.render_as_string(hide_password=False)), \
+        assert not overlay.find("Service", url.host.split(".")[0]), (
+            f"{overlay.name}: {url.host} is a Service of this render"
+        )
+        assert PLACEHOLDER in str(url.render_as_string(hide_password=False)), (
             f"{overlay.name}: the external database URL should be a marked placeholder, not a real credential"
+        )
 
 
 def test_no_api_token_is_deployed_tokens_live_hashed_in_the_database(overlay: Rendered) -> None:
     for secret in overlay.of_kind("Secret"):
-        assert not [key for key in overlay.data("Secret", secret["metadata"]["name"]) if "token" in key], secret["metadata"]["name"]
+        assert not [key for key in overlay.data("Secret", secret["metadata"]["name"]) if "token" in key], secret[
+            "metadata"
+        ]["name"]
 
 
 # -- the image -------------------------------------------------------------------------------------
@@ -664,10 +753,16 @@ def _arg_defaults() -> dict[str, str]:
 
 def _torch_install(variant: str, index: str = "") -> subprocess.CompletedProcess:
     """Run the Dockerfile's torch step with `pip` replaced by echo."""
-    step = next(i for i in _instructions() if i.startswith("RUN") and "VARIANT" in i)[len("RUN"):]
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "VARIANT": variant, "TORCH_INDEX": index,
-           "TORCH_VERSION": _arg_defaults()["TORCH_VERSION"]}
-    return subprocess.run(["sh", "-c", 'pip() { echo "pip $*"; }\n' + step], env=env, capture_output=True, text=True, timeout=30)
+    step = next(i for i in _instructions() if i.startswith("RUN") and "VARIANT" in i)[len("RUN") :]
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "VARIANT": variant,
+        "TORCH_INDEX": index,
+        "TORCH_VERSION": _arg_defaults()["TORCH_VERSION"],
+    }
+    return subprocess.run(
+        ["sh", "-c", 'pip() { echo "pip $*"; }\n' + step], env=env, capture_output=True, text=True, timeout=30
+    )
 
 
 def test_dockerfile_builds_cpu_and_cuda_variants() -> None:
@@ -691,20 +786,29 @@ def test_dockerfile_fits_the_manifests(kubectl: str) -> None:
                 assert (ROOT / source).exists(), f"the Dockerfile copies {source}, which is not in the repository"
     base = {d["kind"]: d for d in render(kubectl, K8S / "base")}
     ray_version = _arg_defaults()["RAY_VERSION"]
-    assert ray_version == base["RayCluster"]["spec"]["rayVersion"], \
+    assert ray_version == base["RayCluster"]["spec"]["rayVersion"], (
         "RAY_VERSION in deploy/Dockerfile and rayVersion in the RayCluster differ"
+    )
     pinned = re.search(r'"ray\[[^\]]*\]==([^"]+)"', (ROOT / "pyproject.toml").read_text())
     if pinned:  # `pip install .` would otherwise replace the image's Ray with the pinned one
-        assert pinned.group(1) == ray_version, "RAY_VERSION in deploy/Dockerfile and the Ray pin in pyproject.toml differ"
+        assert pinned.group(1) == ray_version, (
+            "RAY_VERSION in deploy/Dockerfile and the Ray pin in pyproject.toml differ"
+        )
     # KubeRay's injected probes on Ray pods run `bash -c "wget … | grep success"`.
     assert any(i.startswith("RUN") and "apt-get install" in i and "wget" in i for i in instructions)
-    assert re.search(r"^USER\s+\d+$", "\n".join(instructions), flags=re.M), \
+    assert re.search(r"^USER\s+\d+$", "\n".join(instructions), flags=re.M), (
         "a numeric USER lets Kubernetes verify runAsNonRoot"
+    )
 
 
 def test_deploy_guide_covers_every_overlay() -> None:
     guide = (DEPLOY / "README.md").read_text()
     for name in OVERLAYS:
         assert f"kubectl apply -k deploy/k8s/overlays/{name}" in guide, f"deploy/README.md never applies overlay {name}"
-    for step in ("helm install kuberay-operator", "port-forward svc/ringmaster-api", "ringmaster submit", "RINGMASTER_STORAGE_URI=s3://"):
+    for step in (
+        "helm install kuberay-operator",
+        "port-forward svc/ringmaster-api",
+        "ringmaster submit",
+        "RINGMASTER_STORAGE_URI=s3://",
+    ):
         assert step in guide, f"deploy/README.md lacks {step!r}"

@@ -11,9 +11,9 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 from datetime import timedelta
 from multiprocessing.synchronize import Event as EventType
+from typing import Any
 
 import pytest
 from sqlalchemy import (
@@ -47,7 +47,8 @@ DEADLINE_S = 150
 
 _standin = MetaData()
 submissions = Table(
-    "standin_submissions", _standin,
+    "standin_submissions",
+    _standin,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("submission_id", String(255), nullable=False),  # deliberately not unique: a duplicate must show
     Column("dispatcher", String(64), nullable=False),
@@ -64,15 +65,21 @@ class RecordingStandIn(StandInCluster):
         self.database = database
         self.dispatcher = dispatcher
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
+    def submit(
+        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> None:
         # One transaction, to keep 2,000 jobs quick: the submission is recorded and both driver reports applied.
         with session_scope(self.database.sessions) as session:
-            session.execute(insert(submissions).values(submission_id=submission_id, dispatcher=self.dispatcher, at=utcnow()))
+            session.execute(
+                insert(submissions).values(submission_id=submission_id, dispatcher=self.dispatcher, at=utcnow())
+            )
             finish_at_once(session, submission_id)
 
     def status(self, submission_id: str) -> str | None:
         with self.database.sessions() as session:
-            seen = session.scalar(select(func.count()).select_from(submissions).where(submissions.c.submission_id == submission_id))
+            seen = session.scalar(
+                select(func.count()).select_from(submissions).where(submissions.c.submission_id == submission_id)
+            )
         return "SUCCEEDED" if seen else None
 
 
@@ -95,7 +102,9 @@ def postgres_url(postgres_admin: Engine) -> Iterator[str]:
     schema = f"test_{uuid.uuid4().hex[:12]}"
     with postgres_admin.connect() as connection:
         connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    url = postgres_admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+    url = postgres_admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False
+    )
     try:
         upgrade_schema(url)
         yield url
@@ -111,12 +120,30 @@ def _bulk_queue(database: Database, count: int) -> list[str]:
     ids = [uuid.uuid4().hex for _ in range(count)]
     created = [start + timedelta(microseconds=index) for index in range(count)]
     with session_scope(database.sessions) as session:
-        session.execute(insert(Job), [
-            {"id": job_id, "name": "scale", "spec": spec, "state": JobState.QUEUED, "priority": 0, "attempt": 0,
-             "failures": 0, "created_at": at, "cancel_requested": False} for job_id, at in zip(ids, created)])
-        session.execute(insert(JobEvent), [
-            {"job_id": job_id, "at": at, "to_state": JobState.QUEUED, "kind": "transition", "message": "submitted"}
-            for job_id, at in zip(ids, created)])
+        session.execute(
+            insert(Job),
+            [
+                {
+                    "id": job_id,
+                    "name": "scale",
+                    "spec": spec,
+                    "state": JobState.QUEUED,
+                    "priority": 0,
+                    "attempt": 0,
+                    "failures": 0,
+                    "created_at": at,
+                    "cancel_requested": False,
+                }
+                for job_id, at in zip(ids, created)
+            ],
+        )
+        session.execute(
+            insert(JobEvent),
+            [
+                {"job_id": job_id, "at": at, "to_state": JobState.QUEUED, "kind": "transition", "message": "submitted"}
+                for job_id, at in zip(ids, created)
+            ],
+        )
     return ids
 
 
@@ -133,8 +160,10 @@ def test_two_dispatcher_processes_dispatch_2000_jobs_exactly_once(postgres_url: 
     context = multiprocessing.get_context("spawn")
     go, stop = context.Event(), context.Event()
     readies = [context.Event() for _ in DISPATCHERS]
-    processes = [context.Process(target=_run_dispatcher, args=(postgres_url, name, ready, go, stop), daemon=True)
-                 for name, ready in zip(DISPATCHERS, readies)]
+    processes = [
+        context.Process(target=_run_dispatcher, args=(postgres_url, name, ready, go, stop), daemon=True)
+        for name, ready in zip(DISPATCHERS, readies)
+    ]
     finished = select(func.count()).select_from(Job).where(Job.state.in_([s.value for s in TERMINAL]))
     open_attempts = select(func.count()).select_from(Attempt).where(Attempt.ended_at.is_(None))
     try:
@@ -147,8 +176,10 @@ def test_two_dispatcher_processes_dispatch_2000_jobs_exactly_once(postgres_url: 
         # Done when every job ended and both dispatchers closed every attempt (released its resources).
         while _count(database, finished) < JOB_COUNT or _count(database, open_attempts) > 0:
             assert all(process.is_alive() for process in processes), "a dispatcher process died"
-            assert time.monotonic() - started < DEADLINE_S, (f"{_count(database, finished)} of {JOB_COUNT} jobs finished, "
-                                                             f"{_count(database, open_attempts)} attempts open after {DEADLINE_S} s")
+            assert time.monotonic() - started < DEADLINE_S, (
+                f"{_count(database, finished)} of {JOB_COUNT} jobs finished, "
+                f"{_count(database, open_attempts)} attempts open after {DEADLINE_S} s"
+            )
             if all_finished is None and _count(database, finished) == JOB_COUNT:
                 all_finished = time.monotonic() - started
             time.sleep(0.2)
@@ -165,7 +196,9 @@ def test_two_dispatcher_processes_dispatch_2000_jobs_exactly_once(postgres_url: 
         states = Counter(session.scalars(select(Job.state)))
         attempt_numbers = Counter(session.scalars(select(Job.attempt)))
         admissions = Counter(session.scalars(select(JobEvent.job_id).where(JobEvent.to_state == JobState.ADMITTED)))
-        closes = Counter(session.scalars(select(JobEvent.job_id).where(JobEvent.message == "attempt 1 closed: SUCCEEDED")))
+        closes = Counter(
+            session.scalars(select(JobEvent.job_id).where(JobEvent.message == "attempt 1 closed: SUCCEEDED"))
+        )
         attempts = Counter(session.scalars(select(Attempt.job_id)))
     database.dispose()
 
@@ -178,5 +211,7 @@ def test_two_dispatcher_processes_dispatch_2000_jobs_exactly_once(postgres_url: 
     assert set(closes) == set(ids) and set(closes.values()) == {1}, "an attempt was closed twice"
     by_dispatcher = Counter(dispatcher for _, dispatcher in submitted)
     assert set(by_dispatcher) == set(DISPATCHERS) and min(by_dispatcher.values()) > 0, by_dispatcher
-    print(f"{JOB_COUNT} jobs finished in {all_finished or elapsed:.1f} s, all attempts closed in {elapsed:.1f} s; "
-          f"submissions per dispatcher: {dict(by_dispatcher)}")
+    print(
+        f"{JOB_COUNT} jobs finished in {all_finished or elapsed:.1f} s, all attempts closed in {elapsed:.1f} s; "
+        f"submissions per dispatcher: {dict(by_dispatcher)}"
+    )

@@ -15,8 +15,8 @@ from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job
 from ringmaster.service.naming import workers_fitting
-from ringmaster.service.settings import Settings
 from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV, DriverReport
+from ringmaster.service.settings import Settings
 from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
 from ringmaster.service.states import JobState
 
@@ -31,11 +31,15 @@ class FakeCluster(StandInCluster):
 
 
 def _spec(name: str, workers: int, priority: int = 0) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": name, "model": "mlp", "priority": priority,
-        "workers": {"min": workers, "max": workers},
-        "train": {"steps": 5, "global_batch_size": 4 * workers, "micro_batch_size": 4},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": name,
+            "model": "mlp",
+            "priority": priority,
+            "workers": {"min": workers, "max": workers},
+            "train": {"steps": 5, "global_batch_size": 4 * workers, "micro_batch_size": 4},
+        }
+    )
 
 
 def _submit(db: Database, spec: JobSpec) -> str:
@@ -86,9 +90,11 @@ def test_a_job_the_idle_cluster_could_never_hold_says_so_and_one_that_waits_for_
     with db.sessions() as session:
         reasons = {job_id: session.get(Job, job_id).waiting_reason for job_id in (never, later)}
     assert _state(db, running) == JobState.ADMITTED
-    assert reasons[never] == ("waiting for cluster capacity: no room now for 8 worker(s) of 1 CPU and 0 GPU each; the "
-                              "cluster's 1 node(s), 4 CPU and 0 GPU in all, hold 4 such worker(s) even when idle: the job "
-                              "waits for nodes to join")
+    assert reasons[never] == (
+        "waiting for cluster capacity: no room now for 8 worker(s) of 1 CPU and 0 GPU each; the "
+        "cluster's 1 node(s), 4 CPU and 0 GPU in all, hold 4 such worker(s) even when idle: the job "
+        "waits for nodes to join"
+    )
     assert reasons[later] == "waiting for cluster capacity: no room now for 4 worker(s) of 1 CPU and 0 GPU each"
     assert len(calls) == 1, "the cluster's nodes are read once per pass"
 
@@ -122,9 +128,15 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
     carried = json.loads(cluster.runtime_envs[submission_id]["env_vars"][JOB_SPEC_ENV])
     assert JobSpec.model_validate(carried) == spec
     assert cluster.metadata[submission_id] == {
-        "job_name": f"one ({job_id[:8]}, attempt 1)", "ringmaster_job_id": job_id, "name": "one", "tenant": "default",
-        "attempt": "1", "strategy": spec.strategy, "world_size": "2",
-        "ringmaster_url": f"http://control-plane:8765/ui/jobs/{job_id}"}
+        "job_name": f"one ({job_id[:8]}, attempt 1)",
+        "ringmaster_job_id": job_id,
+        "name": "one",
+        "tenant": "default",
+        "attempt": "1",
+        "strategy": spec.strategy,
+        "world_size": "2",
+        "ringmaster_url": f"http://control-plane:8765/ui/jobs/{job_id}",
+    }
     assert entrypoint[entrypoint.index("--api-url") + 1] == "http://control-plane:8765"
     assert entrypoint[entrypoint.index("--ray-address") + 1] == "10.0.0.1:6379"
     with db.sessions() as session:
@@ -135,8 +147,9 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
 def test_a_jobs_api_without_an_agent_yet_is_waited_out_without_counting_failures(db, dispatcher):
     """A Ray cluster still starting answers with no agent to submit to: the job waits, its max_failures untouched."""
     dispatcher, cluster = dispatcher
-    cluster.refuse_submit = ("Request failed with status code 500: No available agent to submit job, please try again "
-                             "later.")
+    cluster.refuse_submit = (
+        "Request failed with status code 500: No available agent to submit job, please try again later."
+    )
     job_id = _submit(db, _spec("agent-starting", workers=2).model_copy(update={"max_failures": 1}))
     for _ in range(3):
         dispatcher.run_once()
@@ -275,11 +288,22 @@ def test_warm_pools_are_the_shared_one_and_the_newest_runtime_envs_a_job_ran_in(
     dispatcher, cluster = dispatcher
     dispatcher.settings = dispatcher.settings.model_copy(update={"warm_runtime_envs": 2})
     ids = {}
-    for name, state in [("old", JobState.SUCCEEDED), ("a", JobState.SUCCEEDED), ("again-a", JobState.RUNNING),
-                        ("b", JobState.RUNNING), ("plain", JobState.SUCCEEDED), ("broken", JobState.FAILED)]:
+    for name, state in [
+        ("old", JobState.SUCCEEDED),
+        ("a", JobState.SUCCEEDED),
+        ("again-a", JobState.RUNNING),
+        ("b", JobState.RUNNING),
+        ("plain", JobState.SUCCEEDED),
+        ("broken", JobState.FAILED),
+    ]:
         project = name.removeprefix("again-")
-        spec = _spec(name, workers=1) if name == "plain" else \
-            _spec(name, workers=1).model_copy(update={"runtime_env": RuntimeEnvSpec(env_vars={"PROJECT": project})})
+        spec = (
+            _spec(name, workers=1)
+            if name == "plain"
+            else _spec(name, workers=1).model_copy(
+                update={"runtime_env": RuntimeEnvSpec(env_vars={"PROJECT": project})}
+            )
+        )
         ids[name] = _submit(db, spec)
         with db.sessions() as session, session.begin():
             session.get(Job, ids[name]).state = state
@@ -291,9 +315,13 @@ def test_warm_pools_are_the_shared_one_and_the_newest_runtime_envs_a_job_ran_in(
             return JobSpec.model_validate(session.get(Job, ids[name]).spec).warm_pool
 
     assert pool_of("a") == pool_of("again-a") != pool_of("b") and pool_of("plain") == SHARED_POOL
-    assert sorted(pools) == sorted([SHARED_POOL, pool_of("a"), pool_of("b")]), "the two newest envs that ran, and the shared one"
+    assert sorted(pools) == sorted([SHARED_POOL, pool_of("a"), pool_of("b")]), (
+        "the two newest envs that ran, and the shared one"
+    )
     assert pools[pool_of("b")] == {"env_vars": {"PROJECT": "b"}} and pools[SHARED_POOL] == {}
-    assert all(REPORT_TOKEN_ENV not in env.get("env_vars", {}) for env in pools.values()), "no attempt's secret in a pool"
+    assert all(REPORT_TOKEN_ENV not in env.get("env_vars", {}) for env in pools.values()), (
+        "no attempt's secret in a pool"
+    )
 
 
 def test_warm_pool_upkeep_names_the_active_attempts_and_never_stops_admission(db, dispatcher):

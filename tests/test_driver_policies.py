@@ -7,8 +7,15 @@ from dataclasses import dataclass
 import pytest
 
 from ringmaster.service.spec import WorkersSpec
-from ringmaster.workers.driver.policies import (FailJob, FailurePolicy, FormGroup, GiveUp, Recover, ScalingPolicy,
-                                                WaitForCapacity)
+from ringmaster.workers.driver.policies import (
+    FailJob,
+    FailurePolicy,
+    FormGroup,
+    GiveUp,
+    Recover,
+    ScalingPolicy,
+    WaitForCapacity,
+)
 from ringmaster.workers.job_input import JobInputError
 
 
@@ -51,8 +58,10 @@ def test_a_collective_failing_with_everyone_alive_is_recovered_from_but_the_user
 
 def test_a_job_input_error_fails_the_job_with_its_message_alone_before_any_collective_failure_is_weighed() -> None:
     refused = JobInputError("data.path: data file '/nope/text.bin' does not exist on this node")
-    errors = [FakeTaskError("gloo: Connection reset by peer"),
-              FakeTaskError(f"train()\nTraceback ...\nJobInputError: {refused}", cause=refused)]
+    errors = [
+        FakeTaskError("gloo: Connection reset by peer"),
+        FakeTaskError(f"train()\nTraceback ...\nJobInputError: {refused}", cause=refused),
+    ]
     assert FailurePolicy().decide([], errors) == FailJob(str(refused)) == FailJob(refused.reason)
     # Without one, a user's exception keeps its traceback.
     user = FakeTaskError("train()\n  File \"model.py\", line 3\nKeyError: 'x'", cause=KeyError("x"))
@@ -60,13 +69,19 @@ def test_a_job_input_error_fails_the_job_with_its_message_alone_before_any_colle
     assert isinstance(decision, FailJob) and "Traceback" in decision.reason and 'model.py", line 3' in decision.reason
 
 
-@pytest.mark.parametrize(("group", "grows"), [
-    (FakeGroup(world_size=2, warm_ready=1), False),                   # at max already
-    (FakeGroup(world_size=1, warm_ready=0, warm_starting=1), False),  # nothing warm yet
-    (FakeGroup(world_size=1, warm_ready=1), True),                    # the one missing worker is warm
-    (FakeGroup(world_size=0, warm_ready=1, warm_starting=1), False),  # one warm, another still warming: wait for both
-    (FakeGroup(world_size=0, warm_ready=1, warm_starting=0), True),   # all that could start are warm
-])
+@pytest.mark.parametrize(
+    ("group", "grows"),
+    [
+        (FakeGroup(world_size=2, warm_ready=1), False),  # at max already
+        (FakeGroup(world_size=1, warm_ready=0, warm_starting=1), False),  # nothing warm yet
+        (FakeGroup(world_size=1, warm_ready=1), True),  # the one missing worker is warm
+        (
+            FakeGroup(world_size=0, warm_ready=1, warm_starting=1),
+            False,
+        ),  # one warm, another still warming: wait for both
+        (FakeGroup(world_size=0, warm_ready=1, warm_starting=0), True),  # all that could start are warm
+    ],
+)
 def test_the_group_stops_to_grow_once_its_missing_workers_are_warm(group: FakeGroup, grows: bool) -> None:
     assert _scaling(1, 2).should_grow(group) is grows
 
@@ -96,4 +111,5 @@ def test_resize_to_what_is_available_else_wait_then_give_up() -> None:
     assert policy.decide(available=2, waited_s=0, reason="lost") == FormGroup(2)
     assert policy.decide(available=1, waited_s=59, reason="lost") == WaitForCapacity()
     assert policy.decide(available=1, waited_s=61, reason="lost rank 1") == GiveUp(
-        "lost rank 1; only 1 of workers.min 2 can be placed")
+        "lost rank 1; only 1 of workers.min 2 can be placed"
+    )

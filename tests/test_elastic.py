@@ -8,13 +8,13 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from paced_model import read_tagged_steps
 from ray.util.state import list_actors
 
-from ringmaster.service.client import RingmasterClient
 from harness.ray_cluster import wait_for_state
 from harness.simulated_cluster import SimulatedCluster, served_cluster, wait_for_step
+from ringmaster.service.client import RingmasterClient
 from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation
-from paced_model import read_tagged_steps
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +26,23 @@ SAMPLES = 96  # 12 steps an epoch: every run goes through 12 epochs and a half, 
 
 def _spec(cluster: SimulatedCluster, name: str, minimum: int, maximum: int) -> dict:
     return {
-        "name": name, "model": "tests.paced_model:build",
-        "model_options": {"pause_s": 0.03, "n_train": SAMPLES, "n_val": 64,
-                          "id_record_dir": str(cluster.id_records / name)},
+        "name": name,
+        "model": "tests.paced_model:build",
+        "model_options": {
+            "pause_s": 0.03,
+            "n_train": SAMPLES,
+            "n_val": 64,
+            "id_record_dir": str(cluster.id_records / name),
+        },
         "workers": {"min": minimum, "max": maximum, "cpus_per_worker": 1},
-        "train": {"steps": STEPS, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, "lr": 0.003, "seed": 3,
-                  "record_sample_ids": True},
+        "train": {
+            "steps": STEPS,
+            "global_batch_size": GLOBAL_BATCH,
+            "micro_batch_size": 2,
+            "lr": 0.003,
+            "seed": 3,
+            "record_sample_ids": True,
+        },
         "checkpoint": {"every_steps": 20, "keep": 3},
         "max_failures": 3,
     }
@@ -94,7 +105,7 @@ def _assert_each_sample_once_per_epoch_in_the_loss_path(cluster: SimulatedCluste
     assert again <= 2 * regroups, f"{again} computations repeated samples over {regroups} re-formation(s)"
     per_epoch = SAMPLES // GLOBAL_BATCH
     for epoch in range(0, STEPS, per_epoch):
-        used = [i for ids in steps[epoch:epoch + per_epoch] for i in ids]
+        used = [i for ids in steps[epoch : epoch + per_epoch] for i in ids]
         assert len(used) == len(set(used)), f"epoch {epoch // per_epoch} used a sample twice"
         if len(used) == SAMPLES:
             assert set(used) == set(range(SAMPLES)), f"epoch {epoch // per_epoch} left samples out"
@@ -111,10 +122,17 @@ def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> Non
     assert len(restores) == len(regroups) and {data["storage_reads"] for data in restores} == {0}, restores
     # ddp's state is on every rank alike: a node's loss leaves its copy on the other node, so only what is a rank's
     # own (its RNG state, here a sixth of this small model's snapshot) goes to a buddy. (A group of one has no buddy.)
-    costs = [cost for e in events if e["data"] and "snapshot_host_memory" in e["data"]
-             for cost in e["data"]["snapshot_host_memory"] if len(e["data"]["snapshot_host_memory"]) > 1]
-    assert costs and all(0 < cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
-                         < 0.25 * cost["own_bytes_per_snapshot"] for cost in costs), costs
+    costs = [
+        cost
+        for e in events
+        if e["data"] and "snapshot_host_memory" in e["data"]
+        for cost in e["data"]["snapshot_host_memory"]
+        if len(e["data"]["snapshot_host_memory"]) > 1
+    ]
+    assert costs and all(
+        0 < cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"] < 0.25 * cost["own_bytes_per_snapshot"]
+        for cost in costs
+    ), costs
     steps_by_generation = read_steps_by_generation(cluster.storage / job_id)
     computed = Counter(step for steps in steps_by_generation.values() for step in steps)
     assert len(steps_by_generation) == len(regroups) + 1
@@ -131,7 +149,11 @@ def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
     assert done["state"] == "SUCCEEDED", done["error"]
     transitions = [e["to_state"] for e in _events(cluster.client, job["id"]) if e["to_state"]]
     assert transitions == ["QUEUED", "ADMITTED", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"]
-    resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and e["data"].get("resumed_from_step"))
+    resumed = next(
+        e
+        for e in _events(cluster.client, job["id"])
+        if e["to_state"] == "RUNNING" and e["data"].get("resumed_from_step")
+    )
     assert resumed["data"]["world_size"] == 2 and resumed["data"]["resumed_from_step"] >= KILL_AFTER_STEP - 1
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
@@ -153,7 +175,9 @@ def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterr
     cluster.add_node()
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
     assert done["state"] == "SUCCEEDED", done["error"]
-    grown = [e for e in _events(cluster.client, job["id"]) if e["kind"] == "info" and "capacity returned" in e["message"]]
+    grown = [
+        e for e in _events(cluster.client, job["id"]) if e["kind"] == "info" and "capacity returned" in e["message"]
+    ]
     assert grown and grown[-1]["data"]["world_size"] == 2 and grown[-1]["data"]["world_size_before"] == 1
     rows = cluster.client.metrics(job["id"])["items"]
     assert {row["world_size"] for row in rows if row["loss"] is not None} >= {1, 2}
@@ -193,10 +217,16 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninte
         time.sleep(0.1)
     standby_node = ready[0]["data"]["standby_node"]
     actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
-    cluster.kill_node(cluster.node_by_id(next(actor["node_id"] for actor in actors if actor["node_id"] != standby_node)))
+    cluster.kill_node(
+        cluster.node_by_id(next(actor["node_id"] for actor in actors if actor["node_id"] != standby_node))
+    )
     done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
     assert done["state"] == "SUCCEEDED", done["error"]
-    resumed = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {}))
+    resumed = next(
+        e
+        for e in _events(cluster.client, job["id"])
+        if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {})
+    )
     assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
     assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
     _assert_each_sample_once_per_epoch(cluster.storage, job["id"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_hf_models import hf_spec
 
 from harness.checkpoints import latest_committed, load_model_weights
 from harness.process_group import run_on_ranks
@@ -18,7 +19,6 @@ from ringmaster.service.spec import JobSpec
 from ringmaster.workers.export import CONFIG_NAME, WEIGHTS_NAME, ExportError, export_checkpoint
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
-from test_hf_models import hf_spec
 
 # A tied GPT-2 sharded by FSDP, and a Llama split by tensor parallelism (DTensor shards of every block).
 CASES = {"gpt2-fsdp-zero3": ("gpt2", "fsdp-zero3"), "llama-tensor": ("llama", "tensor")}
@@ -30,8 +30,10 @@ def _spec(case: str) -> JobSpec:
 
 def _train_every_case(rank: int, world_size: int, root: str) -> None:
     for case in CASES:
-        run_training(_spec(case), TrainContext(rank, world_size, torch.device("cpu"), case, f"{root}/{case}",
-                                               sink=CallbackSink()))
+        run_training(
+            _spec(case),
+            TrainContext(rank, world_size, torch.device("cpu"), case, f"{root}/{case}", sink=CallbackSink()),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,9 @@ def _model_class_and_options(case: str) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_sharded_checkpoint_exports_the_trained_weights_whole_for_from_pretrained(trained: Path, tmp_path: Path,
-                                                                                    case: str) -> None:
+def test_a_sharded_checkpoint_exports_the_trained_weights_whole_for_from_pretrained(
+    trained: Path, tmp_path: Path, case: str
+) -> None:
     from transformers import AutoModelForCausalLM
 
     checkpoint = latest_committed(trained / case)
@@ -86,7 +89,8 @@ def test_an_export_starts_another_job_as_its_pretrained_weights(trained: Path, t
 
 
 def test_an_occupied_directory_or_a_checkpoint_that_fails_its_manifest_is_refused_with_nothing_written(
-        trained: Path, tmp_path: Path) -> None:
+    trained: Path, tmp_path: Path
+) -> None:
     checkpoint = latest_committed(trained / "llama-tensor")
     model_class, options = _model_class_and_options("llama-tensor")
     occupied = tmp_path / "occupied"
@@ -105,6 +109,8 @@ def test_an_occupied_directory_or_a_checkpoint_that_fails_its_manifest_is_refuse
     copy = shutil.copytree(checkpoint.path, tmp_path / Path(checkpoint.path).name)
     shard = next(copy.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-8])
-    with pytest.raises(ExportError, match=rf"does not match its manifest: .*{shard.name}: \d+ bytes, manifest says \d+"):
+    with pytest.raises(
+        ExportError, match=rf"does not match its manifest: .*{shard.name}: \d+ bytes, manifest says \d+"
+    ):
         export_checkpoint(str(copy), tmp_path / "out-corrupt", model_class, options)
     assert not (tmp_path / "out-corrupt").exists()

@@ -24,15 +24,19 @@ class Peer:
         return 0
 
     def train(self) -> None:
-        raise RuntimeError("Connection closed by peer [127.0.0.1]:9366. This is typically caused by a remote process "
-                           "dying.\nException raised from recvBytes")
+        raise RuntimeError(
+            "Connection closed by peer [127.0.0.1]:9366. This is typically caused by a remote process "
+            "dying.\nException raised from recvBytes"
+        )
 
 
 def _group(answer_after_s: list[float]) -> WorkerGroup:
     group = WorkerGroup(JobSpec.model_validate({"name": "probe", "model": "mlp"}), collective_timeout_s=60)
     peers = [Peer.remote(delay) for delay in answer_after_s]
-    group.workers = [RankedWorker(peer, slot=None, node_id=f"node-{rank}", ip="127.0.0.1", pid=0, rank=rank)
-                     for rank, peer in enumerate(peers)]
+    group.workers = [
+        RankedWorker(peer, slot=None, node_id=f"node-{rank}", ip="127.0.0.1", pid=0, rank=rank)
+        for rank, peer in enumerate(peers)
+    ]
     return group
 
 
@@ -93,11 +97,21 @@ def test_a_survivors_call_broken_before_its_peers_loss_is_seen_is_one_line_of_th
     ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
     call = survivor.actor.train.remote()
     ray.wait([call], timeout=30)
-    poll = GroupPoll(group, {call: survivor}, interval_s=0.1, drain_every_s=1000.0, heartbeat_interval_s=1000.0,
-                     heartbeat_timeout_s=1000.0, probe_timeout_s=10.0, probe_grace_s=0.5)
+    poll = GroupPoll(
+        group,
+        {call: survivor},
+        interval_s=0.1,
+        drain_every_s=1000.0,
+        heartbeat_interval_s=1000.0,
+        heartbeat_timeout_s=1000.0,
+        probe_timeout_s=10.0,
+        probe_grace_s=0.5,
+    )
     with caplog.at_level(logging.INFO, logger="ringmaster.driver"):
         result = poll.poll(metrics_acknowledged=0)
     assert result.lost == [silent] and len(result.errors) == 1
-    assert "rank 0's interrupted training call ended: RuntimeError: Connection closed by peer [127.0.0.1]:9366. This " \
-           "is typically caused by a remote process dying." in caplog.text
+    assert (
+        "rank 0's interrupted training call ended: RuntimeError: Connection closed by peer [127.0.0.1]:9366. This "
+        "is typically caused by a remote process dying." in caplog.text
+    )
     assert "recvBytes" not in caplog.text and "Traceback" not in caplog.text

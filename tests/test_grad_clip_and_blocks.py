@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
+from strategy_reference import GLOBAL_BATCH, strategy_spec, train_reference
 from torch import nn
 
 from harness.activation_memory import peak_activation_bytes
@@ -18,7 +19,6 @@ from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.trainer import TrainContext, run_training
-from strategy_reference import GLOBAL_BATCH, strategy_spec, train_reference
 
 STEPS = 4
 GRAD_CLIP = 0.5  # below the reference's norms, so every step is clipped
@@ -32,14 +32,27 @@ CASES = {
 
 def _clipped_runs(rank: int, world_size: int, root: str) -> None:
     for name, (strategy, micro_batch_size, parallel) in CASES.items():
-        spec = JobSpec.model_validate(strategy_spec(f"clip-{name}", strategy, world_size, STEPS, micro_batch_size,
-                                                    grad_clip=GRAD_CLIP, **parallel))
+        spec = JobSpec.model_validate(
+            strategy_spec(
+                f"clip-{name}", strategy, world_size, STEPS, micro_batch_size, grad_clip=GRAD_CLIP, **parallel
+            )
+        )
         points: list = []
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), name, f"{root}/{name}",
-                                        sink=CallbackSink(on_metric=points.append)))
+        run_training(
+            spec,
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                name,
+                f"{root}/{name}",
+                sink=CallbackSink(on_metric=points.append),
+            ),
+        )
         if rank == 0:
-            Path(root, f"{name}.json").write_text(json.dumps(
-                [(point.loss, point.grad_norm) for point in points if point.loss is not None]))
+            Path(root, f"{name}.json").write_text(
+                json.dumps([(point.loss, point.grad_norm) for point in points if point.loss is not None])
+            )
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +72,9 @@ def test_clipping_follows_one_process_under_every_split(clipped_runs: Path, name
 
 
 def test_unclipped_run_differs_from_clipped_one() -> None:
-    assert train_reference(STEPS).losses[1:] != pytest.approx(train_reference(STEPS, grad_clip=GRAD_CLIP).losses[1:], abs=1e-5)
+    assert train_reference(STEPS).losses[1:] != pytest.approx(
+        train_reference(STEPS, grad_clip=GRAD_CLIP).losses[1:], abs=1e-5
+    )
 
 
 # -- blocks wherever they sit -----------------------------------------------------------------------------------
@@ -112,15 +127,32 @@ def test_parallel_blocks_override_and_a_class_the_model_lacks_is_named() -> None
 
 
 def _tiny_gpt(**train) -> JobSpec:
-    return JobSpec.model_validate({**strategy_spec("ac", "ddp", 1, 3, GLOBAL_BATCH), "train": {
-        **strategy_spec("ac", "ddp", 1, 3, GLOBAL_BATCH)["train"], **train}})
+    return JobSpec.model_validate(
+        {
+            **strategy_spec("ac", "ddp", 1, 3, GLOBAL_BATCH),
+            "train": {**strategy_spec("ac", "ddp", 1, 3, GLOBAL_BATCH)["train"], **train},
+        }
+    )
 
 
 def _peak_activation_bytes(mode: str) -> int:
     """Of one forward and backward of a small GPT-2."""
-    return peak_activation_bytes(JobSpec(name="ac", model="hf:GPT2LMHeadModel", model_options={
-        "vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64, "seq_len": 64,
-        "max_corpus_bytes": 32_768}), mode)
+    return peak_activation_bytes(
+        JobSpec(
+            name="ac",
+            model="hf:GPT2LMHeadModel",
+            model_options={
+                "vocab_size": 256,
+                "n_embd": 64,
+                "n_layer": 4,
+                "n_head": 4,
+                "n_positions": 64,
+                "seq_len": 64,
+                "max_corpus_bytes": 32_768,
+            },
+        ),
+        mode,
+    )
 
 
 def test_checkpointing_keeps_fewer_activations_full_fewer_than_selective() -> None:
@@ -132,7 +164,9 @@ def test_checkpointing_keeps_fewer_activations_full_fewer_than_selective() -> No
 def test_checkpointed_training_gives_identical_losses(tmp_path: Path, single_rank_group: None, mode: str) -> None:
     def losses(spec: JobSpec, root: Path) -> list[float]:
         points: list = []
-        run_training(spec, TrainContext(0, 1, torch.device("cpu"), "ac", str(root), sink=CallbackSink(on_metric=points.append)))
+        run_training(
+            spec, TrainContext(0, 1, torch.device("cpu"), "ac", str(root), sink=CallbackSink(on_metric=points.append))
+        )
         return [point.loss for point in points if point.loss is not None]
 
     assert losses(_tiny_gpt(activation_checkpointing=mode), tmp_path / mode) == losses(_tiny_gpt(), tmp_path / "none")
@@ -141,10 +175,15 @@ def test_checkpointed_training_gives_identical_losses(tmp_path: Path, single_ran
 def test_compiled_blocks_train_like_eager_ones(tmp_path: Path, single_rank_group: None) -> None:
     """Within 1e-5 relative: inductor fuses the blocks' element-wise ops and reorders their fp32 sums, which moves the
     last bits (measured: ~1e-8 on a gradient), never more over a few steps."""
+
     def run(spec: JobSpec, root: Path) -> tuple[list[float], list[float]]:
         points: list = []
-        run_training(spec, TrainContext(0, 1, torch.device("cpu"), "c", str(root), sink=CallbackSink(on_metric=points.append)))
-        return [point.loss for point in points if point.loss is not None], [point.grad_norm for point in points if point.loss is not None]
+        run_training(
+            spec, TrainContext(0, 1, torch.device("cpu"), "c", str(root), sink=CallbackSink(on_metric=points.append))
+        )
+        return [point.loss for point in points if point.loss is not None], [
+            point.grad_norm for point in points if point.loss is not None
+        ]
 
     eager_losses, eager_norms = run(_tiny_gpt(), tmp_path / "eager")
     torch._dynamo.utils.counters.clear()

@@ -22,12 +22,21 @@ RENDEZVOUS_TIMEOUT_S = 3.0
 
 
 def test_the_group_waits_briefly_for_its_members_and_long_for_its_collectives() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                          wait_for_workers=False)
-    form_default_group("gloo", dist.PrefixStore("default_pg", store), 0, 1,
-                       rendezvous=timedelta(seconds=RENDEZVOUS_TIMEOUT_S), collectives=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), wait_for_workers=False
+    )
+    form_default_group(
+        "gloo",
+        dist.PrefixStore("default_pg", store),
+        0,
+        1,
+        rendezvous=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        collectives=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     try:
-        assert dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        assert dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout == timedelta(
+            seconds=COLLECTIVE_TIMEOUT_S
+        )
     finally:
         dist.destroy_process_group()
 
@@ -43,6 +52,11 @@ def test_a_member_left_waiting_by_a_lost_peer_gives_up_and_forms_the_next_group(
         ray.get(waiting, timeout=RENDEZVOUS_TIMEOUT_S + 10)
     # The driver's next formation, with a member that never saw the failed one: they meet under the same group name.
     port = ray.get(first.rendezvous_port.remote())
-    ray.get([worker.join.remote(2, rank, 2, ip, port, COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S)
-             for rank, worker in enumerate((first, second))], timeout=COLLECTIVE_TIMEOUT_S / 2)
+    ray.get(
+        [
+            worker.join.remote(2, rank, 2, ip, port, COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S)
+            for rank, worker in enumerate((first, second))
+        ],
+        timeout=COLLECTIVE_TIMEOUT_S / 2,
+    )
     assert ray.get([worker.heartbeat.remote() for worker in (first, second)]) == [2, 2]

@@ -24,10 +24,29 @@ from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.trainer import TrainContext, run_training
 
 # No dropout, so every layout computes the same function.
-GPT2 = {"vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "seq_len": 32, "max_corpus_bytes": 32_768}
-LLAMA = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 32, "seq_len": 32, "max_corpus_bytes": 32_768}
+GPT2 = {
+    "vocab_size": 256,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 32,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "seq_len": 32,
+    "max_corpus_bytes": 32_768,
+}
+LLAMA = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "seq_len": 32,
+    "max_corpus_bytes": 32_768,
+}
 MODELS = {"gpt2": ("hf:GPT2LMHeadModel", GPT2), "llama": ("hf:LlamaForCausalLM", LLAMA)}
 STEPS = 3
 # name: strategy, parallel, micro_batch_size, ranks per node (hybrid replicates across two one-rank "nodes")
@@ -45,26 +64,53 @@ STRATEGIES = {
 def hf_spec(model: str, strategy: str, workers: int = 2, steps: int = STEPS, **overrides) -> dict:
     name, options = MODELS[model]
     kind, parallel, micro_batch_size, _ = STRATEGIES[strategy]
-    return {"name": f"hf-{model}-{strategy}", "model": name, "model_options": options, "strategy": kind,
-            "parallel": parallel, "workers": {"min": workers, "max": workers},
-            "train": {"steps": steps, "global_batch_size": 16, "micro_batch_size": micro_batch_size, "lr": 3e-3,
-                      "seed": 1, "grad_clip": 1.0}, **overrides}
+    return {
+        "name": f"hf-{model}-{strategy}",
+        "model": name,
+        "model_options": options,
+        "strategy": kind,
+        "parallel": parallel,
+        "workers": {"min": workers, "max": workers},
+        "train": {
+            "steps": steps,
+            "global_batch_size": 16,
+            "micro_batch_size": micro_batch_size,
+            "lr": 3e-3,
+            "seed": 1,
+            "grad_clip": 1.0,
+        },
+        **overrides,
+    }
 
 
 def _cases() -> list[tuple[str, str]]:
-    return [(model, strategy) for model in MODELS for strategy in STRATEGIES
-            if not (model == "gpt2" and strategy == "tensor")]  # GPT-2 ships no tensor-parallel plan
+    return [
+        (model, strategy)
+        for model in MODELS
+        for strategy in STRATEGIES
+        if not (model == "gpt2" and strategy == "tensor")
+    ]  # GPT-2 ships no tensor-parallel plan
 
 
 def _train_every_case(rank: int, world_size: int, root: str) -> None:
     for model, strategy in _cases():
         points: list = []
-        run_training(JobSpec.model_validate(hf_spec(model, strategy)), TrainContext(
-            rank, world_size, torch.device("cpu"), "hf", f"{root}/{model}-{strategy}",
-            sink=CallbackSink(on_metric=points.append), ranks_per_node=STRATEGIES[strategy][3]))
+        run_training(
+            JobSpec.model_validate(hf_spec(model, strategy)),
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                "hf",
+                f"{root}/{model}-{strategy}",
+                sink=CallbackSink(on_metric=points.append),
+                ranks_per_node=STRATEGIES[strategy][3],
+            ),
+        )
         if rank == 0:
-            Path(root, f"{model}-{strategy}.json").write_text(json.dumps(
-                [(point.loss, point.grad_norm) for point in points if point.loss is not None]))
+            Path(root, f"{model}-{strategy}.json").write_text(
+                json.dumps([(point.loss, point.grad_norm) for point in points if point.loss is not None])
+            )
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +138,9 @@ def test_tied_embeddings_stay_tied_in_the_checkpoint(trained: Path, strategy: st
     load_model_weights(checkpoint, model)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert not torch.equal(model.lm_head.weight, untouched)  # the trained weights were loaded
-    untied = build_bundle(JobSpec.model_validate(hf_spec("gpt2", strategy, model_options={**GPT2, "tie_word_embeddings": False}))).model
+    untied = build_bundle(
+        JobSpec.model_validate(hf_spec("gpt2", strategy, model_options={**GPT2, "tie_word_embeddings": False}))
+    ).model
     load_model_weights(checkpoint, untied)  # loads each name on its own: the two saved copies are equal
     torch.testing.assert_close(untied.lm_head.weight, untied.transformer.wte.weight, rtol=0, atol=0)
 
@@ -114,7 +162,9 @@ def test_fsdp_units_are_the_blocks_inside_the_model(single_rank_group: None) -> 
         blocks = repeated_blocks(bundle.model)
         assert [type(block).__name__ for block in blocks] == [next(iter(bundle.model._no_split_modules))] * 2
         dims = ParallelDims.from_spec(spec, 1, None)
-        parallelize(bundle, ParallelSetup(spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(1e-3, 0.0)))
+        parallelize(
+            bundle, ParallelSetup(spec, dims, dims.build_mesh("cpu"), torch.device("cpu"), OptimizerConfig(1e-3, 0.0))
+        )
         assert all(isinstance(block, FSDPModule) for block in blocks)
 
 
@@ -140,9 +190,17 @@ def test_pretrained_safetensors_are_the_starting_weights(tmp_path: Path) -> None
 def test_what_cannot_work_is_refused_at_submit_with_the_reason() -> None:
     with pytest.raises(ValidationError, match="transformers has no model class 'NoSuchForCausalLM'"):
         JobSpec.model_validate({**hf_spec("llama", "ddp"), "model": "hf:NoSuchForCausalLM"})
-    with pytest.raises(ValidationError, match="no tensor-parallel plan for GPT2LMHeadModel .GPT2Config has no base_model_tp_plan"):
-        JobSpec.model_validate({**hf_spec("gpt2", "ddp"), "strategy": "tensor", "parallel": {"tp": 2},
-                                "train": {**hf_spec("gpt2", "ddp")["train"], "micro_batch_size": 8}})
+    with pytest.raises(
+        ValidationError, match="no tensor-parallel plan for GPT2LMHeadModel .GPT2Config has no base_model_tp_plan"
+    ):
+        JobSpec.model_validate(
+            {
+                **hf_spec("gpt2", "ddp"),
+                "strategy": "tensor",
+                "parallel": {"tp": 2},
+                "train": {**hf_spec("gpt2", "ddp")["train"], "micro_batch_size": 8},
+            }
+        )
     JobSpec.model_validate(hf_spec("llama", "tensor"))  # Llama's config carries one
 
 
@@ -168,8 +226,12 @@ def test_the_hugging_face_token_file_example_trains(tmp_path: Path, single_rank_
     document["checkpoint"] = {"every_steps": 0, "keep": 1}
     document["train"] = {**document["train"], "steps": 2, "warmup_steps": 1, "eval_every_steps": 0}
     points: list = []
-    result = run_training(JobSpec.model_validate(document), TrainContext(
-        0, 1, torch.device("cpu"), "example", str(tmp_path / "job"), sink=CallbackSink(on_metric=points.append)))
+    result = run_training(
+        JobSpec.model_validate(document),
+        TrainContext(
+            0, 1, torch.device("cpu"), "example", str(tmp_path / "job"), sink=CallbackSink(on_metric=points.append)
+        ),
+    )
     losses = [point.loss for point in points if point.loss is not None]
     assert len(losses) == 2 and result.val_loss is not None
     assert abs(losses[0] - torch.log(torch.tensor(256.0)).item()) < 0.5  # random init on bytes: about log(256)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hf_models import hf_spec
 
 from harness.ray_cluster import wait_for_state
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.trainer import TrainContext, run_training
-from test_hf_models import hf_spec
 
 pytestmark = pytest.mark.integration
 
@@ -38,16 +38,29 @@ def finished(ray_server) -> dict[str, list[dict]]:
 
 def _one_process(spec: dict, root) -> list:
     """The same job as one process on the same global batches: what every layout must compute."""
-    one = JobSpec.model_validate({**spec, "strategy": "ddp", "parallel": {}, "workers": {"min": 1, "max": 1},
-                                  "train": {**spec["train"], "micro_batch_size": 4}})
+    one = JobSpec.model_validate(
+        {
+            **spec,
+            "strategy": "ddp",
+            "parallel": {},
+            "workers": {"min": 1, "max": 1},
+            "train": {**spec["train"], "micro_batch_size": 4},
+        }
+    )
     points: list = []
-    run_training(one, TrainContext(0, 1, torch.device("cpu"), "one", str(root), sink=CallbackSink(on_metric=points.append)))
+    run_training(
+        one, TrainContext(0, 1, torch.device("cpu"), "one", str(root), sink=CallbackSink(on_metric=points.append))
+    )
     return [point for point in points if point.loss is not None]
 
 
 @pytest.mark.parametrize("name", list(JOBS))
-def test_follows_one_process_through_rest(finished: dict[str, list[dict]], name: str, tmp_path, single_rank_group) -> None:
+def test_follows_one_process_through_rest(
+    finished: dict[str, list[dict]], name: str, tmp_path, single_rank_group
+) -> None:
     reference = _one_process(JOBS[name], tmp_path)
     assert len(finished[name]) == len(reference) == JOBS[name]["train"]["steps"]
     assert [row["loss"] for row in finished[name]] == pytest.approx([point.loss for point in reference], abs=1e-5)
-    assert [row["grad_norm"] for row in finished[name]] == pytest.approx([point.grad_norm for point in reference], rel=1e-5)
+    assert [row["grad_norm"] for row in finished[name]] == pytest.approx(
+        [point.grad_norm for point in reference], rel=1e-5
+    )

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from harness.process_group import run_on_ranks
-from harness.checkpoints import latest_committed, load_model_weights
-from ringmaster.service.spec import JobSpec
 from strategy_reference import strategy_spec, train_reference
-from ringmaster.workers.models import build_bundle
+
+from harness.checkpoints import latest_committed, load_model_weights
+from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
 
 WORLD_SIZE, RANKS_PER_NODE = 4, (2, 2)
@@ -29,7 +29,15 @@ SPEC = JobSpec.model_validate(strategy_spec("hybrid", "fsdp", WORLD_SIZE, STEPS,
 
 def _train_hybrid(rank: int, world_size: int, root: str) -> None:
     points, memory = [], []
-    context = TrainContext(rank, world_size, torch.device("cpu"), "hybrid", root, sink=CallbackSink(on_metric=points.append, on_memory=memory.append), ranks_per_node=RANKS_PER_NODE)
+    context = TrainContext(
+        rank,
+        world_size,
+        torch.device("cpu"),
+        "hybrid",
+        root,
+        sink=CallbackSink(on_metric=points.append, on_memory=memory.append),
+        ranks_per_node=RANKS_PER_NODE,
+    )
     run_training(SPEC, context)
     Path(root, f"memory{rank}.json").write_text(memory[0].model_dump_json())
     if rank == 0:

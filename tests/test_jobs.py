@@ -77,7 +77,12 @@ def test_mark_admitted_records_the_attempt_and_clears_the_lease(db: Database) ->
     _admit(db, job_id, 1)
     with session_scope(db.sessions) as session:
         job = get_job(session, job_id)
-        assert (job.state, job.attempt, job.submission_id, job.lease_owner) == ("ADMITTED", 1, f"ringmaster-{job_id}-1", None)
+        assert (job.state, job.attempt, job.submission_id, job.lease_owner) == (
+            "ADMITTED",
+            1,
+            f"ringmaster-{job_id}-1",
+            None,
+        )
         [attempt] = session.scalars(select(Attempt)).all()
         assert (attempt.number, attempt.placement_group, attempt.world_size, attempt.ended_at) == (1, "pg-1", 2, None)
 
@@ -144,10 +149,15 @@ def test_replayed_report_is_applied_once_and_recovery_counts_a_failure(db: Datab
         with session_scope(db.sessions) as session:
             apply_driver_report(session, job_id, 1, report)
     with session_scope(db.sessions) as session:
-        events = [(e.to_state, e.kind, e.message) for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
+        events = [
+            (e.to_state, e.kind, e.message)
+            for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+        ]
         job = session.get(Job, job_id)
         assert job.failures == 1 and job.state == JobState.RUNNING
-        recovering = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.to_state == "RECOVERING")).one()
+        recovering = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.to_state == "RECOVERING")
+        ).one()
         assert recovering.data == {"attempt": 1, "lost_ranks": [1], "world_size": 1}
     assert events[-4:] == [
         ("RUNNING", "transition", "training on 2 workers"),
@@ -165,10 +175,16 @@ def test_a_recovery_past_max_failures_fails_the_job_and_ends_the_attempt(db: Dat
     answers = []
     for seq, state in enumerate(["RUNNING", "RECOVERING", "RUNNING", "RECOVERING", "RUNNING"], start=1):
         with session_scope(db.sessions) as session:
-            answers.append(apply_driver_report(session, job_id, 1, DriverReport(seq=seq, state=state, message=f"{state} {seq}")))
+            answers.append(
+                apply_driver_report(session, job_id, 1, DriverReport(seq=seq, state=state, message=f"{state} {seq}"))
+            )
     assert [(answer.state, answer.accepted) for answer in answers] == [
-        (JobState.RUNNING, True), (JobState.RECOVERING, True), (JobState.RUNNING, True),
-        (JobState.FAILED, False), (JobState.FAILED, False)]
+        (JobState.RUNNING, True),
+        (JobState.RECOVERING, True),
+        (JobState.RUNNING, True),
+        (JobState.FAILED, False),
+        (JobState.FAILED, False),
+    ]
     with session_scope(db.sessions) as session:
         job = session.get(Job, job_id)
         assert job.failures == 2 and job.error == "RECOVERING 4; failure 2, max_failures 1"

@@ -23,7 +23,10 @@ def test_every_package_folder_installs_under_the_ringmaster_name() -> None:
     """A package folder missing from pyproject.toml's list would work in an editable checkout and be absent from
     the wheel (the container image)."""
     setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {f"ringmaster.{'.'.join(init.parent.relative_to(REPO_ROOT).parts)}"
-               for room in setuptools["package-dir"].values() for init in (REPO_ROOT / room).rglob("__init__.py")}
+    folders = {
+        f"ringmaster.{'.'.join(init.parent.relative_to(REPO_ROOT).parts)}"
+        for room in setuptools["package-dir"].values()
+        for init in (REPO_ROOT / room).rglob("__init__.py")
+    }
     assert folders == set(setuptools["packages"])
     assert all(name.startswith("ringmaster.") for name in setuptools["package-dir"])

@@ -24,8 +24,13 @@ from harness.ports import free_port
 from harness.process_group import run_on_ranks
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.driver.snapshot_choice import choose_snapshot
-from ringmaster.workers.memory_snapshots import (PeerSnapshots, SnapshotRef, SnapshotStore, restore_from_peers,
-                                                 snapshot_location)
+from ringmaster.workers.memory_snapshots import (
+    PeerSnapshots,
+    SnapshotRef,
+    SnapshotStore,
+    restore_from_peers,
+    snapshot_location,
+)
 
 JOB, SPLIT_AT, DEAD = "live", 4, 2
 
@@ -36,7 +41,9 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[float]]:
-    tensors = list(model.parameters()) + [optimizer.state[p][name] for p in model.parameters() for name in ("exp_avg", "exp_avg_sq")]
+    tensors = list(model.parameters()) + [
+        optimizer.state[p][name] for p in model.parameters() for name in ("exp_avg", "exp_avg_sq")
+    ]
     return [tensor.flatten().tolist() for tensor in tensors]
 
 
@@ -67,8 +74,17 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
     torch.manual_seed(0)
     model, optimizer = _model()
     store = SnapshotStore()
-    snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
-                              optimizers=[optimizer], live_state=True)
+    snapshots = PeerSnapshots(
+        store,
+        JOB,
+        1,
+        1,
+        (1,) * world_size,
+        torch.device("cpu"),
+        model_parts=[model],
+        optimizers=[optimizer],
+        live_state=True,
+    )
     result: dict = {}
 
     for step in range(1, SPLIT_AT):
@@ -102,11 +118,21 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
     result["chosen"] = choice.chosen
     torch.manual_seed(7)  # a new group builds its model afresh
     restored_model, restored_optimizer = _model()
-    progress, _, received = restore_from_peers(store, JOB, SnapshotRef(**choice.chosen), dist.group.WORLD,
-                                               model_parts=[restored_model], optimizers=[restored_optimizer])
-    result.update(restored_step=progress.step, samples_in_epoch=progress.position.samples_in_epoch,
-                  received=received, restored=_state(restored_model, restored_optimizer),
-                  rng_restored=torch.get_rng_state().tolist())
+    progress, _, received = restore_from_peers(
+        store,
+        JOB,
+        SnapshotRef(**choice.chosen),
+        dist.group.WORLD,
+        model_parts=[restored_model],
+        optimizers=[restored_optimizer],
+    )
+    result.update(
+        restored_step=progress.step,
+        samples_in_epoch=progress.position.samples_in_epoch,
+        received=received,
+        restored=_state(restored_model, restored_optimizer),
+        rng_restored=torch.get_rng_state().tolist(),
+    )
     Path(root, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -139,8 +165,18 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(0)
     model, optimizer = _model()
     store = SnapshotStore()
-    snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
-                              optimizers=[optimizer], live_state=True, timeout=timedelta(seconds=15))
+    snapshots = PeerSnapshots(
+        store,
+        JOB,
+        1,
+        1,
+        (1,) * world_size,
+        torch.device("cpu"),
+        model_parts=[model],
+        optimizers=[optimizer],
+        live_state=True,
+        timeout=timedelta(seconds=15),
+    )
 
     for step in range(1, SPLIT_AT):
         _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
@@ -153,8 +189,11 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
     except Exception as error:  # the all-gather broke off with its peer
         outcome = type(error).__name__
     held = {str(step): store.names(snapshot_location(JOB, SnapshotRef(1, step))) for step in (SPLIT_AT - 1, SPLIT_AT)}
-    Path(root, f"survivor-{rank}.json").write_text(json.dumps(
-        {"outcome": outcome, "held": held, "live_step": snapshots.live_step, "inventory": store.inventory(JOB)}))
+    Path(root, f"survivor-{rank}.json").write_text(
+        json.dumps(
+            {"outcome": outcome, "held": held, "live_step": snapshots.live_step, "inventory": store.inventory(JOB)}
+        )
+    )
     os._exit(0)  # the group has a dead member: leave without its teardown
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from ray.util.state import list_actors
+from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
 from harness.checkpoints import load_model_weights
 from harness.ray_cluster import wait_for_state
@@ -28,7 +29,6 @@ from harness.simulated_cluster import newest_recorded_step, served_cluster, wait
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation
 from ringmaster.workers.models import build_bundle
-from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -54,10 +54,14 @@ CASES = {
 def _spec(name: str) -> dict:
     strategy, workers, cpus, micro_batch, parallel = CASES[name]
     spec = strategy_spec(f"memory-{name}", strategy, workers, STEPS, micro_batch, **parallel)
-    return {**spec, "workers": {**spec["workers"], "cpus_per_worker": cpus},
-            "train": {**spec["train"], "record_sample_ids": True},
-            # a durable checkpoint exists (the fallback), but recovery must not read it
-            "checkpoint": {"every_steps": 4, "keep": 2}, "max_failures": 2}
+    return {
+        **spec,
+        "workers": {**spec["workers"], "cpus_per_worker": cpus},
+        "train": {**spec["train"], "record_sample_ids": True},
+        # a durable checkpoint exists (the fallback), but recovery must not read it
+        "checkpoint": {"every_steps": 4, "keep": 2},
+        "max_failures": 2,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,12 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
     assert restores[0]["restored_step"] >= KILL_AFTER_STEP - 1, restores
 
     # Snapshots after the first reuse its layout (a full DCP save per step would be many times slower).
-    costs = [cost for e in events if e["data"] and "snapshot_host_memory" in e["data"] for cost in e["data"]["snapshot_host_memory"]]
+    costs = [
+        cost
+        for e in events
+        if e["data"] and "snapshot_host_memory" in e["data"]
+        for cost in e["data"]["snapshot_host_memory"]
+    ]
     assert costs and all(cost["full_saves"] == 1 for cost in costs), costs
 
     twice, formations = _steps_computed_twice(cluster.storage, job_id)
@@ -127,8 +136,10 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
         # Across both nodes, sharded over a node's 2 ranks and replicated across nodes: each rank holds half.
         running = next(e for e in events if e["to_state"] == "RUNNING")
         assert "across 2 node(s)" in running["message"], running["message"]
-        assert all(entry["measured"]["parameters_bytes"] == pytest.approx(4 * parameter_count / 2, rel=0.02)
-                   for entry in memory)
+        assert all(
+            entry["measured"]["parameters_bytes"] == pytest.approx(4 * parameter_count / 2, rel=0.02)
+            for entry in memory
+        )
 
 
 SHRINK_BATCH = 24  # whole micro-batches of 2 at 4, 3 and 1 workers
@@ -141,16 +152,22 @@ def reference_24() -> ReferenceRun:
 
 def _sharded_spec(name: str, workers: int, minimum: int) -> dict:
     spec = strategy_spec(name, "fsdp", workers, STEPS, 2, shard="zero3", global_batch=SHRINK_BATCH)
-    return {**spec, "workers": {"min": minimum, "max": workers, "cpus_per_worker": CPUS_PER_NODE},
-            "train": {**spec["train"], "record_sample_ids": True},
-            "checkpoint": {"every_steps": 4, "keep": 2}, "max_failures": 2}
+    return {
+        **spec,
+        "workers": {"min": minimum, "max": workers, "cpus_per_worker": CPUS_PER_NODE},
+        "train": {**spec["train"], "record_sample_ids": True},
+        "checkpoint": {"every_steps": 4, "keep": 2},
+        "max_failures": 2,
+    }
 
 
 def _assert_killed_mid_run(cluster, job_id: str) -> int:
     """The job had not ended when its node(s) went (a survivor completes no step without them); returns the newest
     step recorded."""
     newest = newest_recorded_step(cluster.storage / job_id)
-    assert newest < STEPS, f"job {job_id} had recorded its last step (of {STEPS}) before the kill: the test proves nothing"
+    assert newest < STEPS, (
+        f"job {job_id} had recorded its last step (of {STEPS}) before the kill: the test proves nothing"
+    )
     return newest
 
 
@@ -173,7 +190,9 @@ def test_a_sharded_group_shrinks_from_four_to_three_from_memory(cluster, referen
 
     events = client.events(job_id)["items"]
     regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
-    assert [(data["resumed_from"], data["world_size_before"], data["world_size"]) for data in regroups] == [("memory", 4, 3)]
+    assert [(data["resumed_from"], data["world_size_before"], data["world_size"]) for data in regroups] == [
+        ("memory", 4, 3)
+    ]
     restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
     assert len(restores) == 1 and restores[0]["storage_reads"] == 0, restores
     twice, formations = _steps_computed_twice(cluster.storage, job_id)
@@ -208,12 +227,14 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_checkpoint(cluster
     regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
     assert [(data["resumed_from"], data["world_size"]) for data in regroups] == [("storage", 1)]
     resumed_from = regroups[0]["resumed_from_step"]
-    assert resumed_from % 4 == 0 and 4 <= resumed_from <= killed_at, (resumed_from, killed_at)  # checkpoints every 4 steps
+    assert resumed_from % 4 == 0 and 4 <= resumed_from <= killed_at, (
+        resumed_from,
+        killed_at,
+    )  # checkpoints every 4 steps
     assert resumed_from == fallback["data"]["resumed_from_step"]
     rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["loss"] for row in rows] == pytest.approx(reference_24.losses, abs=1e-4)
-
 
 
 def test_a_member_lost_while_the_group_re_forms_is_left_out(cluster, reference_24):
@@ -237,7 +258,11 @@ def test_a_member_lost_while_the_group_re_forms_is_left_out(cluster, reference_2
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["error"]
 
     events = client.events(job_id)["items"]
-    assert [e["to_state"] for e in events if e["to_state"] in ("RECOVERING", "RUNNING")] == ["RUNNING", "RECOVERING", "RUNNING"]
+    assert [e["to_state"] for e in events if e["to_state"] in ("RECOVERING", "RUNNING")] == [
+        "RUNNING",
+        "RECOVERING",
+        "RUNNING",
+    ]
     again = [e for e in events if "of the group being formed" in (e["message"] or "")]
     assert len(again) == 1 and again[0]["data"]["lost_nodes"] == [hung.node_id], again
     regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from strategy_reference import strategy_spec
 
 from harness.ports import free_port
 from harness.process_group import run_on_ranks
@@ -26,7 +27,6 @@ from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.memory_snapshots import KEPT, SnapshotRef, SnapshotStore
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
-from strategy_reference import strategy_spec
 
 STEPS, STOP_AFTER, LOST_RANK = 8, 4, 2
 # FSDP zero3: every rank holds a different third of every parameter and its optimizer state; ddp: every rank all of it.
@@ -48,17 +48,39 @@ def _regroup(rank: int | None, world_size: int, port: int) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
 
 
-def _train(spec: JobSpec, job: str, root: str, store: SnapshotStore, generation: int, *, stop_after: int | None = None,
-           resume: SnapshotRef | None = None) -> tuple[list[Any], list[dict[str, Any]]]:
+def _train(
+    spec: JobSpec,
+    job: str,
+    root: str,
+    store: SnapshotStore,
+    generation: int,
+    *,
+    stop_after: int | None = None,
+    resume: SnapshotRef | None = None,
+) -> tuple[list[Any], list[dict[str, Any]]]:
     points, events = [], []
     calls = itertools.count(1)
     should_stop = (lambda: next(calls) >= stop_after) if stop_after else (lambda: False)
     world_size = dist.get_world_size()
-    run_training(spec, TrainContext(
-        dist.get_rank(), world_size, torch.device("cpu"), job, f"{root}/{job}", ranks_per_node=(1,) * world_size,
-        generation=generation, snapshot_store=store, memory_resume=resume,
-        sink=CallbackSink(on_metric=points.append, on_event=lambda message, details: events.append(details),
-                          should_stop=should_stop)))
+    run_training(
+        spec,
+        TrainContext(
+            dist.get_rank(),
+            world_size,
+            torch.device("cpu"),
+            job,
+            f"{root}/{job}",
+            ranks_per_node=(1,) * world_size,
+            generation=generation,
+            snapshot_store=store,
+            memory_resume=resume,
+            sink=CallbackSink(
+                on_metric=points.append,
+                on_event=lambda message, details: events.append(details),
+                should_stop=should_stop,
+            ),
+        ),
+    )
     return [[p.step, p.loss] for p in points if p.loss is not None], events
 
 
@@ -84,13 +106,17 @@ def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, ports: list
             if rank in lost:
                 store.drop(job)
             # Shrink: the survivors alone, renumbered; else all three, the lost ones empty.
-            survivors = [r for r in range(world_size) if r not in lost] if ending == "shrink" else list(range(world_size))
+            survivors = (
+                [r for r in range(world_size) if r not in lost] if ending == "shrink" else list(range(world_size))
+            )
             _regroup(survivors.index(rank) if rank in survivors else None, len(survivors), next(port))
             if rank in survivors:
                 choice = _chosen(store, job)
                 runs[f"{job}-choice"] = choice
                 if choice["chosen"] is not None:
-                    runs[f"{job}-resumed"], events = _train(spec, job, root, store, 2, resume=SnapshotRef(**choice["chosen"]))
+                    runs[f"{job}-resumed"], events = _train(
+                        spec, job, root, store, 2, resume=SnapshotRef(**choice["chosen"])
+                    )
                     runs[f"{job}-restored"] = [e for e in events if "restored_step" in e]
             _regroup(rank, world_size, next(port))
         out[strategy] = runs
@@ -178,4 +204,3 @@ def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, A
         own_values = sum(cost["copied_bytes_per_snapshot"] for cost in costs)
         assert len({cost["held_bytes"] for cost in costs}) == 1, costs
         assert KEPT * own_values < costs[0]["held_bytes"] < state_bytes
-

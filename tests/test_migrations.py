@@ -11,8 +11,18 @@ from sqlalchemy import inspect
 from ringmaster.service.db import alembic_config, make_engine, upgrade_schema
 from ringmaster.service.models import Base
 
-TABLES = {"jobs", "job_events", "attempts", "metrics", "checkpoints", "memory_measurements", "tenants", "api_tokens",
-          "code_archives", "mlflow_runs"}
+TABLES = {
+    "jobs",
+    "job_events",
+    "attempts",
+    "metrics",
+    "checkpoints",
+    "memory_measurements",
+    "tenants",
+    "api_tokens",
+    "code_archives",
+    "mlflow_runs",
+}
 
 
 def test_upgrade_matches_the_models_exactly(db_url: str) -> None:

@@ -123,9 +123,13 @@ def test_user_model_on_builtin_corpus_gets_its_windows() -> None:
 @pytest.mark.parametrize(
     ("entrypoint", "options", "message"),
     [
-        ("no_such_package.models:build", {}, "cannot import module 'no_such_package.models': ModuleNotFoundError: No "
-         "module named 'no_such_package'; ship its directory with the job (ringmaster submit --code DIR) or put it on "
-         "RINGMASTER_CODE_PATH"),
+        (
+            "no_such_package.models:build",
+            {},
+            "cannot import module 'no_such_package.models': ModuleNotFoundError: No "
+            "module named 'no_such_package'; ship its directory with the job (ringmaster submit --code DIR) or put it on "
+            "RINGMASTER_CODE_PATH",
+        ),
         (f"{__name__}:missing_builder", {}, "has no attribute 'missing_builder'"),
         (f"{__name__}:NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a function"),
         (f"{__name__}:build_wrong_type", {}, "returned dict; expected a ModelBundle"),
@@ -141,16 +145,20 @@ def test_bad_entrypoint_is_a_clear_error_naming_it(entrypoint: str, options: dic
     assert entrypoint in str(raised.value) and message in str(raised.value)
 
 
-def test_a_module_whose_own_import_fails_is_named_with_the_failing_import_and_where(tmp_path: Path, monkeypatch) -> None:
+def test_a_module_whose_own_import_fails_is_named_with_the_failing_import_and_where(
+    tmp_path: Path, monkeypatch
+) -> None:
     (tmp_path / "needs_a_dependency.py").write_text("import math\nimport a_dependency_nobody_has\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
     with pytest.raises(EntrypointError) as raised:
         build_bundle(_spec("needs_a_dependency:build"))
 
-    assert str(raised.value) == ("model entrypoint 'needs_a_dependency:build': cannot import module 'needs_a_dependency': "
-                                 "ModuleNotFoundError: No module named 'a_dependency_nobody_has' "
-                                 f"(at {tmp_path / 'needs_a_dependency.py'}:2)")
+    assert str(raised.value) == (
+        "model entrypoint 'needs_a_dependency:build': cannot import module 'needs_a_dependency': "
+        "ModuleNotFoundError: No module named 'a_dependency_nobody_has' "
+        f"(at {tmp_path / 'needs_a_dependency.py'}:2)"
+    )
 
 
 def test_builtin_model_rejects_unknown_options() -> None:

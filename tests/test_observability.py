@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_tokens import authorize, mint
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from test_dispatcher import FakeCluster
 
 from ringmaster.api.app import create_app
-from api_tokens import authorize, mint
-from test_dispatcher import FakeCluster
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.jobs import apply_driver_report, get_job, mark_admitted, transition
@@ -25,7 +25,12 @@ from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.states import JobState
 
-SPEC = {"name": "observed", "model": "mlp", "workers": {"min": 1, "max": 2}, "train": {"global_batch_size": 16, "micro_batch_size": 4}}
+SPEC = {
+    "name": "observed",
+    "model": "mlp",
+    "workers": {"min": 1, "max": 2},
+    "train": {"global_batch_size": 16, "micro_batch_size": 4},
+}
 
 
 @pytest.fixture
@@ -77,17 +82,47 @@ def test_metrics_count_queue_transitions_recoveries_and_running_jobs(client: Tes
     second = _submit(client, "second")
     _submit(client, "third")
     _admit(client, first)
-    _report(client, first, state="RUNNING", metrics=[{"step": 1, "loss": 2.0, "samples_per_s": 50.0, "step_time_s": 0.5}])
+    _report(
+        client, first, state="RUNNING", metrics=[{"step": 1, "loss": 2.0, "samples_per_s": 50.0, "step_time_s": 0.5}]
+    )
     _report(client, first, state="RECOVERING", checkpoints=[{"step": 1, "uri": "file:///c/1", "world_size": 2}])
-    _report(client, first, state="RUNNING", metrics=[{"step": 2, "loss": 1.5, "samples_per_s": 80.0, "step_time_s": 0.25}],
-            checkpoints=[{"step": 1, "uri": "file:///c/1", "world_size": 2}, {"step": 2, "uri": "file:///c/2", "world_size": 1}])
+    _report(
+        client,
+        first,
+        state="RUNNING",
+        metrics=[{"step": 2, "loss": 1.5, "samples_per_s": 80.0, "step_time_s": 0.25}],
+        checkpoints=[
+            {"step": 1, "uri": "file:///c/1", "world_size": 2},
+            {"step": 2, "uri": "file:///c/2", "world_size": 1},
+        ],
+    )
     client.post(f"/v1/jobs/{second}/cancel")
 
     samples = _samples(client)
-    depth = {state.value: _value(samples, "ringmaster_jobs", state=state.value, tenant=DEFAULT_TENANT) for state in JobState}
-    assert depth == {"QUEUED": 1, "ADMITTED": 0, "RUNNING": 1, "RECOVERING": 0, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 1}
-    transitions = {state.value: _value(samples, "ringmaster_job_transitions_total", to_state=state.value) for state in JobState}
-    assert transitions == {"QUEUED": 0, "ADMITTED": 1, "RUNNING": 2, "RECOVERING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 1}
+    depth = {
+        state.value: _value(samples, "ringmaster_jobs", state=state.value, tenant=DEFAULT_TENANT) for state in JobState
+    }
+    assert depth == {
+        "QUEUED": 1,
+        "ADMITTED": 0,
+        "RUNNING": 1,
+        "RECOVERING": 0,
+        "SUCCEEDED": 0,
+        "FAILED": 0,
+        "CANCELLED": 1,
+    }
+    transitions = {
+        state.value: _value(samples, "ringmaster_job_transitions_total", to_state=state.value) for state in JobState
+    }
+    assert transitions == {
+        "QUEUED": 0,
+        "ADMITTED": 1,
+        "RUNNING": 2,
+        "RECOVERING": 1,
+        "SUCCEEDED": 0,
+        "FAILED": 0,
+        "CANCELLED": 1,
+    }
     assert _value(samples, "ringmaster_recoveries_total") == 1
     assert _value(samples, "ringmaster_recovery_duration_seconds_count") == 1
     assert _value(samples, "ringmaster_dispatch_latency_seconds_count") == 1
@@ -118,15 +153,29 @@ def test_checkpoint_save_and_restore_durations_are_observed_once(client: TestCli
     saved = {"step": 10, "uri": "file:///c/10", "world_size": 2, "save_s": 0.8, "blocked_s": 0.02}
     _report(client, job_id, seq=1, state="RUNNING", checkpoints=[saved])
     _report(client, job_id, seq=2, checkpoints=[saved])  # the same checkpoint reported again: observed once
-    _report(client, job_id, seq=3, message="restored checkpoint step 10 in 0.30s", details={"restored_step": 10, "restore_s": 0.3})
-    _report(client, job_id, seq=3, message="restored checkpoint step 10 in 0.30s", details={"restored_step": 10, "restore_s": 0.3})
+    _report(
+        client,
+        job_id,
+        seq=3,
+        message="restored checkpoint step 10 in 0.30s",
+        details={"restored_step": 10, "restore_s": 0.3},
+    )
+    _report(
+        client,
+        job_id,
+        seq=3,
+        message="restored checkpoint step 10 in 0.30s",
+        details={"restored_step": 10, "restore_s": 0.3},
+    )
     samples = _samples(client)
     assert _value(samples, "ringmaster_checkpoint_save_seconds_count") == 1
     assert _value(samples, "ringmaster_checkpoint_save_seconds_sum") == pytest.approx(0.8)
     assert _value(samples, "ringmaster_checkpoint_blocked_seconds_sum") == pytest.approx(0.02)
     assert _value(samples, "ringmaster_checkpoint_restore_seconds_count") == 1  # the replayed report (seq 3) is skipped
     assert _value(samples, "ringmaster_checkpoint_restore_seconds_sum") == pytest.approx(0.3)
-    restored = [e for e in client.get(f"/v1/jobs/{job_id}/events").json()["items"] if e["message"].startswith("restored")]
+    restored = [
+        e for e in client.get(f"/v1/jobs/{job_id}/events").json()["items"] if e["message"].startswith("restored")
+    ]
     assert len(restored) == 1 and restored[0]["data"]["restore_s"] == 0.3
 
 
@@ -175,8 +224,10 @@ def test_requeued_job_dispatch_latency_counts_from_its_requeue(client: TestClien
 
 
 def test_apps_keep_their_own_registries(db_url: str, tmp_path: Path) -> None:
-    with TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path))) as one, \
-            TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'other.db'}", data_dir=tmp_path))) as other:
+    with (
+        TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path))) as one,
+        TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'other.db'}", data_dir=tmp_path))) as other,
+    ):
         authorize(one)
         job_id = _submit(one)
         _admit(one, job_id)
@@ -200,7 +251,12 @@ def _drive(client: TestClient, job_id: str) -> None:
     time.sleep(0.1)
     _report(client, job_id, state="RUNNING", metrics=[{"step": 1, "loss": 2.0}])
     time.sleep(0.1)
-    _report(client, job_id, metrics=[{"step": 2, "loss": 1.0}], checkpoints=[{"step": 2, "uri": "file:///c/2", "world_size": 2}])
+    _report(
+        client,
+        job_id,
+        metrics=[{"step": 2, "loss": 1.0}],
+        checkpoints=[{"step": 2, "uri": "file:///c/2", "world_size": 2}],
+    )
     time.sleep(0.1)
     _report(client, job_id, state="SUCCEEDED", metrics=[{"step": 3, "loss": 0.5}])
 
@@ -218,8 +274,9 @@ def test_stream_sends_states_metrics_and_events_until_the_job_ends(client: TestC
     messages = _parse_sse(text)
     states = [m["data"]["to_state"] for m in messages if m["event"] == "state"]
     assert states == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
-    assert [(m["data"]["attempt"], m["data"]["step"], m["data"]["loss"]) for m in messages if m["event"] == "metric"] == [
-        (1, 1, 2.0), (1, 2, 1.0), (1, 3, 0.5)]
+    assert [
+        (m["data"]["attempt"], m["data"]["step"], m["data"]["loss"]) for m in messages if m["event"] == "metric"
+    ] == [(1, 1, 2.0), (1, 2, 1.0), (1, 3, 0.5)]
     assert [m["data"]["kind"] for m in messages if m["event"] == "event"] == ["checkpoint"]
     assert messages[-1]["event"] == "state"
 
@@ -228,14 +285,15 @@ def test_stream_sends_states_metrics_and_events_until_the_job_ends(client: TestC
         response = client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": messages[index]["id"]})
         resumed = _parse_sse(response.text)
         key = lambda m: (m["event"], json.dumps(m["data"], sort_keys=True))  # noqa: E731
-        assert sorted(map(key, resumed)) == sorted(map(key, messages[index + 1:]))
+        assert sorted(map(key, resumed)) == sorted(map(key, messages[index + 1 :]))
     assert _parse_sse(client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "garbage"}).text) != []
 
 
 def _label(message: dict[str, Any]) -> str:
     data = message["data"]
-    return {"state": lambda: data["to_state"], "metric": lambda: f"step {data['step']}",
-            "event": lambda: data["kind"]}[message["event"]]()
+    return {"state": lambda: data["to_state"], "metric": lambda: f"step {data['step']}", "event": lambda: data["kind"]}[
+        message["event"]
+    ]()
 
 
 def test_a_finished_jobs_stream_replays_in_the_order_things_happened_and_ends_with_its_end(client: TestClient) -> None:
@@ -245,8 +303,16 @@ def test_a_finished_jobs_stream_replays_in_the_order_things_happened_and_ends_wi
     messages = _parse_sse(client.get(f"/v1/jobs/{job_id}/stream").text)
 
     # A report stores its metric rows before the state it brings; the checkpoint it reports after them.
-    assert [_label(m) for m in messages] == ["QUEUED", "ADMITTED", "step 1", "RUNNING", "step 2", "checkpoint", "step 3",
-                                             "SUCCEEDED"]
+    assert [_label(m) for m in messages] == [
+        "QUEUED",
+        "ADMITTED",
+        "step 1",
+        "RUNNING",
+        "step 2",
+        "checkpoint",
+        "step 3",
+        "SUCCEEDED",
+    ]
 
 
 def test_a_stream_read_in_short_batches_sends_the_jobs_end_after_every_metric(client: TestClient) -> None:
@@ -281,7 +347,12 @@ def test_client_stream_and_watch_progress(client: TestClient) -> None:
     api = RingmasterClient("http://testserver")
     api._http = client  # the TestClient is an HTTP client on the app (httpx2's where installed: starlette prefers it)
     messages = list(api.stream(job_id))
-    assert [m["data"]["to_state"] for m in messages if m["event"] == "state"] == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
+    assert [m["data"]["to_state"] for m in messages if m["event"] == "state"] == [
+        "QUEUED",
+        "ADMITTED",
+        "RUNNING",
+        "SUCCEEDED",
+    ]
     assert list(api.stream(job_id, last_event_id=messages[-1]["id"])) == []
     progress = list(_progress(api, job_id))
     assert [state for state, _ in progress if state] == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
@@ -312,4 +383,8 @@ def test_json_logs_carry_the_job_id(client: TestClient) -> None:
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     admitted = [r for r in records if r.get("to_state") == "ADMITTED"]
     assert len(admitted) == 1 and admitted[0]["job_id"] == job_id and admitted[0]["level"] == "INFO"
-    assert admitted[0]["logger"] == "ringmaster.service.jobs" and job_id in admitted[0]["message"] and admitted[0]["ts"].endswith("Z")
+    assert (
+        admitted[0]["logger"] == "ringmaster.service.jobs"
+        and job_id in admitted[0]["message"]
+        and admitted[0]["ts"].endswith("Z")
+    )

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from harness.process_group import run_on_ranks
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.parallel_dims import ParallelDims, PlacementError
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
+from ringmaster.workers.parallel_dims import ParallelDims, PlacementError
 
 # (strategy, parallel, node layout) for 4 ranks
 LAYOUTS = {
@@ -26,8 +26,14 @@ LAYOUTS = {
 
 
 def _spec(strategy: str, workers: int, **parallel) -> JobSpec:
-    return JobSpec(name="dims", model="tiny-gpt", strategy=strategy, parallel=parallel, workers={"min": workers, "max": workers},
-                   train={"global_batch_size": 96, "micro_batch_size": 4})
+    return JobSpec(
+        name="dims",
+        model="tiny-gpt",
+        strategy=strategy,
+        parallel=parallel,
+        workers={"min": workers, "max": workers},
+        train={"global_batch_size": 96, "micro_batch_size": 4},
+    )
 
 
 def _gloo_loops() -> int:
@@ -80,8 +86,11 @@ def test_the_mesh_leaves_out_pp_and_tp_of_size_1_so_no_rank_keeps_idle_process_g
 
 
 def test_tp_that_does_not_divide_the_workers_per_node_is_rejected_with_what_fits() -> None:
-    with pytest.raises(PlacementError, match=r"parallel\.tp \(2\) must divide the workers on every node .* "
-                                             r"hold \[3, 1\] workers, so tp can be one of \[1\]"):
+    with pytest.raises(
+        PlacementError,
+        match=r"parallel\.tp \(2\) must divide the workers on every node .* "
+        r"hold \[3, 1\] workers, so tp can be one of \[1\]",
+    ):
         ParallelDims.from_spec(_spec("tensor", 4, tp=2), 4, (3, 1))
     with pytest.raises(PlacementError, match=r"hold \[4, 2\] workers, so tp can be one of \[1, 2\]"):
         ParallelDims.from_spec(_spec("tensor", 6, tp=3), 6, (4, 2))
@@ -104,6 +113,8 @@ def test_hybrid_never_falls_back_on_one_node_or_uneven_nodes() -> None:
 
 def test_worker_group_passes_the_node_layout_of_its_ranks() -> None:
     group = WorkerGroup(_spec("ddp", 4), collective_timeout_s=60)
-    group.workers = [RankedWorker(None, None, node, "127.0.0.1", 0, rank)
-                     for rank, node in enumerate(["node-a", "node-a", "node-a", "node-b"])]
+    group.workers = [
+        RankedWorker(None, None, node, "127.0.0.1", 0, rank)
+        for rank, node in enumerate(["node-a", "node-a", "node-a", "node-b"])
+    ]
     assert group.ranks_per_node == [3, 1]

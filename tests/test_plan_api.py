@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_tokens import authorize
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from ringmaster.api.app import create_app
-from api_tokens import authorize
 from ringmaster.service import cli
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.planner import builtin_model_size
@@ -22,7 +22,9 @@ from ringmaster.service.settings import Settings
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
     # The planner touches no table, so one database (SQLite) is enough here.
-    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", data_dir=tmp_path))) as test_client:
+    with TestClient(
+        create_app(Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", data_dir=tmp_path))
+    ) as test_client:
         authorize(test_client, admin=False)
         yield test_client
 
@@ -44,11 +46,21 @@ def test_plan_7b_on_8_gpus_of_80_gb(client: TestClient) -> None:
     ddp, zero3 = _option(result, "ddp (dp=8)"), _option(result, "fsdp zero3 (dp=8)")
     assert ddp["memory_per_gpu"]["total_gb"] == 112 and ddp["fits"] is False
     assert zero3["memory_per_gpu"]["total_gb"] == 14 and zero3["fits"] is True
-    assert zero3["communication_per_step"]["data_parallel_gb"] == 1.5 * ddp["communication_per_step"]["data_parallel_gb"] == 36.75
+    assert (
+        zero3["communication_per_step"]["data_parallel_gb"]
+        == 1.5 * ddp["communication_per_step"]["data_parallel_gb"]
+        == 36.75
+    )
     assert _option(result, "pipeline (dp=2, pp=4)")["bubble_fraction"] == "3/11"
     recommendation = result["recommendation"]
-    assert recommendation["label"] == "zero1 (dp=8)" and recommendation["spec"] == {"strategy": "zero1", "parallel": {"tp": 1, "pp": 1}}
-    assert result["reasons"] == ["does not fit on one GPU: DDP needs 112.00 GB > 80.00 GB", "cheapest that fits: zero1 (dp=8), 38.50 GB per GPU"]
+    assert recommendation["label"] == "zero1 (dp=8)" and recommendation["spec"] == {
+        "strategy": "zero1",
+        "parallel": {"tp": 1, "pp": 1},
+    }
+    assert result["reasons"] == [
+        "does not fit on one GPU: DDP needs 112.00 GB > 80.00 GB",
+        "cheapest that fits: zero1 (dp=8), 38.50 GB per GPU",
+    ]
 
 
 def test_plan_13b_on_4_gpus_of_40_gb_fits_nothing_and_says_what_would(client: TestClient) -> None:
@@ -60,12 +72,25 @@ def test_plan_13b_on_4_gpus_of_40_gb_fits_nothing_and_says_what_would(client: Te
 
 def test_plan_a_builtin_from_its_options_with_activations(client: TestClient) -> None:
     options = {"n_layers": 4, "n_heads": 4, "dim": 128, "seq_len": 256}
-    result = _plan(client, model="tiny-gpt", model_options=options, gpu_memory_gb=16, gpus_per_node=4, precision="bf16", micro_batch_size=8)
+    result = _plan(
+        client,
+        model="tiny-gpt",
+        model_options=options,
+        gpu_memory_gb=16,
+        gpus_per_node=4,
+        precision="bf16",
+        micro_batch_size=8,
+    )
     assert result["parameters"] == builtin_model_size("tiny-gpt", options).parameters
     assert result["recommendation"]["label"] == "ddp (dp=4)"
     tensor = _option(result, "tensor (dp=1, tp=4)")
-    assert tensor["memory_per_gpu"]["activations_gb"] < _option(result, "ddp (dp=4)")["memory_per_gpu"]["activations_gb"]
-    assert tensor["communication_per_step"]["tensor_parallel_gb"] > 0 and tensor["communication_per_step"]["total_gb"] is not None
+    assert (
+        tensor["memory_per_gpu"]["activations_gb"] < _option(result, "ddp (dp=4)")["memory_per_gpu"]["activations_gb"]
+    )
+    assert (
+        tensor["communication_per_step"]["tensor_parallel_gb"] > 0
+        and tensor["communication_per_step"]["total_gb"] is not None
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +106,9 @@ def test_plan_a_builtin_from_its_options_with_activations(client: TestClient) ->
         ({"model": "mlp", "gpu_memory_gb": 5e-324}, "gpu_memory_gb", "greater than or equal to 0.001"),  # once a 500
     ],
 )
-def test_bad_plan_request_is_422_naming_the_field(client: TestClient, body: dict[str, Any], field: str, needle: str) -> None:
+def test_bad_plan_request_is_422_naming_the_field(
+    client: TestClient, body: dict[str, Any], field: str, needle: str
+) -> None:
     response = client.post("/v1/plan", json={"gpu_memory_gb": 80, **body})
     assert response.status_code == 422, response.text
     [error] = response.json()["detail"]
@@ -113,7 +140,10 @@ def test_cli_plan_json_and_bad_input(cli_on: CliRunner) -> None:
     assert bad.exit_code == 1 and "invalid plan request" in bad.output and "model_options.dims" in bad.output
 
 
-@pytest.mark.parametrize(("text", "count"), [("7B", 7 * 10**9), ("350m", 350 * 10**6), ("1.5T", 15 * 10**11), ("13e9", 13 * 10**9), ("7_000", 7000)])
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [("7B", 7 * 10**9), ("350m", 350 * 10**6), ("1.5T", 15 * 10**11), ("13e9", 13 * 10**9), ("7_000", 7000)],
+)
 def test_cli_reads_parameter_counts_the_way_people_write_them(text: str, count: int) -> None:
     assert cli._count(text) == count
 

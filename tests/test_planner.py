@@ -85,7 +85,9 @@ def test_fp32_and_ringmasters_bf16_autocast_hold_4_4_8_while_mixed_holds_2_2_12(
         (Layout(dp=8, zero=3, shard_group=4), (1, 1, 2)),  # hybrid: sharded in groups of 4, replicated across
     ],
 )
-def test_zero_stages_shard_what_they_shard_and_tp_pp_divide_everything(layout: Layout, expected: tuple[float, ...]) -> None:
+def test_zero_stages_shard_what_they_shard_and_tp_pp_divide_everything(
+    layout: Layout, expected: tuple[float, ...]
+) -> None:
     state = state_memory(1000, FP32, layout)
     assert (state.parameters / 1000, state.gradients / 1000, state.optimizer / 1000) == expected
 
@@ -104,7 +106,9 @@ def test_activations_follow_korthikanti_per_layer_formula() -> None:
     s, b, h, a = 2048, 1, 4096, 32
     assert activation_memory(one_layer, workload, Layout()) == s * b * h * (34 + 5 * a * s / h)
     assert activation_memory(one_layer, workload, Layout(tp=8)) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert activation_memory(one_layer, Workload(FP32, micro_batch_size=1), Layout()) == 2 * s * b * h * (34 + 5 * a * s / h)
+    assert activation_memory(one_layer, Workload(FP32, micro_batch_size=1), Layout()) == 2 * s * b * h * (
+        34 + 5 * a * s / h
+    )
     assert activation_memory(one_layer, Workload(MIXED), Layout()) is None  # no micro-batch size, no estimate
 
 
@@ -112,8 +116,12 @@ def test_pipeline_stage_holds_its_layers_for_the_microbatches_in_flight() -> Non
     shape = LLAMA_7B.shape
     assert shape is not None
     whole = activation_memory(shape, Workload(MIXED, micro_batch_size=1), Layout())
-    one_f_one_b = activation_memory(shape, Workload(MIXED, micro_batch_size=1, microbatches=8, schedule="1f1b"), Layout(pp=4))
-    gpipe = activation_memory(shape, Workload(MIXED, micro_batch_size=1, microbatches=8, schedule="gpipe"), Layout(pp=4))
+    one_f_one_b = activation_memory(
+        shape, Workload(MIXED, micro_batch_size=1, microbatches=8, schedule="1f1b"), Layout(pp=4)
+    )
+    gpipe = activation_memory(
+        shape, Workload(MIXED, micro_batch_size=1, microbatches=8, schedule="gpipe"), Layout(pp=4)
+    )
     assert one_f_one_b == whole  # L/p layers × p micro-batches (Korthikanti §4.2.3)
     assert gpipe == 2 * whole  # L/p layers × all m = 8 micro-batches
 
@@ -167,8 +175,12 @@ def test_builtin_size_options_are_checked(name: str, options: dict, field: str, 
 # --- selection ------------------------------------------------------------------------------------------------------
 
 
-def _pick(model: ModelSize, gpus_per_node: int, nodes: int, gpu_gb: float, micro_batch_size: int | None = None) -> str | None:
-    chosen = plan(model, Cluster(gpus_per_node * nodes, gpus_per_node, gpu_gb * GB), Workload(MIXED, micro_batch_size)).recommendation
+def _pick(
+    model: ModelSize, gpus_per_node: int, nodes: int, gpu_gb: float, micro_batch_size: int | None = None
+) -> str | None:
+    chosen = plan(
+        model, Cluster(gpus_per_node * nodes, gpus_per_node, gpu_gb * GB), Workload(MIXED, micro_batch_size)
+    ).recommendation
     return None if chosen is None else chosen.label
 
 
@@ -188,7 +200,9 @@ def _pick(model: ModelSize, gpus_per_node: int, nodes: int, gpu_gb: float, micro
         (LLAMA_7B, 8, 1, 24, 64, None),  # activations of 64 sequences fit nowhere
     ],
 )
-def test_selection_table(model: ModelSize, gpus_per_node: int, nodes: int, gpu_gb: float, micro_batch_size: int | None, expected: str | None) -> None:
+def test_selection_table(
+    model: ModelSize, gpus_per_node: int, nodes: int, gpu_gb: float, micro_batch_size: int | None, expected: str | None
+) -> None:
     assert _pick(model, gpus_per_node, nodes, gpu_gb, micro_batch_size) == expected
 
 
@@ -203,7 +217,11 @@ def test_options_are_ordered_cheapest_first_and_each_has_reasons() -> None:
     result = plan(ModelSize(7 * B), Cluster(8, 8, 80 * GB), Workload(MIXED))
     labels = [option.label for option in result.options]
     assert labels[:4] == ["ddp (dp=8)", "zero1 (dp=8)", "fsdp zero2 (dp=8)", "fsdp zero3 (dp=8)"]
-    assert labels.index("tensor (dp=4, tp=2)") < labels.index("pipeline (dp=4, pp=2)") < labels.index("3d zero3 (dp=4, tp=2)")
+    assert (
+        labels.index("tensor (dp=4, tp=2)")
+        < labels.index("pipeline (dp=4, pp=2)")
+        < labels.index("3d zero3 (dp=4, tp=2)")
+    )
     assert all(option.reasons and "GB per GPU" in option.reasons[0] for option in result.options)
     assert result.reasons[0] == "does not fit on one GPU: DDP needs 112.00 GB > 80.00 GB"
     assert result.reasons[1] == "cheapest that fits: zero1 (dp=8), 38.50 GB per GPU"
@@ -217,7 +235,13 @@ def test_when_nothing_fits_the_reasons_say_what_would() -> None:
     assert "or GPUs with at least 52.00 GB (fsdp zero3 over 4)" in result.reasons
 
 
-@pytest.mark.parametrize("modules", ["ringmaster.service.planner", "ringmaster.service.planner, ringmaster.service.job_plan, ringmaster.service.cli, ringmaster.api.app"])
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "ringmaster.service.planner",
+        "ringmaster.service.planner, ringmaster.service.job_plan, ringmaster.service.cli, ringmaster.api.app",
+    ],
+)
 def test_the_planner_and_the_control_plane_import_neither_torch_nor_ray(modules: str) -> None:
     code = f"import sys, {modules}; assert not {{'torch', 'ray'}} & {{m.split('.')[0] for m in sys.modules}}"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,12 +18,21 @@ def _count(module: Any) -> int:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"n_layers": 3, "n_heads": 6, "dim": 96, "seq_len": 32}, {"n_layers": 1, "n_heads": 2, "dim": 32, "seq_len": 128, "vocab": 300}],
+    [
+        {},
+        {"n_layers": 3, "n_heads": 6, "dim": 96, "seq_len": 32},
+        {"n_layers": 1, "n_heads": 2, "dim": 32, "seq_len": 128, "vocab": 300},
+    ],
 )
 def test_tiny_gpt_formula_equals_the_models_parameter_count(options: dict[str, int]) -> None:
     size = {**BUILTIN_MODELS["tiny-gpt"].size_defaults, **options}
-    config = tiny_gpt.TinyGPTConfig(vocab_size=size["vocab"], dim=size["dim"], n_layers=size["n_layers"],
-                                    n_heads=size["n_heads"], seq_len=size["seq_len"])
+    config = tiny_gpt.TinyGPTConfig(
+        vocab_size=size["vocab"],
+        dim=size["dim"],
+        n_layers=size["n_layers"],
+        n_heads=size["n_heads"],
+        seq_len=size["seq_len"],
+    )
     assert builtin_model_size("tiny-gpt", options).parameters == _count(tiny_gpt.TinyGPT(config))
 
 
@@ -38,4 +47,6 @@ def test_planner_knows_every_builder_option_and_its_size_defaults(name: str, bui
     parameters = inspect.signature(build).parameters
     for option, default in BUILTIN_MODELS[name].size_defaults.items():
         assert parameters[option].default == default
-    builtin_model_size(name, {option: parameter.default for option, parameter in parameters.items()})  # accepts them all
+    builtin_model_size(
+        name, {option: parameter.default for option, parameter in parameters.items()}
+    )  # accepts them all

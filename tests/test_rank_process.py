@@ -78,14 +78,17 @@ def test_an_exception_in_the_training_process_keeps_its_type_and_traceback(local
         # The job's error: where, then the training process's traceback alone (not the actor's frames that handed
         # the call on, nor the process's own serving frame), its exception once.
         described = describe_task_error(raised.value)
-        assert described.startswith(f"training raised an exception on no group yet, pid {placement['training_pid']}, "
-                                    f"node {ray.util.get_node_ip_address()}\n"), described
+        assert described.startswith(
+            f"training raised an exception on no group yet, pid {placement['training_pid']}, "
+            f"node {ray.util.get_node_ip_address()}\n"
+        ), described
         where, traceback_text = described.split("\n", 1)
         assert traceback_text.startswith("Traceback (most recent call last):\n  File "), described
         assert ", in train\n" in traceback_text and "workers/worker.py" not in traceback_text, described
         assert "_serve" not in traceback_text and traceback_text.count("Traceback") == 1, described
-        assert traceback_text.rstrip().endswith("ValueError: Default process group has not been initialized, please "
-                                                "make sure to call init_process_group."), described
+        assert traceback_text.rstrip().endswith(
+            "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
+        ), described
         assert traceback_text.count("ValueError: Default process group") == 1, described
         # The call failed, the worker did not: it still answers and trains later calls.
         assert ray.get(worker.heartbeat.remote()) == 0

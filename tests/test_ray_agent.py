@@ -11,8 +11,8 @@ import textwrap
 import pytest
 
 from harness.ports import free_port
-from ringmaster.service.ray_agent import AgentRefused, AgentUnavailable, RayAgent
 from ringmaster.service import ray_cluster
+from ringmaster.service.ray_agent import AgentRefused, AgentUnavailable, RayAgent
 from ringmaster.service.ray_cluster import RayCluster
 
 STAND_IN = textwrap.dedent("""

@@ -13,17 +13,28 @@ import pytest
 import ray
 import yaml
 
+from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
+from harness.ray_cluster import wait_for_state as _wait
 from ringmaster.service.client import RingmasterClient
-from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT, wait_for_state as _wait
 
 pytestmark = pytest.mark.integration
 
 
 def _spec(name: str, **overrides) -> dict:
     spec = {
-        "name": name, "model": "tiny-gpt", "data": "pysource", "strategy": "ddp",
+        "name": name,
+        "model": "tiny-gpt",
+        "data": "pysource",
+        "strategy": "ddp",
         "workers": {"min": 2, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1},
-        "train": {"steps": 30, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.003, "warmup_steps": 3, "seed": 0},
+        "train": {
+            "steps": 30,
+            "global_batch_size": 16,
+            "micro_batch_size": 4,
+            "lr": 0.003,
+            "warmup_steps": 3,
+            "seed": 0,
+        },
         "checkpoint": {"every_steps": 10, "keep": 2},
     }
     spec.update(overrides)
@@ -93,13 +104,25 @@ def _check_tensorboard_events(directory: Path, rows: list[dict]) -> None:
 
     events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
     events.Reload()
-    assert {"train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/world_size",
-            "train/recoveries"} <= set(events.Tags()["scalars"]), events.Tags()
+    assert {
+        "train/loss",
+        "train/val_loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/samples_per_s",
+        "train/world_size",
+        "train/recoveries",
+    } <= set(events.Tags()["scalars"]), events.Tags()
 
     def series(tag: str) -> dict[int, float]:
         return {event.step: event.value for event in events.Scalars(tag)}
 
-    for field, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("world_size", "train/world_size")):
+    for field, tag in (
+        ("loss", "train/loss"),
+        ("lr", "train/lr"),
+        ("grad_norm", "train/grad_norm"),
+        ("world_size", "train/world_size"),
+    ):
         expected = {row["step"]: np.float32(row[field]) for row in rows if row[field] is not None}
         assert series(tag) == {step: float(value) for step, value in expected.items()}, tag
     assert set(series("train/val_loss")) == {30} and set(series("train/recoveries").values()) == {0.0}
@@ -113,14 +136,17 @@ def _check_the_dashboards_view(ray_server, job_id: str, submission_id: str, driv
 
     info = JobSubmissionClient(ray_server.dashboard_url).get_job_info(submission_id)
     assert info.metadata["job_name"] == f"e2e-ddp ({job_id[:8]}, attempt 1)"
-    assert {key: info.metadata[key] for key in ("ringmaster_job_id", "tenant", "attempt", "strategy", "world_size")} == \
-        {"ringmaster_job_id": job_id, "tenant": "default", "attempt": "1", "strategy": "ddp", "world_size": "2"}
+    assert {
+        key: info.metadata[key] for key in ("ringmaster_job_id", "tenant", "attempt", "strategy", "world_size")
+    } == {"ringmaster_job_id": job_id, "tenant": "default", "attempt": "1", "strategy": "ddp", "world_size": "2"}
     assert info.metadata["ringmaster_url"].endswith(f"/ui/jobs/{job_id}")
     assert len(info.entrypoint) < 400 and "e2e-ddp" not in info.entrypoint, info.entrypoint
 
     assert "HTTP Request" not in driver_log, "no line per report"
     assert "[RUNNING] training on 2 workers across 1 node(s)" in driver_log
-    assert re.search(r"step \d+/30  loss \d+\.\d{4}  [\d.]+ samples/s  lr [\d.e-]+  world size 2", driver_log), driver_log
+    assert re.search(r"step \d+/30  loss \d+\.\d{4}  [\d.]+ samples/s  lr [\d.e-]+  world size 2", driver_log), (
+        driver_log
+    )
     assert "checkpoint committed at step 20" in driver_log and "checkpoint committed at step 30" in driver_log
     assert re.search(r"validation loss \d+\.\d{4} at step 30", driver_log)
 
@@ -170,15 +196,21 @@ def test_cancel_running_job_stops_it_and_frees_ray_resources(client: RingmasterC
         client.cancel(job["id"])
     # The driver's log says why it stopped, with no crash dump of Ray's SIGTERM handler.
     driver_log = jobs_api.get_job_logs(cancelled["ray_job_id"])
-    assert "stop requested (SIGTERM, as a cancel sends it)" in driver_log and "SIGTERM received" not in driver_log, driver_log
+    assert "stop requested (SIGTERM, as a cancel sends it)" in driver_log and "SIGTERM received" not in driver_log, (
+        driver_log
+    )
 
 
 def test_a_rank_whose_process_dies_on_a_live_node_is_replaced_within_the_attempt(client: RingmasterClient):
     """A training process killed (as the OOM killer or a crash ends one) while its node lives: its bundle is free on
     that node, so the driver starts a replacement there at once and the attempt goes on. It used to take the node for
     dead and, on a cluster with no other node, wait for capacity until it gave the attempt up."""
-    job = client.submit(_spec("e2e-process-death", train={"steps": 400, "global_batch_size": 16, "micro_batch_size": 4,
-                                                          "lr": 0.003, "seed": 0}))
+    job = client.submit(
+        _spec(
+            "e2e-process-death",
+            train={"steps": 400, "global_batch_size": 16, "micro_batch_size": 4, "lr": 0.003, "seed": 0},
+        )
+    )
     _wait(client, job["id"], {"RUNNING"}, timeout_s=120)
     deadline = time.monotonic() + 60
     while not client.metrics(job["id"])["items"]:
@@ -205,21 +237,38 @@ def test_a_rank_whose_process_dies_on_a_live_node_is_replaced_within_the_attempt
     from ray.job_submission import JobSubmissionClient
 
     driver_log = JobSubmissionClient(done["dashboard_url"].split("/#")[0]).get_job_logs(done["ray_job_id"])
-    assert "rank 0's interrupted training call ended: " in driver_log and "Unhandled error" not in driver_log, driver_log
+    assert "rank 0's interrupted training call ended: " in driver_log and "Unhandled error" not in driver_log, (
+        driver_log
+    )
 
 
 def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(client: RingmasterClient):
-    big = client.submit(_spec("e2e-big", workers={"min": 8, "max": 8},
-                              train={"steps": 5, "global_batch_size": 32, "micro_batch_size": 4}, priority=5))
-    small = client.submit(_spec("e2e-small", model="mlp", data="synthetic", checkpoint={"every_steps": 0, "keep": 1},
-                                train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4}))
+    big = client.submit(
+        _spec(
+            "e2e-big",
+            workers={"min": 8, "max": 8},
+            train={"steps": 5, "global_batch_size": 32, "micro_batch_size": 4},
+            priority=5,
+        )
+    )
+    small = client.submit(
+        _spec(
+            "e2e-small",
+            model="mlp",
+            data="synthetic",
+            checkpoint={"every_steps": 0, "keep": 1},
+            train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4},
+        )
+    )
     assert _wait(client, small["id"], {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
     waiting = client.job(big["id"])
     assert waiting["state"] == "QUEUED"
     # The cluster, idle, could not hold it: read from Ray's own account of its nodes.
-    assert waiting["waiting_reason"].endswith(f"the cluster's 1 node(s), {CLUSTER_CPUS} CPU and 0 GPU in all, hold "
-                                              f"{CLUSTER_CPUS} such worker(s) even when idle: the job waits for nodes to "
-                                              "join"), waiting["waiting_reason"]
+    assert waiting["waiting_reason"].endswith(
+        f"the cluster's 1 node(s), {CLUSTER_CPUS} CPU and 0 GPU in all, hold "
+        f"{CLUSTER_CPUS} such worker(s) even when idle: the job waits for nodes to "
+        "join"
+    ), waiting["waiting_reason"]
     client.cancel(big["id"])
 
 
@@ -258,8 +307,15 @@ def test_a_job_starts_in_warm_pool_workers_which_end_with_it(client: RingmasterC
     while sum(status["warm"] and status["claimant"] is None for status in pool()) < 2:
         assert time.monotonic() < deadline, f"the dispatcher did not keep two warm pool workers: {pool()}"
         time.sleep(0.5)
-    job = client.submit(_spec("e2e-warm-pool", model="mlp", data="synthetic", checkpoint={"every_steps": 0, "keep": 1},
-                              train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4}))
+    job = client.submit(
+        _spec(
+            "e2e-warm-pool",
+            model="mlp",
+            data="synthetic",
+            checkpoint={"every_steps": 0, "keep": 1},
+            train={"steps": 5, "global_batch_size": 8, "micro_batch_size": 4},
+        )
+    )
     done = _wait(client, job["id"], {"SUCCEEDED", "FAILED"})
     assert done["state"] == "SUCCEEDED", done["error"]
     running = next(e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING")
@@ -287,6 +343,10 @@ def test_a_cancelled_jobs_driver_stops_itself_when_ray_does_not_stop_it(client: 
     jobs_api = JobSubmissionClient(client.job(job["id"])["dashboard_url"].split("/#")[0])
     deadline = time.monotonic() + 30
     while str(jobs_api.get_job_status(cancelled["ray_job_id"]).value) != "SUCCEEDED":
-        assert time.monotonic() < deadline, f"the driver did not end: {jobs_api.get_job_status(cancelled['ray_job_id'])}"
+        assert time.monotonic() < deadline, (
+            f"the driver did not end: {jobs_api.get_job_status(cancelled['ray_job_id'])}"
+        )
         time.sleep(0.25)
-    assert "the control plane ended this attempt (job CANCELLED): stopping" in jobs_api.get_job_logs(cancelled["ray_job_id"])
+    assert "the control plane ended this attempt (job CANCELLED): stopping" in jobs_api.get_job_logs(
+        cancelled["ray_job_id"]
+    )

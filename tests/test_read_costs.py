@@ -7,8 +7,8 @@ virtual-machine instructions, which each row read adds to and which wall time on
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,15 @@ from sqlalchemy import func, insert, select
 
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import newest_jobs_that_ran_in_an_env_of_their_own
-from ringmaster.service.jobs import (attempts_to_close, cancel_job, close_attempt, get_job, job_progress, mark_admitted,
-                                     submit_job)
+from ringmaster.service.jobs import (
+    attempts_to_close,
+    cancel_job,
+    close_attempt,
+    get_job,
+    job_progress,
+    mark_admitted,
+    submit_job,
+)
 from ringmaster.service.mlflow_export import metric_rows_after
 from ringmaster.service.models import Attempt, Job, Metric, utcnow
 from ringmaster.service.spec import JobSpec, RuntimeEnvSpec
@@ -46,10 +53,23 @@ def _submit(db: Database) -> str:
 def _grow(db: Database, job_id: str, attempt: int, steps: int) -> None:
     """Rows of `attempt` up to `steps`; one validated step."""
     with session_scope(db.sessions) as session:
-        have = session.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == job_id, Metric.attempt == attempt))
-        session.execute(insert(Metric), [{"job_id": job_id, "attempt": attempt, "step": step, "loss": 1.0 / step,
-                                          "val_loss": 2.0 if step == VALIDATED_STEP else None, "recorded_at": utcnow()}
-                                         for step in range(have + 1, steps + 1)])
+        have = session.scalar(
+            select(func.count()).select_from(Metric).where(Metric.job_id == job_id, Metric.attempt == attempt)
+        )
+        session.execute(
+            insert(Metric),
+            [
+                {
+                    "job_id": job_id,
+                    "attempt": attempt,
+                    "step": step,
+                    "loss": 1.0 / step,
+                    "val_loss": 2.0 if step == VALIDATED_STEP else None,
+                    "recorded_at": utcnow(),
+                }
+                for step in range(have + 1, steps + 1)
+            ],
+        )
 
 
 def _instructions(db: Database, read: Callable[[Any], Any]) -> tuple[int, Any]:
@@ -71,7 +91,9 @@ def test_a_jobs_progress_finds_its_newest_validation_without_reading_every_step(
     assert counted[MANY] < 2 * counted[FEW], counted
 
 
-def test_the_streams_next_batch_starts_at_its_cursor_in_any_attempt_without_reading_the_steps_before(db: Database) -> None:
+def test_the_streams_next_batch_starts_at_its_cursor_in_any_attempt_without_reading_the_steps_before(
+    db: Database,
+) -> None:
     # Before, the cursor's OR of two cases read the job's rows from its first step: 39 ms per poll at 300,000 steps.
     job_id = _submit(db)
     counted = {}
@@ -79,7 +101,11 @@ def test_the_streams_next_batch_starts_at_its_cursor_in_any_attempt_without_read
         _grow(db, job_id, 1, steps)
         cursor = Cursor(event_id=10**9, attempt=1, step=steps - 3)
         counted[steps], batch = _instructions(db, lambda session: read_batch(session, job_id, cursor))
-        assert [(item.data["attempt"], item.data["step"]) for item in batch.items] == [(1, steps - 2), (1, steps - 1), (1, steps)]
+        assert [(item.data["attempt"], item.data["step"]) for item in batch.items] == [
+            (1, steps - 2),
+            (1, steps - 1),
+            (1, steps),
+        ]
     assert counted[MANY] < 2 * counted[FEW], counted
 
     # A later attempt's rows follow the cursor's attempt: its own steps start again from 1.
@@ -107,12 +133,34 @@ def _finished_jobs(db: Database, count: int, first_created_at: datetime) -> list
     ids = [uuid.uuid4().hex for _ in range(count)]
     with session_scope(db.sessions) as session:
         now = utcnow()
-        session.execute(insert(Job), [{"id": job_id, "name": "done", "spec": {"name": "done", "model": "mlp"},
-                                       "state": JobState.SUCCEEDED.value, "attempt": 1, "updated_at": now,
-                                       "created_at": first_created_at + timedelta(seconds=index)}
-                                      for index, job_id in enumerate(ids)])
-        session.execute(insert(Attempt), [{"job_id": job_id, "number": 1, "submission_id": f"ringmaster-{job_id}-1",
-                                           "started_at": now, "ended_at": now} for job_id in ids])
+        session.execute(
+            insert(Job),
+            [
+                {
+                    "id": job_id,
+                    "name": "done",
+                    "spec": {"name": "done", "model": "mlp"},
+                    "state": JobState.SUCCEEDED.value,
+                    "attempt": 1,
+                    "updated_at": now,
+                    "created_at": first_created_at + timedelta(seconds=index),
+                }
+                for index, job_id in enumerate(ids)
+            ],
+        )
+        session.execute(
+            insert(Attempt),
+            [
+                {
+                    "job_id": job_id,
+                    "number": 1,
+                    "submission_id": f"ringmaster-{job_id}-1",
+                    "started_at": now,
+                    "ended_at": now,
+                }
+                for job_id in ids
+            ],
+        )
     return ids
 
 
@@ -133,7 +181,9 @@ def test_a_dispatcher_pass_finds_the_open_attempts_without_reading_every_attempt
     assert counted[MANY] < 2 * counted[FEW], counted
 
 
-def test_the_warm_pools_newest_runtime_envs_are_read_from_the_newest_jobs_without_sorting_every_job_ever_run(db: Database) -> None:
+def test_the_warm_pools_newest_runtime_envs_are_read_from_the_newest_jobs_without_sorting_every_job_ever_run(
+    db: Database,
+) -> None:
     # Before, SQLite searched the queue index for every finished job and sorted them all: 12 ms per upkeep (every 2 s)
     # after 100,000 jobs.
     counted = {}
@@ -142,16 +192,26 @@ def test_the_warm_pools_newest_runtime_envs_are_read_from_the_newest_jobs_withou
         _finished_jobs(db, jobs_before - jobs_run, utcnow() - timedelta(days=1))
         jobs_run = jobs_before
         newest = {}
-        for name, state in [("ran", JobState.SUCCEEDED), ("plain", JobState.SUCCEEDED), ("broken", JobState.FAILED),
-                            ("running", JobState.RUNNING), ("queued", JobState.QUEUED)]:
+        for name, state in [
+            ("ran", JobState.SUCCEEDED),
+            ("plain", JobState.SUCCEEDED),
+            ("broken", JobState.FAILED),
+            ("running", JobState.RUNNING),
+            ("queued", JobState.QUEUED),
+        ]:
             spec = JobSpec(name=name, model="mlp")
             if name != "plain":
-                spec = spec.model_copy(update={"runtime_env": RuntimeEnvSpec(env_vars={"PROJECT": f"{name}-{jobs_before}"})})
+                spec = spec.model_copy(
+                    update={"runtime_env": RuntimeEnvSpec(env_vars={"PROJECT": f"{name}-{jobs_before}"})}
+                )
             with session_scope(db.sessions) as session:
                 newest[name] = submit_job(session, spec).id
                 session.flush()
                 session.get(Job, newest[name]).state = state.value
         counted[jobs_before], found = _instructions(db, newest_jobs_that_ran_in_an_env_of_their_own)
         # Newest first; only jobs with an env of their own that ran in it (the FAILED one may never have started).
-        assert [spec.runtime_env.env_vars["PROJECT"] for _, spec in found][:2] == [f"running-{jobs_before}", f"ran-{jobs_before}"]
+        assert [spec.runtime_env.env_vars["PROJECT"] for _, spec in found][:2] == [
+            f"running-{jobs_before}",
+            f"ran-{jobs_before}",
+        ]
     assert counted[MANY] < 2 * counted[FEW], counted

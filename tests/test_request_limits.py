@@ -9,23 +9,30 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_tokens import authorize, table_rows
 from fastapi.testclient import TestClient
 
 from ringmaster.api.app import create_app
 from ringmaster.api.limits import MAX_DEPTH, MAX_VALUES
-from api_tokens import authorize, table_rows
 from ringmaster.service.auth import new_report_token
 from ringmaster.service.db import session_scope
 from ringmaster.service.jobs import get_job, mark_admitted
 from ringmaster.service.settings import Settings
 
 LIMIT = 64 * 1024
-SPEC = {"name": "limited", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"global_batch_size": 4, "micro_batch_size": 4}}
+SPEC = {
+    "name": "limited",
+    "model": "mlp",
+    "workers": {"min": 1, "max": 1},
+    "train": {"global_batch_size": 4, "micro_batch_size": 4},
+}
 
 
 @pytest.fixture
 def client(db_url: str, tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(database_url=db_url, data_dir=tmp_path, max_request_bytes=LIMIT))) as test_client:
+    with TestClient(
+        create_app(Settings(database_url=db_url, data_dir=tmp_path, max_request_bytes=LIMIT))
+    ) as test_client:
         authorize(test_client)
         yield test_client
 
@@ -85,29 +92,66 @@ def test_yaml_merge_keys_are_refused(client: TestClient) -> None:
     assert "merge keys" in _rejected(client, text, "application/yaml")["msg"]
 
 
-@pytest.mark.parametrize(("body", "content_type", "needle", "field"), [
-    ('{"name": "x", "model": "mlp", "train": {"lr": NaN}}', "application/json", "NaN is not a JSON number", "train.lr"),
-    ('{"name": "x", "model": "mlp", "train": {"weight_decay": 1e999}}', "application/json", "not a finite number", "train.weight_decay"),
-    ("name: x\nmodel: mlp\ntrain: {weight_decay: .inf}\n", "application/yaml", "not a finite number", "train.weight_decay"),
-    ('{"name": "x", "model": "mlp", "model_options": {"n": 1' + "0" * 30 + "}}", "application/json", "does not fit in 64", "model_options.n"),
-    ('{"name": "x", "model": "mlp", "model_options": {"n": 1' + "0" * 5000 + "}}", "application/json", "Invalid JSON", "body"),
-    ("[" * 50_000, "application/json", "Invalid JSON", "body"),
-    (b'{"name": "\xff\xfe"}', "application/json", "Invalid JSON", "body"),
-    (b"name: \xff\xfe\n", "application/yaml", "not UTF-8", "body"),
-    ("name: x\nmodel: mlp\nmodel_options: {when: 2024-01-01}\n", "application/yaml", "type date is not accepted", "model_options.when"),
-    ("- just\n- a list\n", "application/yaml", "must be a mapping", "body"),
-])
-def test_unstorable_spec_is_422_naming_what_is_wrong(client: TestClient, body: str | bytes, content_type: str, needle: str,
-                                                    field: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "content_type", "needle", "field"),
+    [
+        (
+            '{"name": "x", "model": "mlp", "train": {"lr": NaN}}',
+            "application/json",
+            "NaN is not a JSON number",
+            "train.lr",
+        ),
+        (
+            '{"name": "x", "model": "mlp", "train": {"weight_decay": 1e999}}',
+            "application/json",
+            "not a finite number",
+            "train.weight_decay",
+        ),
+        (
+            "name: x\nmodel: mlp\ntrain: {weight_decay: .inf}\n",
+            "application/yaml",
+            "not a finite number",
+            "train.weight_decay",
+        ),
+        (
+            '{"name": "x", "model": "mlp", "model_options": {"n": 1' + "0" * 30 + "}}",
+            "application/json",
+            "does not fit in 64",
+            "model_options.n",
+        ),
+        (
+            '{"name": "x", "model": "mlp", "model_options": {"n": 1' + "0" * 5000 + "}}",
+            "application/json",
+            "Invalid JSON",
+            "body",
+        ),
+        ("[" * 50_000, "application/json", "Invalid JSON", "body"),
+        (b'{"name": "\xff\xfe"}', "application/json", "Invalid JSON", "body"),
+        (b"name: \xff\xfe\n", "application/yaml", "not UTF-8", "body"),
+        (
+            "name: x\nmodel: mlp\nmodel_options: {when: 2024-01-01}\n",
+            "application/yaml",
+            "type date is not accepted",
+            "model_options.when",
+        ),
+        ("- just\n- a list\n", "application/yaml", "must be a mapping", "body"),
+    ],
+)
+def test_unstorable_spec_is_422_naming_what_is_wrong(
+    client: TestClient, body: str | bytes, content_type: str, needle: str, field: str
+) -> None:
     error = _rejected(client, body, content_type)
     assert needle in error["msg"] and error["field"] == field
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"parameters": 10**30, "gpu_memory_gb": 80}, "parameters"),
-    ({"parameters": 10**9, "gpu_memory_gb": 80, "layers": 10**12, "hidden": 8, "heads": 1, "seq_len": 8}, "layers"),
-    ({"model": "tiny-gpt", "model_options": {"n_layers": 10**40}, "gpu_memory_gb": 80}, "model_options"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"parameters": 10**30, "gpu_memory_gb": 80}, "parameters"),
+        ({"parameters": 10**9, "gpu_memory_gb": 80, "layers": 10**12, "hidden": 8, "heads": 1, "seq_len": 8}, "layers"),
+        ({"model": "tiny-gpt", "model_options": {"n_layers": 10**40}, "gpu_memory_gb": 80}, "model_options"),
+    ],
+)
 def test_plan_with_out_of_range_numbers_is_422(client: TestClient, body: dict[str, Any], field: str) -> None:
     response = client.post("/v1/plan", json=body)
     assert response.status_code == 422, response.text
@@ -115,8 +159,11 @@ def test_plan_with_out_of_range_numbers_is_422(client: TestClient, body: dict[st
 
 
 def test_plan_with_nan_in_model_options_is_422(client: TestClient) -> None:
-    response = client.post("/v1/plan", content='{"model": "tiny-gpt", "model_options": {"dim": NaN}, "gpu_memory_gb": 80}',
-                           headers={"Content-Type": "application/json"})
+    response = client.post(
+        "/v1/plan",
+        content='{"model": "tiny-gpt", "model_options": {"dim": NaN}, "gpu_memory_gb": 80}',
+        headers={"Content-Type": "application/json"},
+    )
     assert response.status_code == 422 and "not a finite number" in response.text
 
 
@@ -142,11 +189,16 @@ def test_driver_report_with_unstorable_values_is_422_and_changes_nothing(client:
     job_id = client.post("/v1/jobs", json=SPEC).json()["id"]
     secret, secret_hash = new_report_token()
     with session_scope(client.app.state.db.sessions) as session:  # type: ignore[attr-defined]
-        mark_admitted(session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", None, 1, report_token_hash=secret_hash)
+        mark_admitted(
+            session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", None, 1, report_token_hash=secret_hash
+        )
     url = f"/v1/internal/jobs/{job_id}/attempts/1/report"
     headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
-    for body in ('{"state": "RUNNING", "details": {"x": Infinity}}', '{"state": "RUNNING", "metrics": [{"step": 1' + "0" * 25 + "}]}",
-                 '{"state": "RUNNING", "metrics": [{"step": 3000000000}]}'):
+    for body in (
+        '{"state": "RUNNING", "details": {"x": Infinity}}',
+        '{"state": "RUNNING", "metrics": [{"step": 1' + "0" * 25 + "}]}",
+        '{"state": "RUNNING", "metrics": [{"step": 3000000000}]}',
+    ):
         response = client.post(url, content=body, headers=headers)
         assert response.status_code == 422, (body, response.text)
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "ADMITTED"

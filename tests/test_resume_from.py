@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import SPEC, STEPS
 
 from harness.process_group import run_on_ranks
+from harness.ray_cluster import wait_for_state
+from harness.sinks import CallbackSink
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import InvalidSpec
 from ringmaster.service.jobs import submit_job
 from ringmaster.service.spec import JobSpec
-from test_checkpoint import SPEC, STEPS
-from harness.ray_cluster import wait_for_state
 from ringmaster.workers.checkpoint import committed_checkpoints
-from harness.sinks import CallbackSink
 from ringmaster.workers.trainer import TrainContext, run_training
 
 STOP_AFTER = 4
@@ -28,16 +28,46 @@ STOP_AFTER = 4
 
 def _train_stop_then_continue_in_another_job(rank: int, world_size: int, root: str) -> None:
     straight, first, second = [], [], []
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "s", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)))
+    run_training(
+        SPEC,
+        TrainContext(
+            rank, world_size, torch.device("cpu"), "s", f"{root}/straight", sink=CallbackSink(on_metric=straight.append)
+        ),
+    )
     calls = itertools.count(1)
-    run_training(SPEC, TrainContext(rank, world_size, torch.device("cpu"), "a", f"{root}/job-a", sink=CallbackSink(on_metric=first.append, should_stop=lambda: next(calls) >= STOP_AFTER)))
+    run_training(
+        SPEC,
+        TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "a",
+            f"{root}/job-a",
+            sink=CallbackSink(on_metric=first.append, should_stop=lambda: next(calls) >= STOP_AFTER),
+        ),
+    )
     spec_b = SPEC.model_copy(update={"resume_from": "job-a"})
-    run_training(spec_b, TrainContext(rank, world_size, torch.device("cpu"), "b", f"{root}/job-b", sink=CallbackSink(on_metric=second.append), resume_from_root=f"{root}/job-a"))
+    run_training(
+        spec_b,
+        TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "b",
+            f"{root}/job-b",
+            sink=CallbackSink(on_metric=second.append),
+            resume_from_root=f"{root}/job-a",
+        ),
+    )
     if rank == 0:
-        Path(root, "summary.json").write_text(json.dumps({
-            name: [[p.step, p.loss] for p in points if p.loss is not None]
-            for name, points in (("straight", straight), ("a", first), ("b", second))
-        }))
+        Path(root, "summary.json").write_text(
+            json.dumps(
+                {
+                    name: [[p.step, p.loss] for p in points if p.loss is not None]
+                    for name, points in (("straight", straight), ("a", first), ("b", second))
+                }
+            )
+        )
 
 
 def test_new_job_continues_from_another_jobs_checkpoint(tmp_path: Path) -> None:
@@ -46,7 +76,9 @@ def test_new_job_continues_from_another_jobs_checkpoint(tmp_path: Path) -> None:
 
     assert [step for step, _ in summary["b"]] == list(range(STOP_AFTER + 1, STEPS + 1))
     assert [loss for _, loss in summary["a"] + summary["b"]] == [loss for _, loss in summary["straight"]]
-    assert [c.step for c in committed_checkpoints(tmp_path / "job-a")] == [2, STOP_AFTER], "the source job's storage is left alone"
+    assert [c.step for c in committed_checkpoints(tmp_path / "job-a")] == [2, STOP_AFTER], (
+        "the source job's storage is left alone"
+    )
     assert [c.step for c in committed_checkpoints(tmp_path / "job-b")][-1] == STEPS
 
 
@@ -63,10 +95,24 @@ def test_resume_from_must_name_an_existing_job(db: Database) -> None:
 
 def test_spec_hash_unchanged_without_resume_from() -> None:
     # The spec as it was before the optional fields existed.
-    fields = SPEC.model_dump(mode="json", exclude={"resume_from": True, "code": True, "runtime_env": True, "checkpoint": {"keep_best", "in_memory"},
-                                                   "parallel": {"blocks"},
-                                                   "train": {"lr_schedule", "optimizer", "eval_every_steps", "grad_clip",
-                                                             "activation_checkpointing", "compile"}})
+    fields = SPEC.model_dump(
+        mode="json",
+        exclude={
+            "resume_from": True,
+            "code": True,
+            "runtime_env": True,
+            "checkpoint": {"keep_best", "in_memory"},
+            "parallel": {"blocks"},
+            "train": {
+                "lr_schedule",
+                "optimizer",
+                "eval_every_steps",
+                "grad_clip",
+                "activation_checkpointing",
+                "compile",
+            },
+        },
+    )
     assert SPEC.spec_hash() == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     assert SPEC.model_copy(update={"resume_from": "x"}).spec_hash() != SPEC.spec_hash()
 
@@ -77,33 +123,75 @@ RESIZE_STRATEGIES = ("ddp", "fsdp")
 
 def _resize_spec(strategy: str) -> JobSpec:
     """The same global batch at every world size in [1, 3]: 24 = 4 per micro-step × 6, 3 or 2 accumulation steps."""
-    return JobSpec.model_validate({
-        **SPEC.model_dump(), "name": f"resize-{strategy}", "strategy": strategy, "workers": {"min": 1, "max": 3},
-        "train": {**SPEC.train.model_dump(), "steps": RESIZE_STEPS, "global_batch_size": 24},
-    })
+    return JobSpec.model_validate(
+        {
+            **SPEC.model_dump(),
+            "name": f"resize-{strategy}",
+            "strategy": strategy,
+            "workers": {"min": 1, "max": 3},
+            "train": {**SPEC.train.model_dump(), "steps": RESIZE_STEPS, "global_batch_size": 24},
+        }
+    )
 
 
 def _straight_and_stopped_at_two_ranks(rank: int, world_size: int, root: str) -> None:
     for strategy in RESIZE_STRATEGIES:
         straight, stopped = [], []
         spec = _resize_spec(strategy)
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "s", f"{root}/{strategy}/straight", sink=CallbackSink(on_metric=straight.append)))
+        run_training(
+            spec,
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                "s",
+                f"{root}/{strategy}/straight",
+                sink=CallbackSink(on_metric=straight.append),
+            ),
+        )
         calls = itertools.count(1)
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "a", f"{root}/{strategy}/job-a", sink=CallbackSink(on_metric=stopped.append, should_stop=lambda: next(calls) >= RESIZE_STOP_AFTER)))
+        run_training(
+            spec,
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                "a",
+                f"{root}/{strategy}/job-a",
+                sink=CallbackSink(on_metric=stopped.append, should_stop=lambda: next(calls) >= RESIZE_STOP_AFTER),
+            ),
+        )
         if rank == 0:
-            Path(root, strategy, "two-ranks.json").write_text(json.dumps({
-                name: [[p.step, p.loss, p.world_size] for p in points if p.loss is not None]
-                for name, points in (("straight", straight), ("a", stopped))
-            }))
+            Path(root, strategy, "two-ranks.json").write_text(
+                json.dumps(
+                    {
+                        name: [[p.step, p.loss, p.world_size] for p in points if p.loss is not None]
+                        for name, points in (("straight", straight), ("a", stopped))
+                    }
+                )
+            )
 
 
 def _resume_from_job_a(rank: int, world_size: int, root: str) -> None:
     for strategy in RESIZE_STRATEGIES:
         resumed = []
         spec = _resize_spec(strategy).model_copy(update={"resume_from": "job-a"})
-        run_training(spec, TrainContext(rank, world_size, torch.device("cpu"), "b", f"{root}/{strategy}/job-b-{world_size}", sink=CallbackSink(on_metric=resumed.append), resume_from_root=f"{root}/{strategy}/job-a"))
+        run_training(
+            spec,
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                "b",
+                f"{root}/{strategy}/job-b-{world_size}",
+                sink=CallbackSink(on_metric=resumed.append),
+                resume_from_root=f"{root}/{strategy}/job-a",
+            ),
+        )
         if rank == 0:
-            Path(root, strategy, f"b-{world_size}.json").write_text(json.dumps([[p.step, p.loss, p.world_size] for p in resumed if p.loss is not None]))
+            Path(root, strategy, f"b-{world_size}.json").write_text(
+                json.dumps([[p.step, p.loss, p.world_size] for p in resumed if p.loss is not None])
+            )
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +224,20 @@ def test_resume_from_another_jobs_checkpoint_at_another_world_size_matches_unint
 
 def _ray_spec(name: str, steps: int, **overrides) -> dict:
     return {
-        "name": name, "model": "tiny-gpt", "model_options": {"n_layers": 1, "dim": 32, "n_heads": 2, "seq_len": 32},
+        "name": name,
+        "model": "tiny-gpt",
+        "model_options": {"n_layers": 1, "dim": 32, "n_heads": 2, "seq_len": 32},
         "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "lr": 0.003, "seed": 5},
-        "checkpoint": {"every_steps": 2, "keep": 3}, **overrides,
+        "checkpoint": {"every_steps": 2, "keep": 3},
+        **overrides,
     }
 
 
 @pytest.mark.integration
-def test_job_resuming_from_a_corrupt_newest_checkpoint_on_ray_uses_the_previous_one_and_says_so(client: RingmasterClient) -> None:
+def test_job_resuming_from_a_corrupt_newest_checkpoint_on_ray_uses_the_previous_one_and_says_so(
+    client: RingmasterClient,
+) -> None:
     source = client.submit(_ray_spec("corrupt-source", 6))
     done = wait_for_state(client, source["id"], {"SUCCEEDED", "FAILED"})
     assert done["state"] == "SUCCEEDED", done["error"]
@@ -159,11 +252,19 @@ def test_job_resuming_from_a_corrupt_newest_checkpoint_on_ray_uses_the_previous_
 
     [event] = [e for e in client.events(follower["id"])["items"] if "is corrupt" in (e["message"] or "")]
     assert event["kind"] == "info"
-    assert event["message"].startswith("checkpoint step 6 is corrupt (step-00000006/__1_0.distcp: 100 bytes, manifest says ")
+    assert event["message"].startswith(
+        "checkpoint step 6 is corrupt (step-00000006/__1_0.distcp: 100 bytes, manifest says "
+    )
     assert event["message"].endswith("); resumed from step 4")
     assert event["data"]["resumed_from_step"] == 4 and event["data"]["corrupt_checkpoints"][0]["uri"] == str(newest)
-    source_losses = {row["step"]: row["loss"] for row in client.metrics(source["id"])["items"] if row["loss"] is not None}
-    follower_losses = {row["step"]: row["loss"] for row in client.metrics(follower["id"])["items"] if row["loss"] is not None}
+    source_losses = {
+        row["step"]: row["loss"] for row in client.metrics(source["id"])["items"] if row["loss"] is not None
+    }
+    follower_losses = {
+        row["step"]: row["loss"] for row in client.metrics(follower["id"])["items"] if row["loss"] is not None
+    }
     assert sorted(follower_losses) == [5, 6, 7, 8]
     # Steps 5 and 6 retrace the source job's from its step-4 checkpoint, at the same world size.
-    assert [follower_losses[step] for step in (5, 6)] == pytest.approx([source_losses[step] for step in (5, 6)], abs=1e-6)
+    assert [follower_losses[step] for step in (5, 6)] == pytest.approx(
+        [source_losses[step] for step in (5, 6)], abs=1e-6
+    )

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from api_tokens import mint
 from fastapi import FastAPI
 
-from api_tokens import mint
 from harness.ports import free_port
 from ringmaster.api.app import create_app
 from ringmaster.service.auth import Principal, new_report_token
@@ -80,36 +80,82 @@ def _seed_jobs(app: FastAPI, principal: Principal) -> str:
     spec = JobSpec.model_validate({"name": "seeded", "model": "mlp"})
     with session_scope(app.state.db.sessions) as session:
         submit_job(session, spec, principal=principal)
-        admitted, cancelled = submit_job(session, spec, principal=principal), submit_job(session, spec, principal=principal)
-        mark_admitted(session, get_job(session, admitted.id), 1, f"ringmaster-{admitted.id}-1", None, 1,
-                      report_token_hash=new_report_token()[1])
+        admitted, cancelled = (
+            submit_job(session, spec, principal=principal),
+            submit_job(session, spec, principal=principal),
+        )
+        mark_admitted(
+            session,
+            get_job(session, admitted.id),
+            1,
+            f"ringmaster-{admitted.id}-1",
+            None,
+            1,
+            report_token_hash=new_report_token()[1],
+        )
         cancel_job(session, cancelled.id)
         return cancelled.id
 
 
-def _start_run(api: LiveApi, tenant: str, admin: bool, folder: Path, phases: str, examples: int) -> subprocess.Popen[str]:
+def _start_run(
+    api: LiveApi, tenant: str, admin: bool, folder: Path, phases: str, examples: int
+) -> subprocess.Popen[str]:
     """Schemathesis's CLI against the API with a new token of the tenant, in the background."""
     folder.mkdir()
     token = mint(api.app, tenant, admin=admin)
     config = folder / "schemathesis.toml"
     config.write_text(CONFIG.format(job_id=_seed_jobs(api.app, Principal(tenant, admin=admin))))
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+    }
     return subprocess.Popen(
-        [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "--no-color", "run",
-         f"{api.url}/openapi.json", "--header", f"Authorization: Bearer {token}",
-         "--phases", phases, "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-         "--max-examples", str(examples), "--seed", "1", "--request-timeout", "20", "--workers", "1"],
-        cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "--config-file",
+            str(config),
+            "--no-color",
+            "run",
+            f"{api.url}/openapi.json",
+            "--header",
+            f"Authorization: Bearer {token}",
+            "--phases",
+            phases,
+            "--checks",
+            "all",
+            "--exclude-checks",
+            "positive_data_acceptance",
+            "--max-examples",
+            str(examples),
+            "--seed",
+            "1",
+            "--request-timeout",
+            "20",
+            "--workers",
+            "1",
+        ],
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-def test_every_check_holds_on_every_operation_for_an_admin_and_a_tenant(live_api: LiveApi, db_url: str, tmp_path: Path) -> None:
+def test_every_check_holds_on_every_operation_for_an_admin_and_a_tenant(
+    live_api: LiveApi, db_url: str, tmp_path: Path
+) -> None:
     """The two runs go side by side against one server (as two clients would); each reports on its own."""
     on_postgres = db_url.startswith("postgresql")
     phases = ["examples", "fuzzing", "stateful"] if on_postgres else ["examples", "coverage", "fuzzing", "stateful"]
     examples, fewest = WITHOUT_COVERAGE if on_postgres else WITH_COVERAGE
-    runs = {"admin": _start_run(live_api, "fuzz-admin", True, tmp_path / "admin", ",".join(phases), examples),
-            "tenant": _start_run(live_api, "team-a", False, tmp_path / "tenant", ",".join(phases), examples)}
+    runs = {
+        "admin": _start_run(live_api, "fuzz-admin", True, tmp_path / "admin", ",".join(phases), examples),
+        "tenant": _start_run(live_api, "team-a", False, tmp_path / "tenant", ",".join(phases), examples),
+    }
     outputs = {}
     try:
         for role, run in runs.items():

@@ -29,8 +29,13 @@ def _ray_processes() -> set[int]:
                 command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            if b"ray" in command and (b"gcs_server" in command or b"raylet" in command or b"ray::" in command
-                                      or b"dashboard" in command or b"ray start" in command):
+            if b"ray" in command and (
+                b"gcs_server" in command
+                or b"raylet" in command
+                or b"ray::" in command
+                or b"dashboard" in command
+                or b"ray start" in command
+            ):
                 found.add(int(entry))
     return found
 
@@ -47,8 +52,14 @@ def test_serve_says_where_it_listens_runs_no_client_server_and_leaves_nothing(tm
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("RINGMASTER_")}
     env.update({"RINGMASTER_DATA_DIR": str(tmp_path), "RINGMASTER_API_PORT": str(port)})
-    serve = subprocess.Popen([sys.executable, "-m", "ringmaster.service.cli", "serve"], cwd=REPO_ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "ringmaster.service.cli", "serve"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = tmp_path / "api-url"
         deadline = time.monotonic() + 120
@@ -62,8 +73,11 @@ def test_serve_says_where_it_listens_runs_no_client_server_and_leaves_nothing(tm
             assert time.monotonic() < deadline, listed.stdout + listed.stderr
             time.sleep(0.5)
         assert "name" in listed.stdout, "the CLI found the server through the data directory alone"
-        assert not any(b"ray.util.client.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                       for pid in _ray_processes() - before if Path(f"/proc/{pid}").exists()), "a Ray client server runs"
+        assert not any(
+            b"ray.util.client.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            for pid in _ray_processes() - before
+            if Path(f"/proc/{pid}").exists()
+        ), "a Ray client server runs"
     finally:
         serve.send_signal(signal.SIGINT)
         _, errors = serve.communicate(timeout=60)
@@ -76,12 +90,20 @@ def test_serve_says_where_it_listens_runs_no_client_server_and_leaves_nothing(tm
 
 def test_a_head_that_cannot_start_is_tried_twice_then_named_in_one_line(tmp_path: Path) -> None:
     before = _ray_processes()
-    failed = ringmaster("serve", env={"RINGMASTER_DATA_DIR": str(tmp_path), "RINGMASTER_API_PORT": str(free_port()),
-                                      "RINGMASTER_RAY_START_TIMEOUT_S": "0.2"}, timeout_s=180)
+    failed = ringmaster(
+        "serve",
+        env={
+            "RINGMASTER_DATA_DIR": str(tmp_path),
+            "RINGMASTER_API_PORT": str(free_port()),
+            "RINGMASTER_RAY_START_TIMEOUT_S": "0.2",
+        },
+        timeout_s=180,
+    )
     line = one_line_failure(failed)
     log_path = (tmp_path / "ray-head.log").resolve()
-    assert line.startswith("error: the embedded Ray head did not start (2 tries). Last: its dashboard did not answer "
-                           "within 0s: "), line
+    assert line.startswith(
+        "error: the embedded Ray head did not start (2 tries). Last: its dashboard did not answer within 0s: "
+    ), line
     assert line.endswith(f"Its log: {log_path}"), line
     assert log_path.exists() and not (tmp_path / "ray-head.json").exists()
     assert not _left_behind(before), "a failed start left processes behind"

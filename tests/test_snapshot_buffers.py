@@ -23,8 +23,9 @@ def _snapshot_steps(rank: int, world_size: int, root: str) -> None:
     model = nn.ModuleDict({"shared": nn.Linear(64, 64), f"own{rank}": nn.Linear(64, 64)})
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     store = SnapshotStore()
-    snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
-                              optimizers=[optimizer])
+    snapshots = PeerSnapshots(
+        store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model], optimizers=[optimizer]
+    )
     taken: dict[int, dict[str, torch.Tensor]] = {}
     storages: dict[int, dict[str, int]] = {}
     for step in range(1, STEPS + 1):
@@ -40,14 +41,23 @@ def _snapshot_steps(rank: int, world_size: int, root: str) -> None:
         taken[step] = {name: content.clone() for name, content in files.items()}
         storages[step] = {name: content.untyped_storage().data_ptr() for name, content in files.items()}
     held = [ref.step for ref in store.snapshots(JOB)]
-    unchanged = {step: all(torch.equal(store.read(snapshot_location(JOB, SnapshotRef(1, step)), name), content)
-                           for name, content in taken[step].items()) for step in held}
+    unchanged = {
+        step: all(
+            torch.equal(store.read(snapshot_location(JOB, SnapshotRef(1, step)), name), content)
+            for name, content in taken[step].items()
+        )
+        for step in held
+    }
     # A shard file of the last step lies in memory an earlier step's file of the same name had.
-    reused = [name for name, pointer in storages[STEPS].items() if name.endswith(".distcp")
-              and any(storages[step].get(name) == pointer for step in range(1, STEPS))]
+    reused = [
+        name
+        for name, pointer in storages[STEPS].items()
+        if name.endswith(".distcp") and any(storages[step].get(name) == pointer for step in range(1, STEPS))
+    ]
     snapshots.close()
-    Path(root, f"rank{rank}.json").write_text(json.dumps({"held": held, "unchanged": unchanged, "reused": reused,
-                                                          "files": sorted(taken[STEPS])}))
+    Path(root, f"rank{rank}.json").write_text(
+        json.dumps({"held": held, "unchanged": unchanged, "reused": reused, "files": sorted(taken[STEPS])})
+    )
 
 
 def test_held_snapshots_keep_their_content_while_later_ones_reuse_memory(tmp_path: Path) -> None:

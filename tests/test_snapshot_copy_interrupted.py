@@ -29,10 +29,13 @@ TIMEOUT = timedelta(seconds=15)  # a whole transfer here takes well under a seco
 JOB = "interrupted-copy"
 
 
-def _die_mid_copy(payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup, allocate: object) -> torch.Tensor:
+def _die_mid_copy(
+    payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup, allocate: object
+) -> torch.Tensor:
     size_out, size_in = torch.tensor([payload.numel()], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
-    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, to, group),
-                                           dist.P2POp(dist.irecv, size_in, source, group)]):
+    for request in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, size_out, to, group), dist.P2POp(dist.irecv, size_in, source, group)]
+    ):
         request.wait()
     dist.isend(payload, to, group=group)  # the shard starts out, and the process dies with it in flight
     os._exit(0)
@@ -45,8 +48,17 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     # buddy, ~100 MB on the wire.
     model = nn.ModuleDict({f"rank{rank}": nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))})
     optimizer = torch.optim.AdamW(model.parameters())
-    snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
-                              optimizers=[optimizer], timeout=TIMEOUT)
+    snapshots = PeerSnapshots(
+        store,
+        JOB,
+        1,
+        1,
+        (1,) * world_size,
+        torch.device("cpu"),
+        model_parts=[model],
+        optimizers=[optimizer],
+        timeout=TIMEOUT,
+    )
 
     def step(number: int) -> None:
         model[f"rank{rank}"](torch.ones(4, WIDTH)).sum().backward()
@@ -58,8 +70,11 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     step(1)
     step(2)
     snapshots.wait()
-    sent = {name: size for name, size in store.names(snapshot_location(JOB, SnapshotRef(1, 2))).items()
-            if name == f"__{rank}_0.distcp"}
+    sent = {
+        name: size
+        for name, size in store.names(snapshot_location(JOB, SnapshotRef(1, 2))).items()
+        if name == f"__{rank}_0.distcp"
+    }
     Path(root, f"sent-{rank}.json").write_text(json.dumps(sent))
     if rank == DYING:
         memory_snapshots._exchange = _die_mid_copy
@@ -70,15 +85,19 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     except Exception as error:  # the copy from the dead rank broke off
         outcome = type(error).__name__
     held = {str(step): store.names(snapshot_location(JOB, SnapshotRef(1, step))) for step in (1, 2, 3)}
-    Path(root, f"survivor-{rank}.json").write_text(json.dumps(
-        {"outcome": outcome, "held": held, "inventory": store.inventory(JOB)}))
+    Path(root, f"survivor-{rank}.json").write_text(
+        json.dumps({"outcome": outcome, "held": held, "inventory": store.inventory(JOB)})
+    )
     os._exit(0)  # the group has a dead member: leave without its teardown
 
 
 def test_a_shard_half_copied_when_its_rank_died_is_never_held_or_chosen(tmp_path: Path) -> None:
     run_on_ranks(_copy_interrupted, WORLD_SIZE, str(tmp_path))
-    survivors = {rank: json.loads((tmp_path / f"survivor-{rank}.json").read_text())
-                 for rank in range(WORLD_SIZE) if rank != DYING}
+    survivors = {
+        rank: json.loads((tmp_path / f"survivor-{rank}.json").read_text())
+        for rank in range(WORLD_SIZE)
+        if rank != DYING
+    }
     assert not (tmp_path / f"survivor-{DYING}.json").exists()
     dying_file = f"__{DYING}_0.distcp"
     # Rank 0 was receiving the dying rank's shard: it failed, and kept nothing of it.

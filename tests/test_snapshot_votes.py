@@ -14,7 +14,13 @@ from torch import nn
 
 from harness.process_group import run_on_ranks
 from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.memory_snapshots import PeerSnapshots, SnapshotReader, SnapshotRef, SnapshotStore, snapshot_location
+from ringmaster.workers.memory_snapshots import (
+    PeerSnapshots,
+    SnapshotReader,
+    SnapshotRef,
+    SnapshotStore,
+    snapshot_location,
+)
 
 JOB, STEPS, MOVED_AT = "votes", 5, 3
 
@@ -24,8 +30,9 @@ def _snapshot_steps(rank: int, world_size: int, root: str) -> None:
     model = nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     store = SnapshotStore()
-    snapshots = PeerSnapshots(store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model],
-                              optimizers=[optimizer])
+    snapshots = PeerSnapshots(
+        store, JOB, 1, 1, (1,) * world_size, torch.device("cpu"), model_parts=[model], optimizers=[optimizer]
+    )
     local_votes, agreed = [], []
     for step in range(1, STEPS + 1):
         torch.manual_seed(step)
@@ -52,8 +59,12 @@ def _snapshot_steps(rank: int, world_size: int, root: str) -> None:
     held = torch.empty_like(live)
     # One rank's files hold the whole replicated state: load it back through DCP to compare with the live tensor.
     dcp.load({key: held}, storage_reader=reader, process_group=snapshots.group)
-    result = {"local_votes": local_votes, "agreed": agreed, "full_saves": snapshots.layouts_made,
-              "snapshot_matches_live": torch.equal(held, live)}
+    result = {
+        "local_votes": local_votes,
+        "agreed": agreed,
+        "full_saves": snapshots.layouts_made,
+        "snapshot_matches_live": torch.equal(held, live),
+    }
     snapshots.close()
     Path(root, f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -31,7 +31,11 @@ def test_global_batch_not_divisible_names_the_field_and_the_world_size() -> None
 
 @pytest.mark.parametrize(
     ("fields", "loc"),
-    [({"optimizer": "adam"}, ("optimizer",)), ({"workers": {"gpus": 1}}, ("workers", "gpus")), ({"train": {"epochs": 2}}, ("train", "epochs"))],
+    [
+        ({"optimizer": "adam"}, ("optimizer",)),
+        ({"workers": {"gpus": 1}}, ("workers", "gpus")),
+        ({"train": {"epochs": 2}}, ("train", "epochs")),
+    ],
 )
 def test_unknown_field_is_rejected_at_its_path(fields: dict[str, Any], loc: tuple[str, ...]) -> None:
     [error] = _errors(**fields)
@@ -56,9 +60,16 @@ def test_user_entrypoint_model_is_accepted_and_defaults_to_user_data() -> None:
 
 
 def test_yaml_spec_equals_the_same_spec_in_json() -> None:
-    text = "name: gpt\nmodel: tiny-gpt\nworkers: {min: 2, max: 4}\ntrain: {global_batch_size: 48, micro_batch_size: 4}\n"
+    text = (
+        "name: gpt\nmodel: tiny-gpt\nworkers: {min: 2, max: 4}\ntrain: {global_batch_size: 48, micro_batch_size: 4}\n"
+    )
     expected = JobSpec.model_validate(
-        {"name": "gpt", "model": "tiny-gpt", "workers": {"min": 2, "max": 4}, "train": {"global_batch_size": 48, "micro_batch_size": 4}}
+        {
+            "name": "gpt",
+            "model": "tiny-gpt",
+            "workers": {"min": 2, "max": 4},
+            "train": {"global_batch_size": 48, "micro_batch_size": 4},
+        }
     )
     assert parse_spec_text(text) == expected
     assert expected.data == "pysource"
@@ -70,39 +81,66 @@ def test_yaml_that_is_not_a_mapping_is_rejected() -> None:
 
 
 def test_model_parallel_degrees_must_divide_every_world_size() -> None:
-    [error] = _errors(strategy="3d", parallel={"tp": 2, "pp": 2}, workers={"min": 4, "max": 6},
-                      train={"global_batch_size": 16, "micro_batch_size": 1})
+    [error] = _errors(
+        strategy="3d",
+        parallel={"tp": 2, "pp": 2},
+        workers={"min": 4, "max": 6},
+        train={"global_batch_size": 16, "micro_batch_size": 1},
+    )
     assert "parallel.tp × parallel.pp (2 × 2 = 4); 5 is not" in error["msg"]
 
 
 def test_pipeline_batch_counts_microbatches_and_data_parallel_replicas() -> None:
-    spec = JobSpec.model_validate({"name": "pp", "model": "tiny-gpt", "strategy": "pipeline",
-                                   "parallel": {"pp": 2, "microbatches": 4}, "workers": {"min": 4, "max": 4},
-                                   "train": {"global_batch_size": 32, "micro_batch_size": 2}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "pp",
+            "model": "tiny-gpt",
+            "strategy": "pipeline",
+            "parallel": {"pp": 2, "microbatches": 4},
+            "workers": {"min": 4, "max": 4},
+            "train": {"global_batch_size": 32, "micro_batch_size": 2},
+        }
+    )
     assert (spec.data_parallel_size(4), spec.samples_per_micro_step(4), spec.accumulation_steps(4)) == (2, 16, 2)
-    [error] = _errors(strategy="pipeline", parallel={"pp": 2, "microbatches": 4}, workers={"min": 4, "max": 4},
-                      train={"global_batch_size": 24, "micro_batch_size": 2})
+    [error] = _errors(
+        strategy="pipeline",
+        parallel={"pp": 2, "microbatches": 4},
+        workers={"min": 4, "max": 4},
+        train={"global_batch_size": 24, "micro_batch_size": 2},
+    )
     assert "micro_batch_size × parallel.microbatches × data-parallel size (2 × 4 × 2 = 16)" in error["msg"]
 
 
-@pytest.mark.parametrize(("fields", "needle"), [
-    ({"strategy": "ddp", "parallel": {"tp": 2}}, "not 'ddp'"),
-    ({"strategy": "tensor", "parallel": {"tp": 1}}, "needs parallel.tp >= 2"),
-    ({"strategy": "pipeline", "parallel": {"pp": 1}}, "needs parallel.pp >= 2"),
-    ({"strategy": "zero1", "parallel": {"shard": "hybrid"}}, "hybrid' applies to strategies fsdp and 3d"),
-])
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"strategy": "ddp", "parallel": {"tp": 2}}, "not 'ddp'"),
+        ({"strategy": "tensor", "parallel": {"tp": 1}}, "needs parallel.tp >= 2"),
+        ({"strategy": "pipeline", "parallel": {"pp": 1}}, "needs parallel.pp >= 2"),
+        ({"strategy": "zero1", "parallel": {"shard": "hybrid"}}, "hybrid' applies to strategies fsdp and 3d"),
+    ],
+)
 def test_parallel_fields_must_fit_the_strategy(fields: dict[str, Any], needle: str) -> None:
     [error] = _errors(**fields)
     assert needle in error["msg"]
 
 
 def test_linear_lr_scaling_follows_data_parallel_replicas() -> None:
-    spec = JobSpec.model_validate({"name": "tp", "model": "tiny-gpt", "strategy": "tensor", "parallel": {"tp": 2},
-                                   "workers": {"min": 4, "max": 4},
-                                   "train": {"lr": 0.001, "lr_scaling": "linear", "global_batch_size": 8, "micro_batch_size": 4}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "tp",
+            "model": "tiny-gpt",
+            "strategy": "tensor",
+            "parallel": {"tp": 2},
+            "workers": {"min": 4, "max": 4},
+            "train": {"lr": 0.001, "lr_scaling": "linear", "global_batch_size": 8, "micro_batch_size": 4},
+        }
+    )
     assert spec.scaled_lr(4) == pytest.approx(0.002)
 
 
 def test_a_builtins_integral_float_size_options_are_stored_as_the_integers_its_builder_needs() -> None:
-    spec = JobSpec.model_validate({"name": "floats", "model": "tiny-gpt", "model_options": {"n_layers": 3.0, "dim": 64}})
+    spec = JobSpec.model_validate(
+        {"name": "floats", "model": "tiny-gpt", "model_options": {"n_layers": 3.0, "dim": 64}}
+    )
     assert spec.model_options == {"n_layers": 3, "dim": 64} and isinstance(spec.model_options["n_layers"], int)

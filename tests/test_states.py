@@ -8,8 +8,15 @@ import pytest
 
 from ringmaster.service.states import TERMINAL, IllegalTransition, JobState, check_transition
 
-Q, A, R, V, S, F, C = (JobState.QUEUED, JobState.ADMITTED, JobState.RUNNING, JobState.RECOVERING,
-                       JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+Q, A, R, V, S, F, C = (
+    JobState.QUEUED,
+    JobState.ADMITTED,
+    JobState.RUNNING,
+    JobState.RECOVERING,
+    JobState.SUCCEEDED,
+    JobState.FAILED,
+    JobState.CANCELLED,
+)
 
 LEGAL = {
     (Q, A), (Q, C), (Q, F),
@@ -29,7 +36,7 @@ def test_transition_is_legal_exactly_when_listed(current: JobState, target: JobS
 
 
 def test_terminal_states_have_no_way_out() -> None:
-    assert TERMINAL == {S, F, C}
+    assert {S, F, C} == TERMINAL
     for current, target in product(TERMINAL, JobState):
         with pytest.raises(IllegalTransition):
             check_transition(current, target)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
 from harness.checkpoints import load_model_weights
+from harness.ray_cluster import wait_for_state
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.spec import JobSpec
-from strategy_reference import ReferenceRun, strategy_spec, train_reference
-from harness.ray_cluster import wait_for_state
 from ringmaster.workers.models import build_bundle
 
 pytestmark = pytest.mark.integration
@@ -40,8 +40,13 @@ CASES = {
     "fsdp-zero3-bf16": ("fsdp", 2, 4, "bf16", {"shard": "zero3"}),
     "pipeline-gpipe": ("pipeline", 2, 2, "fp32", {"pp": 2, "microbatches": 4, "schedule": "gpipe"}),
     "pipeline-1f1b-bf16": ("pipeline", 2, 2, "bf16", {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
-    "pipeline-interleaved1f1b": ("pipeline", 2, 2, "fp32",
-                                 {"pp": 2, "microbatches": 4, "schedule": "interleaved1f1b", "stages_per_rank": 2}),
+    "pipeline-interleaved1f1b": (
+        "pipeline",
+        2,
+        2,
+        "fp32",
+        {"pp": 2, "microbatches": 4, "schedule": "interleaved1f1b", "stages_per_rank": 2},
+    ),
     "tensor": ("tensor", 2, 4, "fp32", {"tp": 2}),
 }
 # Strategies whose ranks hold disjoint pieces of the parameters: their fp32 shards add up to the model.
@@ -50,7 +55,9 @@ PARTITIONED = {"fsdp-zero2", "pipeline-gpipe", "pipeline-interleaved1f1b"}
 
 def _spec(name: str) -> dict:
     strategy, workers, micro_batch_size, precision, parallel = CASES[name]
-    return strategy_spec(f"strategy-{name}", strategy, workers, STEPS, micro_batch_size, precision=precision, **parallel)
+    return strategy_spec(
+        f"strategy-{name}", strategy, workers, STEPS, micro_batch_size, precision=precision, **parallel
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,9 @@ def test_strategy_matches_single_process_and_reports_every_rank_memory(
     load_model_weights(final, trained)  # unsplit FQNs: a plain module loads any strategy's shards
     if precision == "fp32":
         for key, expected in reference.state.items():
-            torch.testing.assert_close(trained.state_dict()[key], expected, rtol=0, atol=FP32_TOLERANCE, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                trained.state_dict()[key], expected, rtol=0, atol=FP32_TOLERANCE, msg=lambda m: f"{key}: {m}"
+            )
 
     memory = metrics["memory"]
     assert sorted(entry["rank"] for entry in memory) == list(range(workers)), "every rank reports its memory once"

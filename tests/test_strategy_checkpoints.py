@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from harness.process_group import run_on_ranks
-from harness.checkpoints import latest_committed, load_model_weights
-from ringmaster.service.spec import JobSpec
 from strategy_reference import strategy_spec, train_reference
-from ringmaster.workers.models import build_bundle
+
+from harness.checkpoints import latest_committed, load_model_weights
+from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
 
 WORLD_SIZE = 2
@@ -31,16 +31,33 @@ CASES = {
 
 def _spec(name: str) -> JobSpec:
     strategy, micro_batch_size, parallel = CASES[name]
-    return JobSpec.model_validate(strategy_spec(f"resume-{name}", strategy, WORLD_SIZE, STEPS, micro_batch_size, **parallel))
+    return JobSpec.model_validate(
+        strategy_spec(f"resume-{name}", strategy, WORLD_SIZE, STEPS, micro_batch_size, **parallel)
+    )
 
 
 def _stop_then_resume_every_strategy(rank: int, world_size: int, root: str) -> None:
     for name in CASES:
         storage, points = f"{root}/{name}", []
         calls = itertools.count(1)
-        stopped = run_training(_spec(name), TrainContext(rank, world_size, torch.device("cpu"), name, storage, sink=CallbackSink(on_metric=points.append, should_stop=lambda: next(calls) >= STOP_AFTER)))
+        stopped = run_training(
+            _spec(name),
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                name,
+                storage,
+                sink=CallbackSink(on_metric=points.append, should_stop=lambda: next(calls) >= STOP_AFTER),
+            ),
+        )
         assert stopped.stopped and stopped.step == STOP_AFTER
-        run_training(_spec(name), TrainContext(rank, world_size, torch.device("cpu"), name, storage, sink=CallbackSink(on_metric=points.append)))
+        run_training(
+            _spec(name),
+            TrainContext(
+                rank, world_size, torch.device("cpu"), name, storage, sink=CallbackSink(on_metric=points.append)
+            ),
+        )
         if rank == 0:
             Path(storage, "losses.json").write_text(json.dumps([p.loss for p in points if p.loss is not None]))
 

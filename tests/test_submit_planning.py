@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_tokens import authorize
 from fastapi.testclient import TestClient
 
 from ringmaster.api.app import create_app
-from api_tokens import authorize
 from ringmaster.service.auth import new_report_token
 from ringmaster.service.db import session_scope
 from ringmaster.service.job_plan import ClusterShape
@@ -20,7 +20,9 @@ from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
 
 USER_7B = {
-    "name": "big", "model": "examples.user_model:build", "model_parameters": 7 * 10**9,
+    "name": "big",
+    "model": "examples.user_model:build",
+    "model_parameters": 7 * 10**9,
     "workers": {"min": 8, "max": 8, "gpus_per_worker": 1, "gpu_memory_gb": 80},
     "train": {"global_batch_size": 16, "micro_batch_size": 2, "precision": "bf16"},
 }
@@ -37,7 +39,9 @@ def _with(spec: dict[str, Any], **changes: Any) -> dict[str, Any]:
     """The spec with nested sections updated key by key."""
     merged = dict(spec)
     for key, value in changes.items():
-        merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -67,11 +71,19 @@ def test_strategy_that_cannot_fit_gpu_memory_is_422_naming_what_it_needs_and_wha
 
 
 def test_seed_13b_over_4_gpus_of_40_gb_is_rejected_with_the_gpus_that_would_fit(client: TestClient) -> None:
-    spec = _with(USER_7B, model_parameters=13 * 10**9, strategy="fsdp", parallel={"shard": "zero3"},
-                 workers={"min": 4, "max": 4, "gpu_memory_gb": 40}, train={"global_batch_size": 8})
+    spec = _with(
+        USER_7B,
+        model_parameters=13 * 10**9,
+        strategy="fsdp",
+        parallel={"shard": "zero3"},
+        workers={"min": 4, "max": 4, "gpu_memory_gb": 40},
+        train={"global_batch_size": 8},
+    )
     error = _rejected(client, spec)
     assert "strategy fsdp (zero3) needs 52.00 GB per GPU at 4 workers" in error["msg"]
-    assert "nothing fits at 4 workers" in error["msg"] and "fsdp zero3 over 6 GPUs fits (34.67 GB per GPU)" in error["msg"]
+    assert (
+        "nothing fits at 4 workers" in error["msg"] and "fsdp zero3 over 6 GPUs fits (34.67 GB per GPU)" in error["msg"]
+    )
 
 
 def test_strategy_that_fits_is_stored_as_submitted(client: TestClient) -> None:
@@ -84,7 +96,10 @@ def test_strategy_that_fits_is_stored_as_submitted(client: TestClient) -> None:
 # --- strategy: auto ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("gpu_gb", "strategy", "shard", "label"), [(80, "zero1", None, "zero1 (dp=8)"), (24, "fsdp", "zero3", "fsdp zero3 (dp=8)")])
+@pytest.mark.parametrize(
+    ("gpu_gb", "strategy", "shard", "label"),
+    [(80, "zero1", None, "zero1 (dp=8)"), (24, "fsdp", "zero3", "fsdp zero3 (dp=8)")],
+)
 def test_auto_is_stored_as_the_planners_pick_with_an_event_saying_why(
     client: TestClient, gpu_gb: float, strategy: str, shard: str | None, label: str
 ) -> None:
@@ -93,8 +108,14 @@ def test_auto_is_stored_as_the_planners_pick_with_an_event_saying_why(
     job = response.json()
     assert job["spec"]["strategy"] == strategy and (shard is None or job["spec"]["parallel"]["shard"] == shard)
     [event] = _events(client, job["id"], "plan")
-    assert event["message"].startswith(f"strategy auto resolved to {label}: does not fit on one GPU: DDP needs 112.00 GB > {gpu_gb}.00 GB")
-    assert event["data"]["requested"] == "auto" and event["data"]["strategy"] == strategy and event["data"]["world_size"] == 8
+    assert event["message"].startswith(
+        f"strategy auto resolved to {label}: does not fit on one GPU: DDP needs 112.00 GB > {gpu_gb}.00 GB"
+    )
+    assert (
+        event["data"]["requested"] == "auto"
+        and event["data"]["strategy"] == strategy
+        and event["data"]["world_size"] == 8
+    )
     assert event["data"]["predicted_per_gpu_bytes"]["total"] <= gpu_gb * 10**9
 
 
@@ -117,7 +138,9 @@ def test_auto_for_a_user_model_of_unknown_size_is_ddp_and_says_why(client: TestC
 def test_auto_with_nothing_that_fits_is_422(client: TestClient) -> None:
     error = _rejected(client, _with(USER_7B, strategy="auto", workers={"gpu_memory_gb": 10}))
     assert error["field"] == "workers.gpu_memory_gb"
-    assert error["msg"].startswith("strategy auto: does not fit on one GPU: DDP needs 112.00 GB > 10.00 GB; nothing fits on 8 GPUs")
+    assert error["msg"].startswith(
+        "strategy auto: does not fit on one GPU: DDP needs 112.00 GB > 10.00 GB; nothing fits on 8 GPUs"
+    )
     assert "fsdp zero3 over 12 GPUs fits" in error["msg"]
 
 
@@ -125,11 +148,19 @@ def test_auto_skips_picks_that_break_the_spec_and_says_so(client: TestClient) ->
     # 3.5 MB GPUs only fit tiny-gpt with its activations split by tensor parallelism, but an elastic 4-6 workers
     # cannot keep tp groups whole at 5 workers.
     client.app.state.cluster_shape_provider = lambda: ClusterShape(cpus_per_node=8)  # type: ignore[attr-defined]
-    spec = {"name": "tiny", "model": "tiny-gpt", "strategy": "auto", "workers": {"min": 4, "max": 6, "gpu_memory_gb": 0.0035},
-            "train": {"global_batch_size": 240, "micro_batch_size": 4}}
+    spec = {
+        "name": "tiny",
+        "model": "tiny-gpt",
+        "strategy": "auto",
+        "workers": {"min": 4, "max": 6, "gpu_memory_gb": 0.0035},
+        "train": {"global_batch_size": 240, "micro_batch_size": 4},
+    }
     error = _rejected(client, spec)
     assert "cheapest that fits: tensor (dp=2, tp=2)" in error["msg"]
-    assert "tensor (dp=2, tp=2) breaks the spec: workers: every world size in [4, 6] must be a multiple of parallel.tp" in error["msg"]
+    assert (
+        "tensor (dp=2, tp=2) breaks the spec: workers: every world size in [4, 6] must be a multiple of parallel.tp"
+        in error["msg"]
+    )
 
 
 def test_builtin_model_is_sized_by_its_options_not_model_parameters(client: TestClient) -> None:
@@ -139,8 +170,14 @@ def test_builtin_model_is_sized_by_its_options_not_model_parameters(client: Test
 
 # --- tensor parallelism stays inside a node ------------------------------------------------------------------------
 
-TENSOR_4 = {"name": "tp", "model": "tiny-gpt", "strategy": "tensor", "parallel": {"tp": 4},
-            "workers": {"min": 4, "max": 4, "gpus_per_worker": 4}, "train": {"global_batch_size": 16, "micro_batch_size": 4}}
+TENSOR_4 = {
+    "name": "tp",
+    "model": "tiny-gpt",
+    "strategy": "tensor",
+    "parallel": {"tp": 4},
+    "workers": {"min": 4, "max": 4, "gpus_per_worker": 4},
+    "train": {"global_batch_size": 16, "micro_batch_size": 4},
+}
 
 
 def test_tp_that_does_not_divide_the_workers_per_node_is_422_saying_what_fits(client: TestClient) -> None:
@@ -158,7 +195,9 @@ def test_cpu_jobs_count_workers_per_node_by_cpus(client: TestClient) -> None:
     client.app.state.cluster_shape_provider = lambda: ClusterShape(cpus_per_node=4)  # type: ignore[attr-defined]
     spec = _with(TENSOR_4, parallel={"tp": 8}, workers={"min": 8, "max": 8, "gpus_per_worker": 0, "cpus_per_worker": 1})
     error = _rejected(client, spec)
-    assert "(4 = 4 CPUs per node / 1 cpus_per_worker)" in error["msg"] and error["msg"].endswith("tp that would fit: 2, 4")
+    assert "(4 = 4 CPUs per node / 1 cpus_per_worker)" in error["msg"] and error["msg"].endswith(
+        "tp that would fit: 2, 4"
+    )
 
 
 def test_a_worker_larger_than_a_node_is_422(client: TestClient) -> None:
@@ -169,12 +208,19 @@ def test_a_worker_larger_than_a_node_is_422(client: TestClient) -> None:
 def test_more_workers_than_the_nodes_hold_is_422_on_workers_min(client: TestClient) -> None:
     client.app.state.cluster_shape_provider = lambda: ClusterShape(gpus_per_node=8, nodes=2)  # type: ignore[attr-defined]
     # 2 nodes × (8 GPUs / 2 per worker) = 8 workers; 2520 divides by every world size from 2 to 9
-    ddp = {"name": "ddp", "model": "tiny-gpt", "strategy": "ddp", "workers": {"min": 9, "max": 9, "gpus_per_worker": 2},
-           "train": {"global_batch_size": 2520, "micro_batch_size": 1}}
+    ddp = {
+        "name": "ddp",
+        "model": "tiny-gpt",
+        "strategy": "ddp",
+        "workers": {"min": 9, "max": 9, "gpus_per_worker": 2},
+        "train": {"global_batch_size": 2520, "micro_batch_size": 1},
+    }
     error = _rejected(client, ddp)
     assert error["field"] == "workers.min"
-    assert error["msg"].startswith("workers.min (9) is more workers than the cluster holds: 2 node(s) × 4 "
-                                   "(8 GPUs per node / 2 gpus_per_worker) = 8")
+    assert error["msg"].startswith(
+        "workers.min (9) is more workers than the cluster holds: 2 node(s) × 4 "
+        "(8 GPUs per node / 2 gpus_per_worker) = 8"
+    )
     assert client.post("/v1/jobs", json=_with(ddp, workers={"min": 8, "max": 8})).status_code == 201
     # workers.max above what the nodes hold is an elastic job's ceiling, not a refusal
     assert client.post("/v1/jobs", json=_with(ddp, workers={"min": 2, "max": 9})).status_code == 201
@@ -194,8 +240,15 @@ def test_settings_give_the_cluster_shape_when_no_provider_does(db_url: str, tmp_
 
 # --- measured against predicted ------------------------------------------------------------------------------------
 
-FSDP_JOB = {"name": "sharded", "model": "examples.user_model:build", "model_parameters": 1000, "strategy": "fsdp",
-            "parallel": {"shard": "zero3"}, "workers": {"min": 2, "max": 2}, "train": {"global_batch_size": 8, "micro_batch_size": 4}}
+FSDP_JOB = {
+    "name": "sharded",
+    "model": "examples.user_model:build",
+    "model_parameters": 1000,
+    "strategy": "fsdp",
+    "parallel": {"shard": "zero3"},
+    "workers": {"min": 2, "max": 2},
+    "train": {"global_batch_size": 8, "micro_batch_size": 4},
+}
 
 
 _report_tokens: dict[str, str] = {}  # job id -> its first attempt's report secret
@@ -205,19 +258,30 @@ def _admitted(client: TestClient, spec: dict[str, Any]) -> str:
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
     secret, secret_hash = new_report_token()
     with session_scope(client.app.state.db.sessions) as session:  # type: ignore[attr-defined]
-        mark_admitted(session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", None, 2, report_token_hash=secret_hash)
+        mark_admitted(
+            session, get_job(session, job_id), 1, f"ringmaster-{job_id}-1", None, 2, report_token_hash=secret_hash
+        )
     _report_tokens[job_id] = secret
     return job_id
 
 
 def _memory(rank: int, parameters: int, gradients: int, optimizer: int, dp: int = 2) -> dict[str, Any]:
-    return {"rank": rank, "parameter_count": 1000, "parameters_bytes": parameters, "gradients_bytes": gradients,
-            "optimizer_bytes": optimizer, "dp": dp}
+    return {
+        "rank": rank,
+        "parameter_count": 1000,
+        "parameters_bytes": parameters,
+        "gradients_bytes": gradients,
+        "optimizer_bytes": optimizer,
+        "dp": dp,
+    }
 
 
 def _report(client: TestClient, job_id: str, body: dict[str, Any], attempt: int = 1) -> dict[str, Any]:
-    response = client.post(f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report", json=body,
-                           headers={"Authorization": f"Bearer {_report_tokens[job_id]}"})
+    response = client.post(
+        f"/v1/internal/jobs/{job_id}/attempts/{attempt}/report",
+        json=body,
+        headers={"Authorization": f"Bearer {_report_tokens[job_id]}"},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -228,9 +292,22 @@ def test_memory_report_is_stored_once_per_rank_beside_the_prediction(client: Tes
     for _ in range(2):  # a replay changes nothing
         assert _report(client, job_id, report)["accepted"] is True
     memory = client.get(f"/v1/jobs/{job_id}").json()["memory"]
-    predicted = {"parameters_bytes": 2000, "gradients_bytes": 2000, "optimizer_bytes": 4000, "total_bytes": 8000}  # fp32 ZeRO-3 over 2
-    assert [(m["attempt"], m["rank"], m["predicted"], m["ratio"]) for m in memory] == [(1, 0, predicted, 1.0), (1, 1, predicted, 1.1)]
-    assert memory[1]["measured"] == {"parameters_bytes": 2200, "gradients_bytes": 2200, "optimizer_bytes": 4400, "total_bytes": 8800}
+    predicted = {
+        "parameters_bytes": 2000,
+        "gradients_bytes": 2000,
+        "optimizer_bytes": 4000,
+        "total_bytes": 8000,
+    }  # fp32 ZeRO-3 over 2
+    assert [(m["attempt"], m["rank"], m["predicted"], m["ratio"]) for m in memory] == [
+        (1, 0, predicted, 1.0),
+        (1, 1, predicted, 1.1),
+    ]
+    assert memory[1]["measured"] == {
+        "parameters_bytes": 2200,
+        "gradients_bytes": 2200,
+        "optimizer_bytes": 4400,
+        "total_bytes": 8800,
+    }
     assert client.get(f"/v1/jobs/{job_id}/metrics").json()["memory"] == memory
 
 
@@ -252,7 +329,12 @@ def test_prediction_follows_the_jobs_strategy_and_precision(client: TestClient) 
     _report(client, job_id, {"state": "RUNNING", "memory": [_memory(0, 4000, 4000, 4000)]})
     [rank] = client.get(f"/v1/jobs/{job_id}").json()["memory"]
     # ZeRO-1 shards only AdamW's moments; bf16 autocast keeps fp32 parameters and gradients.
-    assert rank["predicted"] == {"parameters_bytes": 4000, "gradients_bytes": 4000, "optimizer_bytes": 4000, "total_bytes": 12000}
+    assert rank["predicted"] == {
+        "parameters_bytes": 4000,
+        "gradients_bytes": 4000,
+        "optimizer_bytes": 4000,
+        "total_bytes": 12000,
+    }
 
 
 def test_fsdp_zero2_is_predicted_sharded_between_steps_where_it_is_measured(client: TestClient) -> None:

@@ -12,31 +12,39 @@ from typing import Any
 
 import pytest
 from alembic import command
+from api_tokens import mint
 from fastapi.testclient import TestClient
 from sqlalchemy import text
+from test_dispatcher import FakeCluster
 from typer.testing import CliRunner
 
 from ringmaster.api.app import create_app
-from api_tokens import mint
 from ringmaster.service import auth, cli, tenants
+from ringmaster.service.auth import Principal
 from ringmaster.service.db import Database, alembic_config, make_engine, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import Dispatcher
-from ringmaster.service.auth import Principal
 from ringmaster.service.jobs import apply_driver_report, mark_admitted, submit_job
 from ringmaster.service.models import Attempt, Job, Tenant
-from ringmaster.service.reports import REPORT_TOKEN_ENV, DriverReport
+from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV, DriverReport
 from ringmaster.service.settings import Settings
-from ringmaster.service.reports import JOB_SPEC_ENV
 from ringmaster.service.spec import JobSpec
-from test_dispatcher import FakeCluster
 
-SPEC = {"name": "tenant-job", "model": "mlp", "workers": {"min": 1, "max": 1}, "train": {"global_batch_size": 4, "micro_batch_size": 4}}
+SPEC = {
+    "name": "tenant-job",
+    "model": "mlp",
+    "workers": {"min": 1, "max": 1},
+    "train": {"global_batch_size": 4, "micro_batch_size": 4},
+}
 
 
 def _spec(workers: tuple[int, int] = (1, 1), cpus: float = 1, gpus: int = 0, **extra: Any) -> dict[str, Any]:
     low, high = workers
-    return {**SPEC, **extra, "workers": {"min": low, "max": high, "cpus_per_worker": cpus, "gpus_per_worker": gpus},
-            "train": {"global_batch_size": 24, "micro_batch_size": 1}}  # 24: divisible by every world size used here
+    return {
+        **SPEC,
+        **extra,
+        "workers": {"min": low, "max": high, "cpus_per_worker": cpus, "gpus_per_worker": gpus},
+        "train": {"global_batch_size": 24, "micro_batch_size": 1},
+    }  # 24: divisible by every world size used here
 
 
 class RecordingCluster(FakeCluster):
@@ -46,7 +54,9 @@ class RecordingCluster(FakeCluster):
         super().__init__(cpus)
         self.env: dict[str, dict[str, str]] = {}
 
-    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]) -> None:
+    def submit(
+        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> None:
         super().submit(submission_id, entrypoint, runtime_env, metadata)
         self.env[submission_id] = dict(runtime_env["env_vars"])
 
@@ -57,11 +67,15 @@ class Service:
     def __init__(self, client: TestClient, cluster_cpus: int = 64) -> None:
         self.client = client
         self.db: Database = client.app.state.db  # type: ignore[attr-defined]
-        self.tokens = {"admin": mint(client.app, "ops", admin=True),  # type: ignore[arg-type]
-                       "a": mint(client.app, "team-a"), "b": mint(client.app, "team-b")}  # type: ignore[arg-type]
+        self.tokens = {
+            "admin": mint(client.app, "ops", admin=True),  # type: ignore[arg-type]
+            "a": mint(client.app, "team-a"),
+            "b": mint(client.app, "team-b"),
+        }  # type: ignore[arg-type]
         self.cluster = RecordingCluster(cluster_cpus)
-        self.dispatcher = Dispatcher(self.db.sessions, self.cluster, Settings(api_url="http://cp", storage_uri="/ckpt"),
-                                     owner="tenant-test")
+        self.dispatcher = Dispatcher(
+            self.db.sessions, self.cluster, Settings(api_url="http://cp", storage_uri="/ckpt"), owner="tenant-test"
+        )
 
     def call(self, who: str | None, method: str, path: str, **kwargs: Any) -> Any:
         headers = kwargs.pop("headers", {})
@@ -113,7 +127,9 @@ def test_a_tenant_reads_only_its_own_jobs_and_an_admin_reads_all(service: Servic
         response = service.call(who, "GET", f"/v1/jobs/{job_id}{path}")
         assert response.status_code == expected, (who, response.text)
     other = service.call("b", "GET", f"/v1/jobs/{job_id}{path}")
-    assert other.json()["detail"] == unknown.json()["detail"].replace("0" * 32, job_id), "another tenant's job reads as unknown"
+    assert other.json()["detail"] == unknown.json()["detail"].replace("0" * 32, job_id), (
+        "another tenant's job reads as unknown"
+    )
 
 
 def test_listing_shows_each_tenant_its_own_jobs_and_an_admin_every_job(service: Service) -> None:
@@ -162,7 +178,8 @@ def test_resume_from_takes_an_unambiguous_prefix_of_an_id_and_stores_the_whole_i
     response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": shared})
     assert response.status_code == 422
     assert response.json()["detail"][0]["msg"].startswith(
-        f"resume_from: {shared!r} is the start of {sharing} job ids ("), response.text
+        f"resume_from: {shared!r} is the start of {sharing} job ids ("
+    ), response.text
 
     unknown = "0" * 32 if not ours.startswith("0") else "f" * 32
     response = service.call("a", "POST", "/v1/jobs", json={**SPEC, "resume_from": unknown})
@@ -171,17 +188,28 @@ def test_resume_from_takes_an_unambiguous_prefix_of_an_id_and_stores_the_whole_i
 
 # --- 401 and 403 ----------------------------------------------------------------------------------------------------
 
-USER_ROUTES = [("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", f"/v1/jobs/{'0' * 32}"), ("POST", f"/v1/jobs/{'0' * 32}/cancel"),
-               ("GET", f"/v1/jobs/{'0' * 32}/stream"), ("POST", "/v1/plan"), ("GET", "/v1/me"), ("GET", "/v1/tenants")]
+USER_ROUTES = [
+    ("GET", "/v1/jobs"),
+    ("POST", "/v1/jobs"),
+    ("GET", f"/v1/jobs/{'0' * 32}"),
+    ("POST", f"/v1/jobs/{'0' * 32}/cancel"),
+    ("GET", f"/v1/jobs/{'0' * 32}/stream"),
+    ("POST", "/v1/plan"),
+    ("GET", "/v1/me"),
+    ("GET", "/v1/tenants"),
+]
 
 
 @pytest.mark.parametrize(("method", "path"), USER_ROUTES)
-@pytest.mark.parametrize(("header", "message"), [
-    (None, "missing API token"),
-    ("Basic dXNlcjpwYXNz", "malformed Authorization header"),
-    ("Bearer", "malformed Authorization header"),
-    ("Bearer rm_not-a-token", "invalid API token"),
-])
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (None, "missing API token"),
+        ("Basic dXNlcjpwYXNz", "malformed Authorization header"),
+        ("Bearer", "malformed Authorization header"),
+        ("Bearer rm_not-a-token", "invalid API token"),
+    ],
+)
 def test_missing_malformed_or_unknown_token_is_401_before_anything_else(
     service: Service, method: str, path: str, header: str | None, message: str
 ) -> None:
@@ -218,10 +246,16 @@ def test_tokens_are_stored_hashed_and_never_listed(service: Service) -> None:
     assert service.tokens["a"] not in stored and auth.hash_secret(service.tokens["a"]) in stored
 
 
-@pytest.mark.parametrize(("method", "path", "body"), [
-    ("GET", "/v1/tenants", None), ("PUT", "/v1/tenants/team-a", {"jobs": 9}), ("POST", "/v1/tokens", {"tenant": "team-a"}),
-    ("GET", "/v1/tokens", None), ("POST", "/v1/tokens/1/revoke", None),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/tenants", None),
+        ("PUT", "/v1/tenants/team-a", {"jobs": 9}),
+        ("POST", "/v1/tokens", {"tenant": "team-a"}),
+        ("GET", "/v1/tokens", None),
+        ("POST", "/v1/tokens/1/revoke", None),
+    ],
+)
 def test_admin_routes_are_403_for_a_tenants_token(service: Service, method: str, path: str, body: Any) -> None:
     response = service.call("a", method, path, json=body)
     assert response.status_code == 403 and "admin token" in response.json()["detail"]
@@ -238,18 +272,25 @@ def test_open_routes_need_no_token(service: Service) -> None:
         assert service.client.get(path).status_code == 200, path
     schema = service.client.get("/openapi.json").json()
     assert schema["paths"]["/v1/jobs"]["get"]["security"] == [{"token": []}]
-    assert schema["paths"]["/v1/internal/jobs/{job_id}/attempts/{attempt}/report"]["post"]["security"] == [{"reportToken": []}]
+    assert schema["paths"]["/v1/internal/jobs/{job_id}/attempts/{attempt}/report"]["post"]["security"] == [
+        {"reportToken": []}
+    ]
 
 
 # --- quotas -----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("quota", "spec", "needle"), [
-    ({"gpus": 2}, _spec((3, 4), gpus=1), "3 GPUs exceeds tenant 'team-a''s GPU quota of 2"),
-    ({"cpus": 1.5}, _spec((2, 2), cpus=1), "2 CPUs exceeds tenant 'team-a''s CPU quota of 1.5"),
-    ({"jobs": 0}, _spec(), "quota of 0 concurrent jobs"),
-])
-def test_job_larger_than_its_quota_is_rejected_at_submit(service: Service, quota: dict[str, Any], spec: dict[str, Any],
-                                                         needle: str) -> None:
+
+@pytest.mark.parametrize(
+    ("quota", "spec", "needle"),
+    [
+        ({"gpus": 2}, _spec((3, 4), gpus=1), "3 GPUs exceeds tenant 'team-a''s GPU quota of 2"),
+        ({"cpus": 1.5}, _spec((2, 2), cpus=1), "2 CPUs exceeds tenant 'team-a''s CPU quota of 1.5"),
+        ({"jobs": 0}, _spec(), "quota of 0 concurrent jobs"),
+    ],
+)
+def test_job_larger_than_its_quota_is_rejected_at_submit(
+    service: Service, quota: dict[str, Any], spec: dict[str, Any], needle: str
+) -> None:
     service.quota("team-a", **quota)
     response = service.call("a", "POST", "/v1/jobs", json=spec)
     assert response.status_code == 422, response.text
@@ -258,13 +299,17 @@ def test_job_larger_than_its_quota_is_rejected_at_submit(service: Service, quota
     assert service.call("admin", "GET", "/v1/jobs").json()["total"] == 0
 
 
-@pytest.mark.parametrize(("quota", "spec"), [
-    ({"jobs": 1}, _spec()),
-    ({"cpus": 3}, _spec((2, 2), cpus=1)),
-    ({"gpus": 3}, _spec((2, 2), gpus=1, cpus=0.5)),
-])
-def test_job_over_quota_waits_with_its_reason_and_runs_when_quota_frees(service: Service, quota: dict[str, Any],
-                                                                       spec: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("quota", "spec"),
+    [
+        ({"jobs": 1}, _spec()),
+        ({"cpus": 3}, _spec((2, 2), cpus=1)),
+        ({"gpus": 3}, _spec((2, 2), gpus=1, cpus=0.5)),
+    ],
+)
+def test_job_over_quota_waits_with_its_reason_and_runs_when_quota_frees(
+    service: Service, quota: dict[str, Any], spec: dict[str, Any]
+) -> None:
     service.quota("team-a", **quota)
     first, second = service.submit("a", spec), service.submit("a", spec)
     other_tenant = service.submit("b", spec)
@@ -310,7 +355,10 @@ def test_standby_workers_count_against_the_quota(service: Service) -> None:
     too_large["workers"]["standby"] = 1
     response = service.call("a", "POST", "/v1/jobs", json=too_large)
     assert response.status_code == 422
-    assert "workers.min (3) + workers.standby (1) × workers.cpus_per_worker (1) = 4 CPUs" in response.json()["detail"][0]["msg"]
+    assert (
+        "workers.min (3) + workers.standby (1) × workers.cpus_per_worker (1) = 4 CPUs"
+        in response.json()["detail"][0]["msg"]
+    )
 
 
 def test_lowering_a_quota_holds_back_only_later_admissions(service: Service) -> None:
@@ -340,11 +388,20 @@ def test_report_secret_travels_in_the_environment_and_is_bound_to_its_attempt(se
         assert session.query(Attempt).filter_by(job_id=job_id).one().report_token_hash == auth.hash_secret(secret)
     path = f"/v1/internal/jobs/{job_id}/attempts/1/report"
     for token in (service.tokens["admin"], service.tokens["a"]):  # user tokens cannot forge reports
-        assert service.client.post(path, json={"state": "RUNNING"}, headers={"Authorization": f"Bearer {token}"}).status_code == 401
-    assert service.client.post(path, json={"state": "RUNNING"}, headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+        assert (
+            service.client.post(
+                path, json={"state": "RUNNING"}, headers={"Authorization": f"Bearer {token}"}
+            ).status_code
+            == 401
+        )
+    assert (
+        service.client.post(path, json={"state": "RUNNING"}, headers={"Authorization": f"Bearer {secret}"}).status_code
+        == 200
+    )
 
 
 # --- the local admin token, the CLI, the migration -------------------------------------------------------------------
+
 
 def test_embedded_server_writes_a_private_admin_token_and_keeps_it(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)  # no database URL: the embedded defaults
@@ -368,7 +425,9 @@ def test_server_on_an_external_database_writes_no_token(db_url: str, tmp_path: P
         assert not (tmp_path / "admin.token").exists()
 
 
-def test_cli_creates_tenants_and_tokens_directly_in_the_database(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_creates_tenants_and_tokens_directly_in_the_database(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(cli, "get_settings", lambda: Settings(database_url=db_url, data_dir=tmp_path))
     runner = CliRunner()
     created = runner.invoke(cli.app, ["tenant", "create", "vision", "--gpus", "8", "--jobs", "2"])
@@ -401,9 +460,12 @@ def test_upgrade_moves_existing_jobs_to_the_default_tenant(db_url: str) -> None:
     try:
         with engine.begin() as connection:
             command.upgrade(alembic_config(connection), "0002")
-            connection.execute(text(
-                "INSERT INTO jobs (id, name, spec, state, priority, attempt, failures, created_at, cancel_requested) "
-                "VALUES ('0123456789abcdef0123456789abcdef', 'old', '{}', 'QUEUED', 0, 0, 0, CURRENT_TIMESTAMP, false)"))
+            connection.execute(
+                text(
+                    "INSERT INTO jobs (id, name, spec, state, priority, attempt, failures, created_at, cancel_requested) "
+                    "VALUES ('0123456789abcdef0123456789abcdef', 'old', '{}', 'QUEUED', 0, 0, 0, CURRENT_TIMESTAMP, false)"
+                )
+            )
         upgrade_schema(db_url)
         with engine.connect() as connection:
             assert connection.execute(text("SELECT tenant, waiting_reason FROM jobs")).one() == ("default", None)

@@ -29,8 +29,18 @@ def _read(directory: Path) -> dict[int, dict[str, float]]:
 def test_every_batch_of_points_is_readable_as_written_before_the_file_is_closed(tmp_path: Path) -> None:
     events = TensorBoardEvents(str(tmp_path))
     rng = np.random.default_rng(0)
-    written = [MetricPoint(step=step, loss=float(rng.random()), lr=float(rng.random()) * 1e-3, grad_norm=float(rng.random()),
-                           samples_per_s=700.5, world_size=2, wall_time=time.time()) for step in range(1, 101)]
+    written = [
+        MetricPoint(
+            step=step,
+            loss=float(rng.random()),
+            lr=float(rng.random()) * 1e-3,
+            grad_norm=float(rng.random()),
+            samples_per_s=700.5,
+            world_size=2,
+            wall_time=time.time(),
+        )
+        for step in range(1, 101)
+    ]
     written.append(MetricPoint(step=100, val_loss=3.25))  # a validation point beside its step's training point
     events.points(written[:50], recoveries=0)
     assert sorted(_read(tmp_path)) == list(range(1, 51))  # flushed with its batch: a live TensorBoard sees it
@@ -54,7 +64,9 @@ def test_events_for_remote_storage_are_copied_there_whole_at_the_end(tmp_path: P
     import fsspec
 
     events = TensorBoardEvents("memory://tensorboard-test/job/attempt-1")
-    events.points([MetricPoint(step=step, loss=1.0 / step, wall_time=time.time()) for step in range(1, 4)], recoveries=0)
+    events.points(
+        [MetricPoint(step=step, loss=1.0 / step, wall_time=time.time()) for step in range(1, 4)], recoveries=0
+    )
     events.close()
     remote = fsspec.filesystem("memory")
     [name] = remote.ls("/tensorboard-test/job/attempt-1", detail=False)
@@ -71,6 +83,7 @@ def test_a_failed_copy_to_remote_storage_is_logged_and_retried_not_raised(tmp_pa
 
     events = TensorBoardEvents("memory://tensorboard-outage/job/attempt-1")
     real_put_file = MemoryFileSystem.put_file
+
     def storage_outage(*args, **kwargs) -> None:
         raise OSError("outage")
 

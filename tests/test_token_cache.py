@@ -51,7 +51,9 @@ def test_the_api_queries_a_token_once_per_ttl(db_url: str, tmp_path: Path) -> No
         assert len(lookups) == 3, "an unknown token is never cached"
 
 
-def test_a_revocation_on_another_replica_takes_effect_within_the_ttl(db: Database, db_url: str, issued: auth.IssuedToken) -> None:
+def test_a_revocation_on_another_replica_takes_effect_within_the_ttl(
+    db: Database, db_url: str, issued: auth.IssuedToken
+) -> None:
     cache = auth.TokenCache(ttl_s=0.5)
     assert cache.load(db.sessions, issued.secret) == auth.Principal("team-a", False, issued.row.id)
     _revoke_from_another_replica(db_url, issued.row.id)
@@ -62,7 +64,9 @@ def test_a_revocation_on_another_replica_takes_effect_within_the_ttl(db: Databas
         cache.load(db.sessions, issued.secret)
 
 
-def test_a_revocation_committed_on_this_replica_clears_its_cache_at_once(db: Database, issued: auth.IssuedToken) -> None:
+def test_a_revocation_committed_on_this_replica_clears_its_cache_at_once(
+    db: Database, issued: auth.IssuedToken
+) -> None:
     cache = auth.token_cache(db.sessions)
     assert auth.token_cache(db.sessions) is cache, "one cache per database"
     cache.load(db.sessions, issued.secret)

@@ -113,29 +113,37 @@ def user_tree(tmp_path: Path) -> Path:
 # A job's workers come from the warm pool (started by the control plane's own Ray connection) or, with the pool off,
 # are started by the job's driver (a Ray job): both must see the user's modules.
 @pytest.fixture(params=[2, 0], ids=["warm-pool", "no-warm-pool"])
-def server(request: pytest.FixtureRequest, tmp_path: Path, user_tree: Path, shared_ray_head,
-           monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundServer]:
+def server(
+    request: pytest.FixtureRequest, tmp_path: Path, user_tree: Path, shared_ray_head, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[BackgroundServer]:
     # The control plane starts in ringmaster's checkout, whose api/, service/ and workers/ folders are ringmaster's
     # own sources (as when pytest runs from the repository root, or in deploy/Dockerfile's WORKDIR): whatever
     # directory it starts in must not shadow the user's tree either.
     monkeypatch.chdir(REPO_ROOT)
-    yield from running_control_plane(tmp_path / "ringmaster", head=shared_ray_head, code_path=str(user_tree),
-                                     warm_workers_per_node=request.param)
+    yield from running_control_plane(
+        tmp_path / "ringmaster", head=shared_ray_head, code_path=str(user_tree), warm_workers_per_node=request.param
+    )
 
 
-def test_user_packages_named_api_service_workers_train_over_rest(server: BackgroundServer, user_tree: Path,
-                                                                  tmp_path: Path):
+def test_user_packages_named_api_service_workers_train_over_rest(
+    server: BackgroundServer, user_tree: Path, tmp_path: Path
+):
     assert server.plane.settings.code_path == str(user_tree)
     markers = tmp_path / "markers"
     markers.mkdir()
     client = server.client()
-    job = client.submit({
-        "name": "user-code-names", "model": "usermodel:build", "data": "user", "strategy": "ddp",
-        "model_options": {"marker_dir": str(markers)},
-        "workers": {"min": 2, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1},
-        "train": {"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4, "lr": 0.05, "seed": 0},
-        "max_failures": 0,  # a user error fails the job at once, with its traceback
-    })
+    job = client.submit(
+        {
+            "name": "user-code-names",
+            "model": "usermodel:build",
+            "data": "user",
+            "strategy": "ddp",
+            "model_options": {"marker_dir": str(markers)},
+            "workers": {"min": 2, "max": 2, "gpus_per_worker": 0, "cpus_per_worker": 1},
+            "train": {"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4, "lr": 0.05, "seed": 0},
+            "max_failures": 0,  # a user error fails the job at once, with its traceback
+        }
+    )
     done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"})
     assert done["state"] == "SUCCEEDED", done["error"]
 

@@ -25,25 +25,46 @@ SEED = 5
 
 def _spec(data_dir: str, strategy: str, **parallel) -> JobSpec:
     # A learning rate this small leaves the weights as built: every layout is evaluated on the same model.
-    return JobSpec.model_validate({
-        "name": "validation", "model": "tiny-gpt", "strategy": strategy, "parallel": parallel,
-        "model_options": {"n_layers": 2, "dim": 16, "n_heads": 2, "seq_len": SEQ_LEN},
-        "data": {"kind": "tokens", "path": f"{data_dir}/train.bin", "val_path": f"{data_dir}/val.bin", "seq_len": SEQ_LEN},
-        "workers": {"min": 2, "max": 2},
-        "train": {"steps": 1, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-12, "weight_decay": 0.0,
-                  "seed": SEED},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "validation",
+            "model": "tiny-gpt",
+            "strategy": strategy,
+            "parallel": parallel,
+            "model_options": {"n_layers": 2, "dim": 16, "n_heads": 2, "seq_len": SEQ_LEN},
+            "data": {
+                "kind": "tokens",
+                "path": f"{data_dir}/train.bin",
+                "val_path": f"{data_dir}/val.bin",
+                "seq_len": SEQ_LEN,
+            },
+            "workers": {"min": 2, "max": 2},
+            "train": {
+                "steps": 1,
+                "global_batch_size": 8,
+                "micro_batch_size": 2,
+                "lr": 1e-12,
+                "weight_decay": 0.0,
+                "seed": SEED,
+            },
+        }
+    )
 
 
-LAYOUTS = {"ddp": ("ddp", {}), "fsdp": ("fsdp", {"shard": "zero3"}),
-           "pipeline": ("pipeline", {"pp": 2, "microbatches": 2, "schedule": "1f1b"})}
+LAYOUTS = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {"shard": "zero3"}),
+    "pipeline": ("pipeline", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}),
+}
 
 
 def _validate_every_layout(rank: int, world_size: int, data_dir: str) -> None:
     losses = {}
     for name, (strategy, parallel) in LAYOUTS.items():
-        result = run_training(_spec(data_dir, strategy, **parallel),
-                              TrainContext(rank, world_size, torch.device("cpu"), name, f"{data_dir}/{name}"))
+        result = run_training(
+            _spec(data_dir, strategy, **parallel),
+            TrainContext(rank, world_size, torch.device("cpu"), name, f"{data_dir}/{name}"),
+        )
         losses[name] = result.val_loss
     if rank == 0:
         Path(data_dir, "val_losses.json").write_text(json.dumps(losses))
@@ -53,8 +74,9 @@ def test_every_layout_validates_on_every_sample_as_one_process_does(tmp_path: Pa
     generator = np.random.default_rng(0)
     generator.integers(0, 256, 400).astype(np.uint16).tofile(tmp_path / "train.bin")
     # Samples of one repeated byte each, so their losses differ and a sample left out moves the mean.
-    np.repeat(np.arange(VALIDATION_SAMPLES + 1) * 19, SEQ_LEN)[: VALIDATION_SAMPLES * SEQ_LEN + 1] \
-        .astype(np.uint16).tofile(tmp_path / "val.bin")
+    np.repeat(np.arange(VALIDATION_SAMPLES + 1) * 19, SEQ_LEN)[: VALIDATION_SAMPLES * SEQ_LEN + 1].astype(
+        np.uint16
+    ).tofile(tmp_path / "val.bin")
 
     run_on_ranks(_validate_every_layout, 2, str(tmp_path))
 
@@ -62,8 +84,10 @@ def test_every_layout_validates_on_every_sample_as_one_process_does(tmp_path: Pa
     bundle = build_bundle(_spec(str(tmp_path), "ddp"))
     assert len(bundle.val_dataset) == VALIDATION_SAMPLES
     with torch.no_grad():
-        per_sample = [bundle.loss_fn(bundle.model, default_collate([bundle.val_dataset[i]])).item()
-                      for i in range(VALIDATION_SAMPLES)]
+        per_sample = [
+            bundle.loss_fn(bundle.model, default_collate([bundle.val_dataset[i]])).item()
+            for i in range(VALIDATION_SAMPLES)
+        ]
     expected = sum(per_sample) / VALIDATION_SAMPLES
     assert max(per_sample) - min(per_sample) > 1e-3, "a sample left out must move the mean measurably"
     losses = json.loads((tmp_path / "val_losses.json").read_text())
@@ -73,8 +97,9 @@ def test_every_layout_validates_on_every_sample_as_one_process_does(tmp_path: Pa
 @pytest.mark.parametrize("samples", [1, 5, 13, 64, 67, 200])
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])
 @pytest.mark.parametrize(("batch_size", "microbatches"), [(64, None), (4, None), (8, 2), (12, 4), (4, 4)])
-def test_validation_batches_count_each_sample_once_and_every_rank_runs_as_many(samples: int, dp: int, batch_size: int,
-                                                                            microbatches: int | None) -> None:
+def test_validation_batches_count_each_sample_once_and_every_rank_runs_as_many(
+    samples: int, dp: int, batch_size: int, microbatches: int | None
+) -> None:
     counted: dict[int, int] = {}
     batch_counts = set()
     for rank in range(dp):
@@ -85,9 +110,11 @@ def test_validation_batches_count_each_sample_once_and_every_rank_runs_as_many(s
                 assert len(per_micro) == 1 and len(ids) <= batch_size
                 micro = [ids]
             else:
-                assert len(ids) == batch_size and len(per_micro) == microbatches, "a pipeline batch has its training shape"
+                assert len(ids) == batch_size and len(per_micro) == microbatches, (
+                    "a pipeline batch has its training shape"
+                )
                 size = batch_size // microbatches
-                micro = [ids[i * size:(i + 1) * size] for i in range(microbatches)]
+                micro = [ids[i * size : (i + 1) * size] for i in range(microbatches)]
             for chunk, weight in zip(micro, per_micro):
                 if weight == 0:
                     continue

@@ -24,14 +24,24 @@ from ringmaster.workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("scenario", ["fills_the_node_and_each_warm_worker_serves_one_claimant",
-                                      "claim_takes_only_workers_on_the_slots_nodes",
-                                      "a_node_holding_a_placement_group_is_not_refilled",
-                                      "a_claimed_worker_ends_with_its_driver",
-                                      "each_runtime_env_has_a_pool_of_its_own"])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "fills_the_node_and_each_warm_worker_serves_one_claimant",
+        "claim_takes_only_workers_on_the_slots_nodes",
+        "a_node_holding_a_placement_group_is_not_refilled",
+        "a_claimed_worker_ends_with_its_driver",
+        "each_runtime_env_has_a_pool_of_its_own",
+    ],
+)
 def test_warm_pool(scenario: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "tests.test_warm_pool", scenario], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.test_warm_pool", scenario],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, f"{scenario} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert f"{scenario}: ok" in result.stdout
 
@@ -51,8 +61,10 @@ def _wait_for(condition, what: str, timeout_s: float = 120.0):
 def fills_the_node_and_each_warm_worker_serves_one_claimant(node: str) -> None:
     keeper = WarmPoolKeeper(per_node=2, orphan_grace_s=0.0)
     keeper.tick(active_claimants=set())
-    _wait_for(lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
-              "two warm pool workers")
+    _wait_for(
+        lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
+        "two warm pool workers",
+    )
     keeper.tick(active_claimants=set())
     assert len(_pool(node)) == 2, "a full pool was topped up again"
 
@@ -65,7 +77,12 @@ def fills_the_node_and_each_warm_worker_serves_one_claimant(node: str) -> None:
     # The claimed two are busy: the keeper starts two idle ones beside them and leaves a live attempt's workers alone.
     keeper.tick(active_claimants={"attempt-a"})
     _wait_for(lambda: len(_pool(node)) == 4, "the pool topped up beside its claimed workers")
-    assert sorted(str(status["claimant"]) for status in _pool(node).values()) == ["None", "None", "attempt-a", "attempt-a"]
+    assert sorted(str(status["claimant"]) for status in _pool(node).values()) == [
+        "None",
+        "None",
+        "attempt-a",
+        "attempt-a",
+    ]
 
     # attempt-a ended without its driver killing them: they are reaped, the idle ones stay.
     keeper.tick(active_claimants=set())
@@ -79,8 +96,9 @@ def fills_the_node_and_each_warm_worker_serves_one_claimant(node: str) -> None:
 def claim_takes_only_workers_on_the_slots_nodes(node: str) -> None:
     keeper = WarmPoolKeeper(per_node=1)
     keeper.tick(active_claimants=set())
-    _wait_for(lambda: len(_pool(node)) == 1 and all(status["warm"] for status in _pool(node).values()),
-              "a warm pool worker")
+    _wait_for(
+        lambda: len(_pool(node)) == 1 and all(status["warm"] for status in _pool(node).values()), "a warm pool worker"
+    )
     assert claim_workers([None, "0" * 56], "attempt-c", cpus=1) == {}, "claimed for an unplaced slot or another node"
     claimed = claim_workers([None, node], "attempt-c", cpus=1)
     assert list(claimed) == [1]
@@ -117,11 +135,17 @@ def a_claimed_worker_ends_with_its_driver(node: str) -> None:
     training the attempt beside the one that replaces it."""
     keeper = WarmPoolKeeper(per_node=2)
     keeper.tick(active_claimants=set())
-    _wait_for(lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
-              "two warm pool workers")
+    _wait_for(
+        lambda: len(_pool(node)) == 2 and all(status["warm"] for status in _pool(node).values()),
+        "two warm pool workers",
+    )
     mine = claim_workers([node], "attempt-e", cpus=1)  # this process is the claimant's live driver
-    driver = subprocess.Popen([sys.executable, "-c", _CLAIMING_DRIVER, ray.get_runtime_context().gcs_address,
-                               NAMESPACE, node], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _CLAIMING_DRIVER, ray.get_runtime_context().gcs_address, NAMESPACE, node],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert driver.stdout.readline().strip() == "claimed [0]"
         assert sorted(status["claimant"] for status in _pool(node).values()) == ["attempt-d", "attempt-e"]
@@ -131,8 +155,11 @@ def a_claimed_worker_ends_with_its_driver(node: str) -> None:
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
     killed = time.monotonic()
-    _wait_for(lambda: [status["claimant"] for status in _pool(node).values()] == ["attempt-e"],
-              "the dead driver's pool worker gone", timeout_s=15)
+    _wait_for(
+        lambda: [status["claimant"] for status in _pool(node).values()] == ["attempt-e"],
+        "the dead driver's pool worker gone",
+        timeout_s=15,
+    )
     print(f"the dead driver's worker ended {time.monotonic() - killed:.1f}s after it", flush=True)
     ray.kill(mine[0], no_restart=True)
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())
@@ -143,8 +170,13 @@ def each_runtime_env_has_a_pool_of_its_own(node: str) -> None:
     keeper = WarmPoolKeeper(per_node=1)
     envs = {SHARED_POOL: {}, "env-project": {"env_vars": {"PROJECT_SETTING": "project"}}}
     keeper.tick(active_claimants=set(), runtime_envs=envs)
-    _wait_for(lambda: all(len(_pool(node, pool)) == 1 and all(status["warm"] for status in _pool(node, pool).values())
-                          for pool in envs), "a warm worker in each pool")
+    _wait_for(
+        lambda: all(
+            len(_pool(node, pool)) == 1 and all(status["warm"] for status in _pool(node, pool).values())
+            for pool in envs
+        ),
+        "a warm worker in each pool",
+    )
     assert claim_workers([node], "attempt-f", cpus=1, pool_key="env-other") == {}, "claimed from another env's pool"
     [shared] = claim_workers([node], "attempt-f", cpus=1).values()
     [own] = claim_workers([node], "attempt-g", cpus=1, pool_key="env-project").values()

@@ -24,7 +24,9 @@ SCREENSHOTS = Path(os.environ.get("RINGMASTER_SCREENSHOTS", REPO_ROOT / ".test-o
 def browser():
     chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver_path):
-        message = "the web view is tested in Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        message = (
+            "the web view is tested in Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -32,7 +34,13 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1100"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1100",
+    ):
         options.add_argument(argument)
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
     driver.set_page_load_timeout(60)
@@ -58,9 +66,11 @@ def _wait_for_element(browser, by: str, value: str, timeout_s: float = 30.0):
     except AssertionError:
         _shot(browser, f"missing-{value}")
         body = browser.find_elements(By.TAG_NAME, "body")
-        pytest.fail(f"no {value!r} within {timeout_s:.0f}s on {browser.current_url} (title {browser.title!r}, "
-                    f"readyState {browser.execute_script('return document.readyState')!r}): "
-                    f"{(body[0].text if body else browser.page_source)[:500]!r}")
+        pytest.fail(
+            f"no {value!r} within {timeout_s:.0f}s on {browser.current_url} (title {browser.title!r}, "
+            f"readyState {browser.execute_script('return document.readyState')!r}): "
+            f"{(body[0].text if body else browser.page_source)[:500]!r}"
+        )
 
 
 def _use_token(browser, url: str, token: str) -> None:
@@ -91,10 +101,16 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
     from selenium.webdriver.common.by import By
 
     client = ray_server.client()
-    job = client.submit({"name": "web-view", "model": "mlp", "strategy": "ddp",
-                         "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
-                         "train": {"steps": 100000, "global_batch_size": 16, "micro_batch_size": 8, "lr": 0.01},
-                         "checkpoint": {"every_steps": 0}})
+    job = client.submit(
+        {
+            "name": "web-view",
+            "model": "mlp",
+            "strategy": "ddp",
+            "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
+            "train": {"steps": 100000, "global_batch_size": 16, "micro_batch_size": 8, "lr": 0.01},
+            "checkpoint": {"every_steps": 0},
+        }
+    )
     try:
         wait_for_state(client, job["id"], {"RUNNING"}, timeout_s=120)
         _use_token(browser, ray_server.url, ray_server.token)
@@ -109,11 +125,16 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
         for chart in ("chart-speed", "chart-lr", "chart-grad-norm", "chart-world-size"):
             assert _points(browser, chart) > 0, chart
         # The facts line refreshes every 5 s: it may have been drawn before the first step was reported.
-        facts = _wait("the facts line with the world size", lambda: "world size 2" in (text := browser.find_element(
-            By.ID, "facts").text) and text, timeout_s=30)
+        facts = _wait(
+            "the facts line with the world size",
+            lambda: "world size 2" in (text := browser.find_element(By.ID, "facts").text) and text,
+            timeout_s=30,
+        )
         assert "state RUNNING" in facts
         assert browser.find_elements(By.CSS_SELECTOR, "#chart-loss canvas"), "uPlot drew no canvas"
-        assert any("training on 2 workers" in cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "#events td"))
+        assert any(
+            "training on 2 workers" in cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "#events td")
+        )
         _wait("the driver's log tail", lambda: "step " in browser.find_element(By.ID, "log").text, timeout_s=30)
         _shot(browser, "job-running")
 
@@ -135,21 +156,38 @@ def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser)
     client = ray_server.client()
     missing = "/nonexistent/web-ui/train.bin"
     small = {"workers": {"min": 1, "max": 1}, "train": {"steps": 2, "global_batch_size": 4, "micro_batch_size": 4}}
-    bad_input = client.submit({"name": "web-bad-input", "model": "tiny-gpt", "data": {"kind": "tokens", "path": missing},
-                               **small})
-    raising = client.submit({"name": "web-user-code-raised", "model": "examples.user_model:build",
-                             "model_options": {"text_path": "/nonexistent/web-ui/corpus.txt"}, **small})
-    done = {job["id"]: wait_for_state(client, job["id"], {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout_s=120)
-            for job in (bad_input, raising)}
+    bad_input = client.submit(
+        {"name": "web-bad-input", "model": "tiny-gpt", "data": {"kind": "tokens", "path": missing}, **small}
+    )
+    raising = client.submit(
+        {
+            "name": "web-user-code-raised",
+            "model": "examples.user_model:build",
+            "model_options": {"text_path": "/nonexistent/web-ui/corpus.txt"},
+            **small,
+        }
+    )
+    done = {
+        job["id"]: wait_for_state(client, job["id"], {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout_s=120)
+        for job in (bad_input, raising)
+    }
     assert [job["state"] for job in done.values()] == ["FAILED", "FAILED"], done
     assert "Traceback (most recent call last):" in done[raising["id"]]["error"]
 
     _use_token(browser, ray_server.url, ray_server.token)
     browser.get(f"{ray_server.url}/ui")
-    reasons = {job_id: _wait(f"job {job_id} listed", lambda: browser.find_elements(
-        By.CSS_SELECTOR, f'tr[data-job-id="{job_id}"] td.reason'))[0].text for job_id in done}
-    assert reasons[bad_input["id"]] == f"data.path: data file '{missing}' does not exist on this node" \
-        == done[bad_input["id"]]["error"], reasons
+    reasons = {
+        job_id: _wait(
+            f"job {job_id} listed",
+            lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job_id}"] td.reason'),
+        )[0].text
+        for job_id in done
+    }
+    assert (
+        reasons[bad_input["id"]]
+        == f"data.path: data file '{missing}' does not exist on this node"
+        == done[bad_input["id"]]["error"]
+    ), reasons
     assert reasons[raising["id"]] == done[raising["id"]]["error"].strip().splitlines()[-1].strip(), reasons
     raised = reasons[raising["id"]]
     assert raised.startswith("FileNotFoundError:") and "/nonexistent/web-ui/corpus.txt" in raised, raised
@@ -180,9 +218,16 @@ def test_docs_work_offline(ray_server, browser) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(f"{ray_server.url}/docs")
-    _wait("Swagger UI drawn from ringmaster's own assets",
-          lambda: browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock"), timeout_s=30)
+    _wait(
+        "Swagger UI drawn from ringmaster's own assets",
+        lambda: browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock"),
+        timeout_s=30,
+    )
     assert "/v1/jobs" in browser.find_element(By.TAG_NAME, "body").text
-    sources = [script.get_attribute("src") for script in browser.find_elements(By.TAG_NAME, "script") if script.get_attribute("src")]
+    sources = [
+        script.get_attribute("src")
+        for script in browser.find_elements(By.TAG_NAME, "script")
+        if script.get_attribute("src")
+    ]
     assert sources and all(source.startswith(ray_server.url) for source in sources), sources
     _shot(browser, "docs")

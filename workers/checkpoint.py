@@ -140,7 +140,10 @@ def verify_checkpoint(checkpoint: CommittedCheckpoint) -> str | None:
         if present[name] != size:
             return f"{where}/{name}: {present[name]} bytes, manifest says {size}"
     expected_sha = checkpoint.manifest.get("metadata_sha256")
-    if expected_sha is not None and _sha256(storage.read_bytes(storage.join(location, DCP_METADATA_NAME))) != expected_sha:
+    if (
+        expected_sha is not None
+        and _sha256(storage.read_bytes(storage.join(location, DCP_METADATA_NAME))) != expected_sha
+    ):
         return f"{where}/{DCP_METADATA_NAME}: sha256 differs from the manifest's"
     return None
 
@@ -154,7 +157,9 @@ def checkpoint_metrics(checkpoint: CommittedCheckpoint) -> list[dict[str, Any]]:
     return json.loads(storage.read_bytes(storage.join(location, METRICS_NAME)) or b"[]")
 
 
-def find_resume_point(storage_root: str | Path) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
+def find_resume_point(
+    storage_root: str | Path,
+) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
     """The newest committed checkpoint that verifies (or None), and the newer committed ones skipped
     as corrupt, each with what is wrong, newest first."""
     skipped: list[tuple[CommittedCheckpoint, str]] = []
@@ -203,8 +208,14 @@ def checkpoint_stager(device: torch.device) -> AsyncStager:
     default stager allocates and first-touches a fresh copy of the whole state at every save, on the training
     thread). The copy overlaps the next step's forward and backward; `PendingSave.wait_staged` before the optimizer
     step. Close it when done."""
-    return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
-                                        use_async_staging=True, use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=device.type == "cuda",
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+    )
 
 
 def begin_save(
@@ -236,7 +247,12 @@ def begin_save(
         storage.make_dirs(path)
     dist.barrier()
     state = training_state(step, position, model_parts, optimizers)
-    manifest: dict[str, Any] = {"step": step, "world_size": world_size, "strategy": spec.strategy, "spec_hash": spec.spec_hash()}
+    manifest: dict[str, Any] = {
+        "step": step,
+        "world_size": world_size,
+        "strategy": spec.strategy,
+        "spec_hash": spec.spec_hash(),
+    }
     keep_best = spec.checkpoint.keep_best
     if keep_best is not None:
         manifest.update(metric=keep_best.metric, metric_value=metric_value)
@@ -245,8 +261,9 @@ def begin_save(
         dcp.save(state, storage_writer=_storage_writer(path))
         dist.barrier()
     else:
-        started = dcp.async_save(state, storage_writer=_storage_writer(path), process_group=process_group,
-                                 async_stager=stager)
+        started = dcp.async_save(
+            state, storage_writer=_storage_writer(path), process_group=process_group, async_stager=stager
+        )
         if isinstance(started, AsyncSaveResponse):  # staging in the background
             pending.future, pending.staged = started.upload_completion, started.staging_completion
         else:
@@ -272,8 +289,13 @@ def commit_save(pending: PendingSave) -> CommittedSave:
     return CommittedSave(pending.path, apply_retention(pending.storage_root, pending.keep, pending.keep_best))
 
 
-def training_state(step: int, position: DataPosition, model_parts: list[nn.Module], optimizers: list[Optimizer],
-                   metrics: str | None = None) -> dict[str, Any]:
+def training_state(
+    step: int,
+    position: DataPosition,
+    model_parts: list[nn.Module],
+    optimizers: list[Optimizer],
+    metrics: str | None = None,
+) -> dict[str, Any]:
     """What a checkpoint (durable or in memory) holds of this rank: its model and optimizer shards, the step, the data
     position and its RNG states; `metrics` (rank 0): the metric points it keeps for a resumed run to replay, as a
     JSON array (RankMetrics.for_checkpoint_json)."""
@@ -299,9 +321,14 @@ def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizer
     return progress
 
 
-def load_training_state(reader: StorageReader, *, model_parts: list[nn.Module], optimizers: list[Optimizer],
-                        plan_locally: bool = False,
-                        state: dict[str, Any] | None = None) -> tuple[TrainingProgress, list[dict[str, Any]]]:
+def load_training_state(
+    reader: StorageReader,
+    *,
+    model_parts: list[nn.Module],
+    optimizers: list[Optimizer],
+    plan_locally: bool = False,
+    state: dict[str, Any] | None = None,
+) -> tuple[TrainingProgress, list[dict[str, Any]]]:
     """Collective: restore ``training_state`` from a DCP reader (resharded to this group by DCP's planner); returns the
     progress and the metric points it kept ([] when it kept none). `plan_locally`: each rank plans its own reads,
     with none of DCP's collectives (whose gathering of every rank's pickled plan is most of a small model's restore
@@ -311,12 +338,19 @@ def load_training_state(reader: StorageReader, *, model_parts: list[nn.Module], 
         state = load_state_template(reader.read_metadata().state_dict_metadata, model_parts, optimizers)
     dcp.load(state, storage_reader=reader, no_dist=plan_locally)
     for part, optimizer in zip(model_parts, optimizers, strict=True):
-        set_state_dict(part, local_optimizer(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=_LOAD_OPTIONS)
+        set_state_dict(
+            part,
+            local_optimizer(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_LOAD_OPTIONS,
+        )
     _restore_rng_state(state["rng"][f"rank{dist.get_rank()}"])
     progress = state["progress"]
-    return (TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"])),
-            json.loads(state["metrics"]) if "metrics" in state else [])
+    return (
+        TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"])),
+        json.loads(state["metrics"]) if "metrics" in state else [],
+    )
 
 
 def load_state_template(saved_keys: Any, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:
@@ -348,19 +382,25 @@ def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> 
     return model_state, optimizer_state
 
 
-def best_checkpoint(checkpoints: list[CommittedCheckpoint], keep_best: KeepBestSpec | None) -> CommittedCheckpoint | None:
+def best_checkpoint(
+    checkpoints: list[CommittedCheckpoint], keep_best: KeepBestSpec | None
+) -> CommittedCheckpoint | None:
     """The checkpoint whose manifest records the best finite value of ``keep_best``'s metric (the
     newest among equals); None without keep_best or without any such value."""
     if keep_best is None:
         return None
     scored = [
-        checkpoint for checkpoint in checkpoints
+        checkpoint
+        for checkpoint in checkpoints
         if checkpoint.manifest.get("metric") == keep_best.metric and _finite(checkpoint.manifest.get("metric_value"))
     ]
     if not scored:
         return None
     sign = 1.0 if keep_best.mode == "min" else -1.0
-    return min(sorted(scored, key=lambda checkpoint: -checkpoint.step), key=lambda checkpoint: sign * checkpoint.manifest["metric_value"])
+    return min(
+        sorted(scored, key=lambda checkpoint: -checkpoint.step),
+        key=lambda checkpoint: sign * checkpoint.manifest["metric_value"],
+    )
 
 
 def apply_retention(storage_root: str | Path, keep: int, keep_best: KeepBestSpec | None = None) -> Retention:
@@ -382,8 +422,11 @@ def apply_retention(storage_root: str | Path, keep: int, keep_best: KeepBestSpec
         location = storage.join(root, name)
         if match and int(match.group(1)) < newest and location not in committed_paths:
             storage.remove_tree(location)
-    return Retention(deleted, best.path if best is not None else None,
-                     [checkpoint for checkpoint in committed if checkpoint.path in kept])
+    return Retention(
+        deleted,
+        best.path if best is not None else None,
+        [checkpoint for checkpoint in committed if checkpoint.path in kept],
+    )
 
 
 def _finite(value: Any) -> bool:

@@ -132,7 +132,9 @@ class FsspecStorage(CheckpointStorage):
 
     def files(self, location: str) -> dict[str, int]:
         CheckpointStorage.reads += 1
-        return {_basename(entry["name"]): int(entry["size"]) for entry in self._listing(location) if entry["type"] == "file"}
+        return {
+            _basename(entry["name"]): int(entry["size"]) for entry in self._listing(location) if entry["type"] == "file"
+        }
 
     def read_bytes(self, location: str) -> bytes | None:
         CheckpointStorage.reads += 1
@@ -179,7 +181,9 @@ def storage_for(location: str | Path) -> tuple[CheckpointStorage, str]:
     parsed = urlparse(text)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"checkpoint storage {text!r}: a file:// URI names a path on this machine, not host {parsed.netloc!r}")
+            raise ValueError(
+                f"checkpoint storage {text!r}: a file:// URI names a path on this machine, not host {parsed.netloc!r}"
+            )
         return _LOCAL, parsed.path
     try:
         fs, _ = fsspec.core.url_to_fs(text)

@@ -47,8 +47,9 @@ class Exported:
     parameter_bytes: int
 
 
-def export_checkpoint(checkpoint: str, out_dir: Path, hf_class: str | None = None,
-                      model_options: dict[str, Any] | None = None) -> Exported:
+def export_checkpoint(
+    checkpoint: str, out_dir: Path, hf_class: str | None = None, model_options: dict[str, Any] | None = None
+) -> Exported:
     """Write `checkpoint`'s model weights (and, with `hf_class`, its transformers config) into `out_dir`, which must
     not exist or be empty; nothing is left there when it fails."""
     from safetensors.torch import save_file
@@ -70,8 +71,12 @@ def export_checkpoint(checkpoint: str, out_dir: Path, hf_class: str | None = Non
         for path in (partial, written, out_dir / CONFIG_NAME):
             path.unlink(missing_ok=True)
         raise
-    return Exported(written, out_dir / CONFIG_NAME if config is not None else None, len(weights),
-                    sum(tensor.numel() * tensor.element_size() for tensor in weights.values()))
+    return Exported(
+        written,
+        out_dir / CONFIG_NAME if config is not None else None,
+        len(weights),
+        sum(tensor.numel() * tensor.element_size() for tensor in weights.values()),
+    )
 
 
 def _model_weights(checkpoint: str) -> dict[str, torch.Tensor]:
@@ -85,9 +90,11 @@ def _model_weights(checkpoint: str) -> dict[str, torch.Tensor]:
     storage, location = storage_for(committed.path)
     reader = storage.reader(location)
     saved = reader.read_metadata().state_dict_metadata
-    template = {key.removeprefix(_MODEL_PREFIX): torch.empty(entry.size, dtype=entry.properties.dtype)
-                for key, entry in saved.items()
-                if key.startswith(_MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)}
+    template = {
+        key.removeprefix(_MODEL_PREFIX): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in saved.items()
+        if key.startswith(_MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
     if not template:
         raise ExportError(f"{checkpoint} holds no model tensors")
     state = {"model": template}
@@ -126,8 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps({"weights": str(exported.weights), "config": str(exported.config) if exported.config else None,
-                      "tensors": exported.tensors, "parameter_bytes": exported.parameter_bytes}))
+    print(
+        json.dumps(
+            {
+                "weights": str(exported.weights),
+                "config": str(exported.config) if exported.config else None,
+                "tensors": exported.tensors,
+                "parameter_bytes": exported.parameter_bytes,
+            }
+        )
+    )
     return 0
 
 

@@ -64,8 +64,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
-from ringmaster.workers.checkpoint import (TrainingProgress, checkpoint_stager, load_state_template, load_training_state,
-                                           step_state, training_state)
+from ringmaster.workers.checkpoint import (
+    TrainingProgress,
+    checkpoint_stager,
+    load_state_template,
+    load_training_state,
+    step_state,
+    training_state,
+)
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.strategies.parallel_model import local_tensor
 from ringmaster.workers.strategies.zero1 import local_optimizer
@@ -111,14 +117,20 @@ class SnapshotStore:
         """The files of a snapshot held now: copies, and live files while they are valid."""
         with self._lock:
             files = dict(self._files.get(location, {}))
-        return {name: content for name, content in files.items() if not isinstance(content, _LiveFile) or content.valid()}
+        return {
+            name: content for name, content in files.items() if not isinstance(content, _LiveFile) or content.valid()
+        }
 
     def hold_copies_of_live(self, owner: PeerSnapshots) -> None:
         """Make `owner`'s live files copies held here (those still valid; the rest go): its group's training ended,
         and the next group builds a model of its own, so the old one's memory (a GPU's above all) can be let go."""
         with self._lock:
-            live = [(location, name, content) for location, files in self._files.items()
-                    for name, content in files.items() if isinstance(content, _LiveFile) and content.owner is owner]
+            live = [
+                (location, name, content)
+                for location, files in self._files.items()
+                for name, content in files.items()
+                if isinstance(content, _LiveFile) and content.owner is owner
+            ]
         for location, name, file in live:
             content = file.materialize() if file.valid() else None
             with self._lock:
@@ -132,7 +144,9 @@ class SnapshotStore:
 
     def live_names(self, location: str) -> dict[str, int]:
         """Of `names`, the files made from the live state when read (_LiveFile), not held as copies."""
-        return {name: content.numel() for name, content in self._held(location).items() if isinstance(content, _LiveFile)}
+        return {
+            name: content.numel() for name, content in self._held(location).items() if isinstance(content, _LiveFile)
+        }
 
     def read(self, location: str, name: str) -> torch.Tensor:
         with self._lock:
@@ -160,7 +174,7 @@ class SnapshotStore:
             locations = [location for location, files in self._files.items() if files and location.startswith(prefix)]
         found = []
         for location in locations:
-            match = _SNAPSHOT_DIR.match(location[len(prefix):])
+            match = _SNAPSHOT_DIR.match(location[len(prefix) :])
             if match:
                 found.append(SnapshotRef(int(match.group(1)), int(match.group(2))))
         return sorted(found, key=lambda ref: (ref.generation, ref.step))
@@ -175,8 +189,10 @@ class SnapshotStore:
             required = None
             if METADATA_NAME in names:
                 metadata = self.read_object(location, METADATA_NAME)
-                required = [list(files) for files in sorted({slot.files() for slot in metadata.storage_data.values()}
-                                                            | {(METADATA_NAME,)})]
+                required = [
+                    list(files)
+                    for files in sorted({slot.files() for slot in metadata.storage_data.values()} | {(METADATA_NAME,)})
+                ]
             held.append({"generation": ref.generation, "step": ref.step, "files": sorted(names), "required": required})
         return held
 
@@ -243,8 +259,9 @@ def _item_bytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-def _spread_replicas(holders: dict[MetadataIndex, list[int]], sizes: dict[MetadataIndex, int], node_of: list[int],
-                     copies: int) -> dict[int, list[MetadataIndex]]:
+def _spread_replicas(
+    holders: dict[MetadataIndex, list[int]], sizes: dict[MetadataIndex, int], node_of: list[int], copies: int
+) -> dict[int, list[MetadataIndex]]:
     """Rank -> the replicated items it keeps: each item (held by `holders`, ranks on more than one node) by one
     holder on each of `copies` nodes (or every node that holds it, if fewer), the bytes spread evenly over the
     holders, largest items first."""
@@ -277,14 +294,20 @@ def _file_slots(items: list[WriteItem], tensors: dict[int, torch.Tensor], name: 
     return slots, offset
 
 
-def _new_file(tensor_bytes: int, values: dict[int, Any],
-              allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
+def _new_file(
+    tensor_bytes: int,
+    values: dict[int, Any],
+    allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8),
+) -> torch.Tensor:
     """A shard file with room for `tensor_bytes` of tensors, then the pickled table of byte items and its length."""
     return _file_with_table(tensor_bytes, pickle.dumps(values), allocate)
 
 
-def _file_with_table(tensor_bytes: int, table: bytes,
-                     allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
+def _file_with_table(
+    tensor_bytes: int,
+    table: bytes,
+    allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8),
+) -> torch.Tensor:
     content = allocate(tensor_bytes + len(table) + 8)
     content[tensor_bytes:].copy_(_to_tensor(table + len(table).to_bytes(8, "little")))
     return content
@@ -309,6 +332,7 @@ class _FileBuffers:
                 buffer = torch.empty(size + self.SPARE, dtype=torch.uint8)
             self._used.setdefault(location, []).append((name, buffer))
             return buffer[:size]
+
         return allocate
 
     def release(self, kept: set[str]) -> None:
@@ -319,26 +343,38 @@ class _FileBuffers:
 
 
 def _slot_view(content: torch.Tensor, slot: RawSlot) -> torch.Tensor:
-    return content[slot.offset:slot.offset + slot.length].view(slot.dtype).view(slot.shape)
+    return content[slot.offset : slot.offset + slot.length].view(slot.dtype).view(slot.shape)
 
 
-def _shard_file(items: list[WriteItem], planner: DefaultSavePlanner, name: str) -> tuple[torch.Tensor, list[WriteResult]]:
+def _shard_file(
+    items: list[WriteItem], planner: DefaultSavePlanner, name: str
+) -> tuple[torch.Tensor, list[WriteResult]]:
     """A rank's shard file: its tensors' raw bytes one after another, then one pickled table of its byte items (an
     optimizer hyperparameter, the progress, an RNG state: DCP's own resolve_data runs torch.save for each, and a
     model's optimizer has hundreds), then the table's length."""
-    tensors = {key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO}
+    tensors = {
+        key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO
+    }
     slots, tensor_bytes = _file_slots(items, tensors, name)
-    content = _new_file(tensor_bytes, {key: planner.lookup_object(item.index) for key, item in enumerate(items)
-                                       if item.type == WriteItemType.BYTE_IO})
+    content = _new_file(
+        tensor_bytes,
+        {
+            key: planner.lookup_object(item.index)
+            for key, item in enumerate(items)
+            if item.type == WriteItemType.BYTE_IO
+        },
+    )
     for key, tensor in tensors.items():
         _slot_view(content, slots[key]).copy_(tensor)
-    return content, [WriteResult(index=item.index, size_in_bytes=slot.length, storage_data=slot)
-                     for item, slot in zip(items, slots, strict=True)]
+    return content, [
+        WriteResult(index=item.index, size_in_bytes=slot.length, storage_data=slot)
+        for item, slot in zip(items, slots, strict=True)
+    ]
 
 
 def _open_shard_file(content: torch.Tensor) -> tuple[torch.Tensor, dict[int, Any]]:
     size = int.from_bytes(content[-8:].numpy().tobytes(), "little")
-    return content[:-8 - size], pickle.loads(content[-8 - size:-8].numpy())
+    return content[: -8 - size], pickle.loads(content[-8 - size : -8].numpy())
 
 
 class SnapshotWriter(StorageWriter):
@@ -377,17 +413,26 @@ class SnapshotWriter(StorageWriter):
             replicated = {index: ranks for index, ranks in holders.items() if len(ranks) == len(plans)}
             kept = {rank: [index for index, ranks in replicated.items() if rank in ranks] for rank in range(len(plans))}
         else:
-            replicated = {index: ranks for index, ranks in holders.items()
-                          if len({self._node_of[rank] for rank in ranks}) > 1}
+            replicated = {
+                index: ranks for index, ranks in holders.items() if len({self._node_of[rank] for rank in ranks}) > 1
+            }
             kept = _spread_replicas(replicated, sizes, self._node_of, self._copies)
-        return [dataclasses.replace(plan, storage_data=_RankFiles(
-                    copied=[item.index for item in plan.items if item.index not in replicated], kept=kept[rank]))
-                for rank, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(
+                plan,
+                storage_data=_RankFiles(
+                    copied=[item.index for item in plan.items if item.index not in replicated], kept=kept[rank]
+                ),
+            )
+            for rank, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
         rank, local = dist.get_rank(), {item.index: item for item in self._local_items}
-        self.files = [(_shard_name(rank, COPIED), [local[index] for index in plan.storage_data.copied]),
-                      (_shard_name(rank, KEPT_HERE), [local[index] for index in plan.storage_data.kept])]
+        self.files = [
+            (_shard_name(rank, COPIED), [local[index] for index in plan.storage_data.copied]),
+            (_shard_name(rank, KEPT_HERE), [local[index] for index in plan.storage_data.kept]),
+        ]
         results = []
         for name, items in self.files:
             content, written = _shard_file(items, planner, name)
@@ -402,8 +447,9 @@ class SnapshotWriter(StorageWriter):
         for rank_results in results:
             for result in rank_results:
                 slots.setdefault(result.index, []).append(result.storage_data)
-        metadata.storage_data = {index: dataclasses.replace(first, copies=tuple(rest))
-                                 for index, (first, *rest) in slots.items()}
+        metadata.storage_data = {
+            index: dataclasses.replace(first, copies=tuple(rest)) for index, (first, *rest) in slots.items()
+        }
         self._store.write(self._location, METADATA_NAME, pickle.dumps(metadata))
 
     @classmethod
@@ -545,8 +591,9 @@ class _LiveFile:
     byte items (the progress, the optimizer's hyperparameters), the step's own tensors, and the module buffers the
     next forward may change."""
 
-    def __init__(self, owner: PeerSnapshots, step: int, file: _FileLayout, table: dict[int, Any],
-                 fresh: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, owner: PeerSnapshots, step: int, file: _FileLayout, table: dict[int, Any], fresh: dict[int, torch.Tensor]
+    ) -> None:
         self.owner, self._step, self._file, self._fresh = owner, step, file, fresh
         self._table = pickle.dumps(table)
         self._buffers = [source.clone() for source in file.live_by_boundary[True][1]]
@@ -581,9 +628,14 @@ def _state_fingerprint(model_parts: list[nn.Module], optimizers: list[Optimizer]
             entries.append((local.data_ptr(), local.shape, local.dtype))
     for local_optim in optimizers:
         for group in local_optim.param_groups:
-            entries.append([len(group["params"])] + [
-                (name, (value.data_ptr(), value.shape) if isinstance(value, torch.Tensor) else value)
-                for name, value in group.items() if name not in ("params", "lr")])
+            entries.append(
+                [len(group["params"])]
+                + [
+                    (name, (value.data_ptr(), value.shape) if isinstance(value, torch.Tensor) else value)
+                    for name, value in group.items()
+                    if name not in ("params", "lr")
+                ]
+            )
             for parameter in group["params"]:
                 for name, value in local_optim.state.get(parameter, {}).items():
                     if isinstance(value, torch.Tensor):
@@ -608,12 +660,17 @@ def _live_storages(model_parts: list[nn.Module], optimizers: list[Optimizer]) ->
         storages.update((local_tensor(tensor).untyped_storage().data_ptr(), True) for tensor in part.buffers())
     for local_optim in optimizers:
         for state in local_optim.state.values():
-            storages.update((local_tensor(value).untyped_storage().data_ptr(), False)
-                            for value in state.values() if isinstance(value, torch.Tensor))
+            storages.update(
+                (local_tensor(value).untyped_storage().data_ptr(), False)
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            )
     return storages
 
 
-def _param_group_sources(optimizer_state: dict[str, Any], optimizers: list[Optimizer]) -> dict[str, tuple[int, int, str]]:
+def _param_group_sources(
+    optimizer_state: dict[str, Any], optimizers: list[Optimizer]
+) -> dict[str, tuple[int, int, str]]:
     """Flattened key of each hyperparameter in `optimizer_state` (training_state's flattened optimizer state, whose
     "state.{fqn}.{name}" values are the optimizers' own tensors) -> (optimizer, group, name) it is read from. A
     parameter with no state tensor has no entry."""
@@ -621,25 +678,35 @@ def _param_group_sources(optimizer_state: dict[str, Any], optimizers: list[Optim
     for index, local_optim in enumerate(optimizers):
         for group_index, group in enumerate(local_optim.param_groups):
             for parameter in group["params"]:
-                owners.update((id(value), (index, group_index, name))
-                              for name, value in local_optim.state.get(parameter, {}).items() if isinstance(value, torch.Tensor))
+                owners.update(
+                    (id(value), (index, group_index, name))
+                    for name, value in local_optim.state.get(parameter, {}).items()
+                    if isinstance(value, torch.Tensor)
+                )
     groups: dict[str, tuple[int, int]] = {}
     for key, value in optimizer_state.items():
         if key.startswith("state.") and id(value) in owners:
             index, group_index, name = owners[id(value)]
-            groups[key[len("state."):-len(name) - 1]] = (index, group_index)
+            groups[key[len("state.") : -len(name) - 1]] = (index, group_index)
     sources = {}
     for key in optimizer_state:
         if key.startswith("param_groups."):
-            fqn, name = key[len("param_groups."):].rsplit(".", 1)
+            fqn, name = key[len("param_groups.") :].rsplit(".", 1)
             if fqn in groups:
                 sources[f"optimizer.{key}"] = (*groups[fqn], name)
     return sources
 
 
-def _file_layout(name: str, items: list[WriteItem], planner: DefaultSavePlanner, storages: dict[int, bool],
-                 param_group_sources: dict[str, tuple[int, int, str]]) -> _FileLayout:
-    tensors = {key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO}
+def _file_layout(
+    name: str,
+    items: list[WriteItem],
+    planner: DefaultSavePlanner,
+    storages: dict[int, bool],
+    param_group_sources: dict[str, tuple[int, int, str]],
+) -> _FileLayout:
+    tensors = {
+        key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO
+    }
     slots, tensor_bytes = _file_slots(items, tensors, name)
     live, at_boundary, fresh, param_groups, reusable = {}, set(), [], {}, True
     for key, item in enumerate(items):
@@ -659,12 +726,20 @@ def _file_layout(name: str, items: list[WriteItem], planner: DefaultSavePlanner,
             param_groups[key] = param_group_sources[item.index.fqn]
         else:
             reusable = False
-    return _FileLayout(name, items, slots, tensor_bytes, live, frozenset(at_boundary), tuple(fresh), param_groups, reusable)
+    return _FileLayout(
+        name, items, slots, tensor_bytes, live, frozenset(at_boundary), tuple(fresh), param_groups, reusable
+    )
 
 
-def _make_layout(fingerprint: list[Any], fresh_fingerprint: list[Any], files: list[tuple[str, list[WriteItem]]],
-                 metadata: bytes, live_state: dict[str, Any], storages: dict[int, bool],
-                 param_group_sources: dict[str, tuple[int, int, str]]) -> _Layout:
+def _make_layout(
+    fingerprint: list[Any],
+    fresh_fingerprint: list[Any],
+    files: list[tuple[str, list[WriteItem]]],
+    metadata: bytes,
+    live_state: dict[str, Any],
+    storages: dict[int, bool],
+    param_group_sources: dict[str, tuple[int, int, str]],
+) -> _Layout:
     planner = DefaultSavePlanner()
     planner.set_up_planner(live_state)
     files_layout = tuple(_file_layout(name, items, planner, storages, param_group_sources) for name, items in files)
@@ -683,10 +758,21 @@ class PeerSnapshots:
     and one that did not still holds the one before; the driver's choice then takes the newest (a step no one redoes).
     A full DCP save (`take`) makes the layout after a change of structure, as without `live_state`."""
 
-    def __init__(self, store: SnapshotStore, job_id: str, generation: int, replicas: int,
-                 ranks_per_node: tuple[int, ...] | None, device: torch.device, *,
-                 model_parts: list[nn.Module], optimizers: list[Optimizer], live_state: bool = False,
-                 report: Callable[[list[dict[str, int]]], None] | None = None, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        store: SnapshotStore,
+        job_id: str,
+        generation: int,
+        replicas: int,
+        ranks_per_node: tuple[int, ...] | None,
+        device: torch.device,
+        *,
+        model_parts: list[nn.Module],
+        optimizers: list[Optimizer],
+        live_state: bool = False,
+        report: Callable[[list[dict[str, int]]], None] | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
         """`report`: given on rank 0, called once with every rank's host-memory cost (host_memory_cost) when the
         snapshots reach their steady state (KEPT of them held). `timeout`: how long the snapshots' own group waits on
         a peer (None: as long as the default group does); gloo does not always report a peer that died mid-transfer,
@@ -706,8 +792,11 @@ class PeerSnapshots:
         # Ranks are contiguous per node: a shift of the largest node's size lands on another node (when nodes are
         # of equal size); on one node, on the next rank.
         shift = max(ranks_per_node) if ranks_per_node and len(ranks_per_node) > 1 else 1
-        self._node_of = ([node for node, size in enumerate(ranks_per_node) for _ in range(size)] if ranks_per_node
-                         else [0] * self._world_size)
+        self._node_of = (
+            [node for node, size in enumerate(ranks_per_node) for _ in range(size)]
+            if ranks_per_node
+            else [0] * self._world_size
+        )
         self._shifts = sorted({(copy * shift) % self._world_size for copy in range(1, replicas + 1)} - {0})
         self._stager = checkpoint_stager(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
@@ -724,11 +813,15 @@ class PeerSnapshots:
         layout = self._layout
         if layout is not None and layout is self._matched_since_update:
             return False  # live_state: after_update found this structure, and no update has run since
-        return (layout is None or not layout.reusable
-                or layout.fingerprint != _state_fingerprint(self._model_parts, self._local_optimizers))
+        return (
+            layout is None
+            or not layout.reusable
+            or layout.fingerprint != _state_fingerprint(self._model_parts, self._local_optimizers)
+        )
 
-    def take(self, step: int, position: DataPosition, metrics: str | None = None, *,
-             changed_anywhere: bool | None = None) -> None:
+    def take(
+        self, step: int, position: DataPosition, metrics: str | None = None, *, changed_anywhere: bool | None = None
+    ) -> None:
         """Snapshot the state after `step` in the background (the previous snapshot finishes first). Collective.
 
         While the state keeps its structure on every rank (`changed_anywhere`: the group's vote of structure_changed,
@@ -742,8 +835,10 @@ class PeerSnapshots:
         self.wait()
         ref = SnapshotRef(self._generation, step)
         if self.live_state and not changed_anywhere:
-            raise RuntimeError(f"snapshot of step {step}: with live_state, only a change of structure takes a snapshot "
-                               "after the step (seal and after_update take the others)")
+            raise RuntimeError(
+                f"snapshot of step {step}: with live_state, only a change of structure takes a snapshot "
+                "after the step (seal and after_update take the others)"
+            )
         if changed_anywhere:
             own_values = DefaultSavePlanner()  # flattens the step's own values as DCP does the whole state
             own_values.set_up_planner(step_state(step, position, metrics))
@@ -753,8 +848,9 @@ class PeerSnapshots:
             sources = _param_group_sources(state["optimizer"], self._local_optimizers)
             staged = self._stager.stage(state)
             fingerprint = _state_fingerprint(self._model_parts, self._local_optimizers)
-            self._in_flight = self._executor.submit(self._write_new_layout, ref, staged, state, fingerprint,
-                                                    fresh_fingerprint, storages, sources)
+            self._in_flight = self._executor.submit(
+                self._write_new_layout, ref, staged, state, fingerprint, fresh_fingerprint, storages, sources
+            )
             return
         values, layout = self._step_values(step, position, metrics), self._layout
         location, contents = snapshot_location(self._job_id, ref), []
@@ -783,8 +879,11 @@ class PeerSnapshots:
             self._sealed = (step, values)
             # The newest whole snapshot is the last step's (reported with what its seal sent), while the live state
             # is still its.
-            self._count_written(snapshot_location(self._job_id, SnapshotRef(self._generation, self.live_step))
-                                if self.live_step is not None else location)
+            self._count_written(
+                snapshot_location(self._job_id, SnapshotRef(self._generation, self.live_step))
+                if self.live_step is not None
+                else location
+            )
             self.sent_bytes = gathered[self._rank].numel() * (self._world_size - 1)
         self.live_step = None
 
@@ -798,8 +897,11 @@ class PeerSnapshots:
         self._matched_since_update = self._layout
         kept = self._layout.files[KEPT_HERE]
         table, tensors = _items_of_step(kept, sealed[1], self._local_optimizers)
-        self._store.write(snapshot_location(self._job_id, SnapshotRef(self._generation, step)), kept.name,
-                          _LiveFile(self, step, kept, table, tensors))
+        self._store.write(
+            snapshot_location(self._job_id, SnapshotRef(self._generation, step)),
+            kept.name,
+            _LiveFile(self, step, kept, table, tensors),
+        )
         self.live_step = step
 
     def _step_values(self, step: int, position: DataPosition, metrics: str | None) -> DefaultSavePlanner:
@@ -811,12 +913,18 @@ class PeerSnapshots:
         if layout is None or layout.fresh_fingerprint != _fresh_fingerprint(values.state_dict):
             # A rank without a layout votes for a full save, and a rank's own values keep their structure within a
             # group: a change the group did not vote on cannot be met with a full save on this rank alone.
-            raise RuntimeError(f"snapshot of step {step}: this rank's progress, RNG or metric items changed structure "
-                               "without the group's vote")
+            raise RuntimeError(
+                f"snapshot of step {step}: this rank's progress, RNG or metric items changed structure "
+                "without the group's vote"
+            )
         return values
 
-    def _file_of_step(self, file: _FileLayout, values: DefaultSavePlanner,
-                      allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8)) -> torch.Tensor:
+    def _file_of_step(
+        self,
+        file: _FileLayout,
+        values: DefaultSavePlanner,
+        allocate: Callable[[int], torch.Tensor] = lambda size: torch.empty(size, dtype=torch.uint8),
+    ) -> torch.Tensor:
         """Shard file `file` of a step with its byte items and the step's own tensors filled in (not yet the live
         state's)."""
         table, tensors = _items_of_step(file, values, self._local_optimizers)
@@ -849,21 +957,32 @@ class PeerSnapshots:
         self._stager.close()
         dist.destroy_process_group(self.group)
 
-    def _write_new_layout(self, ref: SnapshotRef, staged: Any, live_state: dict[str, Any], fingerprint: list[Any],
-                          fresh_fingerprint: list[Any], storages: dict[int, bool],
-                          param_group_sources: dict[str, tuple[int, int, str]]) -> None:
+    def _write_new_layout(
+        self,
+        ref: SnapshotRef,
+        staged: Any,
+        live_state: dict[str, Any],
+        fingerprint: list[Any],
+        fresh_fingerprint: list[Any],
+        storages: dict[int, bool],
+        param_group_sources: dict[str, tuple[int, int, str]],
+    ) -> None:
         state = staged.result() if isinstance(staged, Future) else staged
         location = snapshot_location(self._job_id, ref)
-        writer = SnapshotWriter(self._store, location, self._node_of,
-                                copies=None if self.live_state else len(self._shifts) + 1)
+        writer = SnapshotWriter(
+            self._store, location, self._node_of, copies=None if self.live_state else len(self._shifts) + 1
+        )
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
-        layout = _make_layout(fingerprint, fresh_fingerprint, writer.files, metadata[0], live_state, storages,
-                              param_group_sources)
+        layout = _make_layout(
+            fingerprint, fresh_fingerprint, writer.files, metadata[0], live_state, storages, param_group_sources
+        )
         if self.live_state and (layout.files[COPIED].live or layout.files[COPIED].param_groups):
-            raise RuntimeError("in-memory snapshots of live state: this rank alone holds part of the model or optimizer "
-                               "state, which only copies protect (the strategy's state is not replicated)")
+            raise RuntimeError(
+                "in-memory snapshots of live state: this rank alone holds part of the model or optimizer "
+                "state, which only copies protect (the strategy's state is not replicated)"
+            )
         self._layout = layout
         self.layouts_made += 1
         self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
@@ -884,8 +1003,17 @@ class PeerSnapshots:
         for shift in self._shifts:
             source = (self._rank - shift) % self._world_size
             name = _shard_name(source, COPIED)
-            self._store.write(location, name, _exchange(copied, (self._rank + shift) % self._world_size, source,
-                                                        self.group, self._buffers.allocator(location, name)))
+            self._store.write(
+                location,
+                name,
+                _exchange(
+                    copied,
+                    (self._rank + shift) % self._world_size,
+                    source,
+                    self.group,
+                    self._buffers.allocator(location, name),
+                ),
+            )
         self._store.retain(self._job_id)
         self._buffers.release({snapshot_location(self._job_id, ref) for ref in self._store.snapshots(self._job_id)})
         if not self.live_state:  # with live_state, the steady state's snapshots are the sealed ones (seal counts them)
@@ -908,28 +1036,42 @@ class PeerSnapshots:
         from the live state when read, not copied at the step: live_state), what of them it copied for peers and
         what it sent them, and how many of its snapshots so far were full DCP saves (the rest reused their layout)."""
         names, live = self._store.names(latest), self._store.live_names(latest)
-        copies = [{name: size for name, size in self._store.names(location).items()
-                   if name not in self._store.live_names(location)}
-                  for location in [snapshot_location(self._job_id, ref) for ref in self._store.snapshots(self._job_id)]]
+        copies = [
+            {
+                name: size
+                for name, size in self._store.names(location).items()
+                if name not in self._store.live_names(location)
+            }
+            for location in [snapshot_location(self._job_id, ref) for ref in self._store.snapshots(self._job_id)]
+        ]
         spare_buffers = 0 if self.live_state else sum(names.values())
         own = [_shard_name(self._rank, part) for part in (COPIED, KEPT_HERE)]
-        return {"rank": self._rank, "held_bytes": sum(sum(held.values()) for held in copies) + spare_buffers,
-                "own_bytes_per_snapshot": sum(names.get(name, 0) for name in own),
-                "live_bytes_per_snapshot": sum(live.get(name, 0) for name in own),
-                "copied_bytes_per_snapshot": names.get(_shard_name(self._rank, COPIED), 0),
-                "sent_bytes_per_snapshot": self.sent_bytes, "full_saves": self.layouts_made}
+        return {
+            "rank": self._rank,
+            "held_bytes": sum(sum(held.values()) for held in copies) + spare_buffers,
+            "own_bytes_per_snapshot": sum(names.get(name, 0) for name in own),
+            "live_bytes_per_snapshot": sum(live.get(name, 0) for name in own),
+            "copied_bytes_per_snapshot": names.get(_shard_name(self._rank, COPIED), 0),
+            "sent_bytes_per_snapshot": self.sent_bytes,
+            "full_saves": self.layouts_made,
+        }
 
 
-def _items_of_step(file: _FileLayout, values: DefaultSavePlanner,
-                   optimizers: list[Optimizer]) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+def _items_of_step(
+    file: _FileLayout, values: DefaultSavePlanner, optimizers: list[Optimizer]
+) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
     """What of shard file `file` a step gives besides the live tensors: its byte items (the step's own values and the
     optimizers' hyperparameters), by position, and the step's own tensors (RNG states), by position."""
     items = file.items
-    table = {key: values.lookup_object(items[key].index) for key in file.fresh if items[key].type == WriteItemType.BYTE_IO}
-    table.update((key, optimizers[index].param_groups[group][name])
-                 for key, (index, group, name) in file.param_groups.items())
-    tensors = {key: values.lookup_object(items[key].index) for key in file.fresh
-               if items[key].type != WriteItemType.BYTE_IO}
+    table = {
+        key: values.lookup_object(items[key].index) for key in file.fresh if items[key].type == WriteItemType.BYTE_IO
+    }
+    table.update(
+        (key, optimizers[index].param_groups[group][name]) for key, (index, group, name) in file.param_groups.items()
+    )
+    tensors = {
+        key: values.lookup_object(items[key].index) for key in file.fresh if items[key].type != WriteItemType.BYTE_IO
+    }
     return table, tensors
 
 
@@ -946,17 +1088,17 @@ class _FileGather:
 
     def __call__(self, content: torch.Tensor) -> list[torch.Tensor]:
         gathered = self._gather(content)
-        sizes = [int.from_bytes(slot[:self.HEADER].numpy().tobytes(), "little") for slot in gathered]
+        sizes = [int.from_bytes(slot[: self.HEADER].numpy().tobytes(), "little") for slot in gathered]
         if max(sizes) > self._capacity:
             self._capacity = math.ceil(max(sizes) * self.SPARE / self.ROUND) * self.ROUND
             gathered = self._gather(content)
-        return [slot[self.HEADER:self.HEADER + size] for slot, size in zip(gathered, sizes, strict=True)]
+        return [slot[self.HEADER : self.HEADER + size] for slot, size in zip(gathered, sizes, strict=True)]
 
     def _gather(self, content: torch.Tensor) -> list[torch.Tensor]:
         slot = torch.zeros(self.HEADER + self._capacity, dtype=torch.uint8)
-        slot[:self.HEADER] = _to_tensor(content.numel().to_bytes(self.HEADER, "little"))
+        slot[: self.HEADER] = _to_tensor(content.numel().to_bytes(self.HEADER, "little"))
         if content.numel() <= self._capacity:
-            slot[self.HEADER:self.HEADER + content.numel()] = content
+            slot[self.HEADER : self.HEADER + content.numel()] = content
         gathered = [torch.empty_like(slot) for _ in range(dist.get_world_size(self._group))]
         dist.all_gather(gathered, slot, group=self._group)
         return gathered
@@ -971,8 +1113,15 @@ def _default_group_timeout(device: torch.device) -> timedelta | None:
         return None
 
 
-def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, group: dist.ProcessGroup, *,
-                       model_parts: list[nn.Module], optimizers: list[Optimizer]) -> tuple[TrainingProgress, list[dict[str, Any]], int]:
+def restore_from_peers(
+    store: SnapshotStore,
+    job_id: str,
+    ref: SnapshotRef,
+    group: dist.ProcessGroup,
+    *,
+    model_parts: list[nn.Module],
+    optimizers: list[Optimizer],
+) -> tuple[TrainingProgress, list[dict[str, Any]], int]:
     """Collective over the new group: fetch from peers the files of snapshot `ref` this rank needs, then load and
     reshard them. Returns the progress, the metric points the snapshot kept, and the bytes this rank received.
     The driver chose `ref` because the members hold every file of it between them."""
@@ -989,8 +1138,11 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
     state = load_state_template(metadata.state_dict_metadata, model_parts, optimizers)
     # Of an item's copies, one this rank holds; else the first some member holds (the reader takes what is here).
     everywhere = set().union(*held)
-    fetch = {min(name for name in files if name in everywhere)
-             for files in _files_needed(state, metadata) if not set(files) & set(held[rank])}
+    fetch = {
+        min(name for name in files if name in everywhere)
+        for files in _files_needed(state, metadata)
+        if not set(files) & set(held[rank])
+    }
     wanted: list[Any] = [None] * world_size
     dist.all_gather_object(wanted, sorted(fetch), group=group)
     received = 0
@@ -1007,8 +1159,9 @@ def restore_from_peers(store: SnapshotStore, job_id: str, ref: SnapshotRef, grou
                 store.write(location, name, content)
                 received += content.numel()
     # The files were fetched above: each rank's reads are its own.
-    progress, metrics = load_training_state(SnapshotReader(store, location), model_parts=model_parts, optimizers=optimizers,
-                                            plan_locally=True, state=state)
+    progress, metrics = load_training_state(
+        SnapshotReader(store, location), model_parts=model_parts, optimizers=optimizers, plan_locally=True, state=state
+    )
     return progress, metrics, received
 
 
@@ -1023,17 +1176,20 @@ def _to_tensor(content: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(content), dtype=torch.uint8) if content else torch.empty(0, dtype=torch.uint8)
 
 
-def _exchange(payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup,
-              allocate: Callable[[int], torch.Tensor]) -> torch.Tensor:
+def _exchange(
+    payload: torch.Tensor, to: int, source: int, group: dist.ProcessGroup, allocate: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
     """Send `payload` to rank `to` while receiving one from rank `source` (every rank does so at once: a ring), into
     memory from `allocate`."""
     size_out, size_in = torch.tensor([payload.numel()], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
-    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, to, group),
-                                           dist.P2POp(dist.irecv, size_in, source, group)]):
+    for request in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, size_out, to, group), dist.P2POp(dist.irecv, size_in, source, group)]
+    ):
         request.wait()
     received = allocate(int(size_in.item()))
-    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, to, group),
-                                           dist.P2POp(dist.irecv, received, source, group)]):
+    for request in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, payload, to, group), dist.P2POp(dist.irecv, received, source, group)]
+    ):
         request.wait()
     return received
 
@@ -1051,4 +1207,3 @@ def _receive(source: int, group: dist.ProcessGroup) -> torch.Tensor:
     if content.numel():
         dist.recv(content, source, group=group)
     return content
-

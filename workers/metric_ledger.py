@@ -28,8 +28,13 @@ from ringmaster.service.reports import MetricPoint
 class RankMetrics:
     """Rank 0's side of the ledger for one training call."""
 
-    def __init__(self, attempt: int, send: Callable[[MetricPoint], None], acknowledged: Callable[[], int],
-                 keep_for_checkpoints: bool) -> None:
+    def __init__(
+        self,
+        attempt: int,
+        send: Callable[[MetricPoint], None],
+        acknowledged: Callable[[], int],
+        keep_for_checkpoints: bool,
+    ) -> None:
         """`send` passes a point towards the driver; `acknowledged()` is how many sent points the control plane has
         answered for. Without periodic checkpoints nothing is kept: there is nothing to resume from mid-run."""
         self._attempt = attempt
@@ -47,8 +52,9 @@ class RankMetrics:
         a later point of its step (the step's validation) goes with it as one point: sent apart, the stream would have
         passed the step's row before its val_loss arrived. A point of the held point's step merges into it."""
         if self._held is not None and self._held.step == point.step and self._held.attempt == point.attempt:
-            self._held = point = MetricPoint.model_validate(self._held.model_dump(exclude_none=True)
-                                                             | point.model_dump(exclude_none=True))
+            self._held = point = MetricPoint.model_validate(
+                self._held.model_dump(exclude_none=True) | point.model_dump(exclude_none=True)
+            )
             if self._keep:
                 position = self._unacknowledged.pop()[0]
                 self._keep_point(position, point)

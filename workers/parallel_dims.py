@@ -49,11 +49,13 @@ class ParallelDims:
             self._check_hybrid_layout()
 
     @classmethod
-    def from_spec(cls, spec: JobSpec, world_size: int, ranks_per_node: tuple[int, ...] | None = None) -> "ParallelDims":
+    def from_spec(cls, spec: JobSpec, world_size: int, ranks_per_node: tuple[int, ...] | None = None) -> ParallelDims:
         """Dimensions for ``spec`` on ``world_size`` ranks; ``ranks_per_node`` None means one node holds them all."""
         layout = tuple(ranks_per_node) if ranks_per_node else (world_size,)
         if sum(layout) != world_size:
-            raise PlacementError(f"the node layout {list(layout)} holds {sum(layout)} ranks, not the world size {world_size}")
+            raise PlacementError(
+                f"the node layout {list(layout)} holds {sum(layout)} ranks, not the world size {world_size}"
+            )
         tp, pp = spec.parallel.tp, spec.parallel.pp
         if world_size % (tp * pp):
             raise PlacementError(f"parallel.tp × parallel.pp ({tp} × {pp}) must divide the world size {world_size}")
@@ -67,7 +69,9 @@ class ParallelDims:
                 )
             replicas = len(layout)
             if dp % replicas:
-                raise PlacementError(f"parallel.shard 'hybrid': {len(layout)} nodes do not divide the data-parallel size {dp}")
+                raise PlacementError(
+                    f"parallel.shard 'hybrid': {len(layout)} nodes do not divide the data-parallel size {dp}"
+                )
             return cls(dp_replicate=replicas, dp_shard=dp // replicas, pp=pp, tp=tp, ranks_per_node=layout)
         return cls(dp_replicate=1, dp_shard=dp, pp=pp, tp=tp, ranks_per_node=layout)
 
@@ -104,7 +108,9 @@ class ParallelDims:
         only where larger than 1: a dimension of size 1 gives each rank a process group of its own, which nothing
         uses, and each gloo group keeps a thread that wakes every 10 ms; on busy cores those wakeups preempt training
         (three idle groups slowed bench/bare_torchrun.py's hf-gpt2 loop on two CPU ranks by about 5% here)."""
-        dp_dims = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.hybrid else (("dp", self.dp),)
+        dp_dims = (
+            (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.hybrid else (("dp", self.dp),)
+        )
         return (*dp_dims, *((name, size) for name, size in (("pp", self.pp), ("tp", self.tp)) if size > 1))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

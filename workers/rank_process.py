@@ -54,8 +54,9 @@ class RankProcess:
         self._process: subprocess.Popen | None = None
         started: Future = Future()
         # The process's parent-death signal follows the thread that starts it: this one lives as long as the actor.
-        threading.Thread(target=self._start_and_receive, args=(pooled, started), name="rank-process",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._start_and_receive, args=(pooled, started), name="rank-process", daemon=True
+        ).start()
         started.result()
 
     @property
@@ -84,13 +85,23 @@ class RankProcess:
             environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
             if "PYTHONPATH" in os.environ:
                 environment[_ACTOR_PYTHONPATH] = os.environ["PYTHONPATH"]
-            command = [sys.executable, "-P", "-m", "ringmaster.workers.rank_process", str(theirs.fileno()),
-                       str(os.getpid())]
-            self._process = subprocess.Popen(command + (["--pooled"] if pooled else []), pass_fds=(theirs.fileno(),),
-                                             env=environment, cwd=os.getcwd())
+            command = [
+                sys.executable,
+                "-P",
+                "-m",
+                "ringmaster.workers.rank_process",
+                str(theirs.fileno()),
+                str(os.getpid()),
+            ]
+            self._process = subprocess.Popen(
+                command + (["--pooled"] if pooled else []),
+                pass_fds=(theirs.fileno(),),
+                env=environment,
+                cwd=os.getcwd(),
+            )
             theirs.close()
             self._connection = Connection(ours.detach())
-        except BaseException as error:  # noqa: BLE001 — handed to the constructor, which raises it
+        except BaseException as error:
             started.set_exception(error)
             return
         started.set_result(None)
@@ -103,8 +114,11 @@ class RankProcess:
         code = self._process.wait()
         # Without its training process the worker is lost: the actor ends too, so the driver sees what it saw when
         # training ran in the actor and the actor died.
-        log.error("the worker's training process (pid %d) ended with code %s; the worker ends with it",
-                  self._process.pid, code)
+        log.error(
+            "the worker's training process (pid %d) ended with code %s; the worker ends with it",
+            self._process.pid,
+            code,
+        )
         os._exit(1)
 
 
@@ -114,7 +128,7 @@ def raised_error(payload: bytes, text: str, where: str) -> BaseException:
     a RuntimeError of the traceback's last line."""
     try:
         error = pickle.loads(payload)
-    except Exception:  # noqa: BLE001 — whatever unpickling raises, the traceback's text still says what happened
+    except Exception:
         error = RuntimeError(text.rstrip().rsplit("\n", 1)[-1])
     error.add_note(f"{TRAINING_PROCESS_NOTE} ({where}):\n{text.rstrip()}")
     return error
@@ -139,7 +153,7 @@ class Rank:
         self._warm.join()
 
     def whereabouts(self) -> str:
-        """"rank 1 of 2, pid 4567" after the process joined a group; "no group yet, pid 4567" before."""
+        """ "rank 1 of 2, pid 4567" after the process joined a group; "no group yet, pid 4567" before."""
         if self._place is None:
             return f"no group yet, pid {os.getpid()}"
         return f"rank {self._place[0]} of {self._place[1]}, pid {os.getpid()}"
@@ -167,8 +181,18 @@ class Rank:
     def snapshot_inventory(self, job_id: str) -> list[dict[str, Any]]:
         return [] if self._snapshots is None else self._snapshots.inventory(job_id)
 
-    def join(self, cpus: float, uses_gpu: bool, generation: int, rank: int, world_size: int, master_addr: str,
-             master_port: int, timeout_s: float, rendezvous_timeout_s: float) -> None:
+    def join(
+        self,
+        cpus: float,
+        uses_gpu: bool,
+        generation: int,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        rendezvous_timeout_s: float,
+    ) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _abort_process_group
@@ -191,18 +215,39 @@ class Rank:
             timeout = timedelta(seconds=timeout_s)
             if rank == 0:  # the store serves on the socket rendezvous_port opened, and owns it from now on
                 listening, self._rendezvous = self._rendezvous, None
-                store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout,
-                                      wait_for_workers=False, master_listen_fd=listening.detach())
+                store = dist.TCPStore(
+                    master_addr,
+                    master_port,
+                    world_size,
+                    is_master=True,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=listening.detach(),
+                )
             else:
                 store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
             # As init_method="tcp://..." would, under the prefix torch gives the default group's keys.
-            form_default_group("nccl" if uses_gpu else "gloo", dist.PrefixStore("default_pg", store), rank,
-                               world_size, rendezvous=timedelta(seconds=min(timeout_s, rendezvous_timeout_s)),
-                               collectives=timeout)
+            form_default_group(
+                "nccl" if uses_gpu else "gloo",
+                dist.PrefixStore("default_pg", store),
+                rank,
+                world_size,
+                rendezvous=timedelta(seconds=min(timeout_s, rendezvous_timeout_s)),
+                collectives=timeout,
+            )
 
-    def train(self, uses_gpu: bool, generation: int, spec_json: str, job_id: str, storage_root: str,
-              ranks_per_node: list[int], resume_from_root: str | None, attempt: int,
-              memory_resume: dict[str, int] | None) -> dict[str, Any]:
+    def train(
+        self,
+        uses_gpu: bool,
+        generation: int,
+        spec_json: str,
+        job_id: str,
+        storage_root: str,
+        ranks_per_node: list[int],
+        resume_from_root: str | None,
+        attempt: int,
+        memory_resume: dict[str, int] | None,
+    ) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
@@ -217,9 +262,17 @@ class Rank:
         spec = JobSpec.model_validate_json(spec_json)
         device = torch.device("cuda", 0) if uses_gpu else torch.device("cpu")
         context = TrainContext(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, job_id=job_id,
-            storage_root=storage_root, sink=self._outbox, ranks_per_node=tuple(ranks_per_node), generation=generation,
-            resume_from_root=resume_from_root, attempt=attempt, snapshot_store=self._snapshots,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            device=device,
+            job_id=job_id,
+            storage_root=storage_root,
+            sink=self._outbox,
+            ranks_per_node=tuple(ranks_per_node),
+            generation=generation,
+            resume_from_root=resume_from_root,
+            attempt=attempt,
+            snapshot_store=self._snapshots,
             memory_resume=SnapshotRef(**memory_resume) if memory_resume else None,
         )
         try:
@@ -289,8 +342,9 @@ class RankOutbox:
             self._drained[kind].append(item)
 
 
-def form_default_group(backend: str, store: Any, rank: int, world_size: int, *, rendezvous: timedelta,
-                       collectives: timedelta) -> None:
+def form_default_group(
+    backend: str, store: Any, rank: int, world_size: int, *, rendezvous: timedelta, collectives: timedelta
+) -> None:
     """Initialise the default process group, waiting at most `rendezvous` for the other members (gloo connects its
     full mesh during the init, under the group's timeout), then give its collectives the `collectives` timeout."""
     import torch.distributed as dist
@@ -324,8 +378,9 @@ def _import_training_stack_in_background() -> None:
     import torch.distributed.optim  # noqa: F401
 
 
-def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str,
-           args: tuple) -> None:
+def _serve(
+    rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str, args: tuple
+) -> None:
     """Run one call and send its reply: (id, True, the pickled result, "", "") or (id, False, the pickled exception or
     b"" where it cannot be pickled, its traceback from the called method on, where it ran: this process's rank in
     its group, if it is in one, and pid). The actor unpickles each reply's value in the call it answers, so a value
@@ -333,10 +388,10 @@ def _serve(rank: Rank, connection: Connection, send_lock: threading.Lock, call_i
     account of the actor's exception puts its own header in place of every such line, the note's too."""
     try:
         reply = (call_id, True, pickle.dumps(getattr(rank, method)(*args)), "", "")
-    except BaseException as error:  # noqa: BLE001 — every exception goes back to the actor, which raises it
+    except BaseException as error:
         try:
             pickled = pickle.dumps(error)
-        except Exception:  # noqa: BLE001 — the actor raises its traceback's last line instead
+        except Exception:
             pickled = b""
         lines = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
         text = "".join(line for line in lines if not line.startswith("Traceback (most recent"))
@@ -367,8 +422,9 @@ def main() -> None:
             call_id, method, args = connection.recv()
         except (EOFError, OSError):
             os._exit(0)  # the actor is gone
-        threading.Thread(target=_serve, args=(rank, connection, send_lock, call_id, method, args),
-                         name=f"call-{method}", daemon=True).start()
+        threading.Thread(
+            target=_serve, args=(rank, connection, send_lock, call_id, method, args), name=f"call-{method}", daemon=True
+        ).start()
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class Reporter:
-    def __init__(self, api_url: str, job_id: str, attempt: int, token: str | None = None,
-                 flush_interval_s: float = 0.5) -> None:
+    def __init__(
+        self, api_url: str, job_id: str, attempt: int, token: str | None = None, flush_interval_s: float = 0.5
+    ) -> None:
         self._url = f"{api_url.rstrip('/')}/v1/internal/jobs/{job_id}/attempts/{attempt}/report"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(headers=headers, timeout=5.0)
@@ -38,14 +39,28 @@ class Reporter:
         self._thread = threading.Thread(target=self._flush_loop, name="reporter", daemon=True)
         self._thread.start()
 
-    def report(self, *, state: str | None = None, message: str | None = None,
-               metrics: list[MetricPoint] | None = None, checkpoints: list[CheckpointRecord] | None = None,
-               memory: list[RankMemory] | None = None, details: dict[str, Any] | None = None) -> int:
+    def report(
+        self,
+        *,
+        state: str | None = None,
+        message: str | None = None,
+        metrics: list[MetricPoint] | None = None,
+        checkpoints: list[CheckpointRecord] | None = None,
+        memory: list[RankMemory] | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> int:
         """Queue a report; returns its sequence number (compare with `handled_seq`)."""
         with self._lock:
             self._seq += 1
-            report = DriverReport(seq=self._seq, state=state, message=message, details=details or {},
-                                  metrics=metrics or [], checkpoints=checkpoints or [], memory=memory or [])
+            report = DriverReport(
+                seq=self._seq,
+                state=state,
+                message=message,
+                details=details or {},
+                metrics=metrics or [],
+                checkpoints=checkpoints or [],
+                memory=memory or [],
+            )
             self._pending.append(report)
         self._wake.set()
         return report.seq
@@ -64,8 +79,9 @@ class Reporter:
                     return True
                 report = self._pending[0]
             try:
-                response = self._client.post(self._url, content=report.model_dump_json(),
-                                             headers={"Content-Type": "application/json"})
+                response = self._client.post(
+                    self._url, content=report.model_dump_json(), headers={"Content-Type": "application/json"}
+                )
             except httpx.HTTPError as error:
                 log.warning("control plane unreachable, keeping %d report(s): %s", len(self._pending), error)
                 return False

@@ -54,8 +54,10 @@ def pools_by_node() -> dict[str, dict[str, list[str]]]:
         parts = name.split(":")
         if len(parts) == 4 and parts[0] == NAME_PREFIX and parts[3].isdigit():
             found[parts[1]][parts[2]].append((int(parts[3]), name))
-    return {pool: {node: [name for _, name in sorted(names)] for node, names in nodes.items()}
-            for pool, nodes in found.items()}
+    return {
+        pool: {node: [name for _, name in sorted(names)] for node, names in nodes.items()}
+        for pool, nodes in found.items()
+    }
 
 
 def pool_by_node(pool: str = SHARED_POOL) -> dict[str, list[str]]:
@@ -84,8 +86,12 @@ def pool_statuses(names: list[str]) -> dict[str, tuple[Any, dict[str, Any]]]:
 
 def pool_workers() -> dict[str, dict[str, Any]]:
     """Every pool worker that answers, on any node: name -> its pool_status."""
-    return {name: status for nodes in pools_by_node().values() for names in nodes.values()
-            for name, (_, status) in pool_statuses(names).items()}
+    return {
+        name: status
+        for nodes in pools_by_node().values()
+        for names in nodes.values()
+        for name, (_, status) in pool_statuses(names).items()
+    }
 
 
 def claim_workers(nodes: list[str | None], claimant: str, cpus: float, pool_key: str = SHARED_POOL) -> dict[int, Any]:
@@ -97,9 +103,14 @@ def claim_workers(nodes: list[str | None], claimant: str, cpus: float, pool_key:
     wanted = {node for node in nodes if node is not None}
     statuses = pool_statuses([name for node in wanted for name in pool.get(node, [])])
     # Only warm ones: one still importing does so at the lowest priority, so under load it may be slower than a cold start.
-    idle = {node: [statuses[name][0] for name in pool.get(node, [])
-                   if name in statuses and statuses[name][1]["warm"] and statuses[name][1]["claimant"] is None]
-            for node in wanted}
+    idle = {
+        node: [
+            statuses[name][0]
+            for name in pool.get(node, [])
+            if name in statuses and statuses[name][1]["warm"] and statuses[name][1]["claimant"] is None
+        ]
+        for node in wanted
+    }
     owner = ray.get_runtime_context().get_job_id()  # the calling driver's: a claimed worker ends with it
     claimed: dict[int, Any] = {}
     for position, node in enumerate(nodes):
@@ -115,8 +126,12 @@ def claim_workers(nodes: list[str | None], claimant: str, cpus: float, pool_key:
 
 
 def _nodes_with_placement_groups() -> set[str]:
-    return {node for table in placement_group_table().values() if table.get("state") == "CREATED"
-            for node in table.get("bundles_to_node_id", {}).values()}
+    return {
+        node
+        for table in placement_group_table().values()
+        if table.get("state") == "CREATED"
+        for node in table.get("bundles_to_node_id", {}).values()
+    }
 
 
 class WarmPoolKeeper:
@@ -160,7 +175,10 @@ class WarmPoolKeeper:
             taken.add(name)
             try:
                 TrainWorker.options(
-                    name=name, lifetime="detached", num_cpus=0, runtime_env=runtime_env,
+                    name=name,
+                    lifetime="detached",
+                    num_cpus=0,
+                    runtime_env=runtime_env,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 ).remote(0, False, pooled=True)
             except ValueError:
@@ -169,8 +187,11 @@ class WarmPoolKeeper:
 
     def _kill_orphans(self, statuses: dict[str, tuple[Any, dict[str, Any]]], active_claimants: set[str]) -> None:
         now = time.monotonic()
-        orphans = {name for name, (_, status) in statuses.items()
-                   if status["claimant"] is not None and status["claimant"] not in active_claimants}
+        orphans = {
+            name
+            for name, (_, status) in statuses.items()
+            if status["claimant"] is not None and status["claimant"] not in active_claimants
+        }
         self._orphans_seen = {name: self._orphans_seen.get(name, now) for name in orphans}
         for name in orphans:
             if now - self._orphans_seen[name] >= self.orphan_grace_s:

@@ -80,22 +80,34 @@ class TrainWorker:
             if time.monotonic() - self._last_heartbeat < _OWNER_SILENCE_S:
                 continue
             try:
-                jobs = gcs.get_all_job_info(job_or_submission_id=owner_job_id, skip_submission_job_info_field=True,
-                                            skip_is_running_tasks_field=True, timeout=_OWNER_SILENCE_S * 5)
-            except Exception as error:  # noqa: BLE001 — the GCS restarting or slow: not a verdict on the driver
+                jobs = gcs.get_all_job_info(
+                    job_or_submission_id=owner_job_id,
+                    skip_submission_job_info_field=True,
+                    skip_is_running_tasks_field=True,
+                    timeout=_OWNER_SILENCE_S * 5,
+                )
+            except Exception as error:
                 log.warning("cannot ask the cluster about Ray job %s (%s); asking again", owner_job_id, error)
                 continue
             if all(job.is_dead for job in jobs.values()):
-                log.warning("the driver (Ray job %s) of attempt %s is gone; this pool worker ends with it",
-                            owner_job_id, self._claimant)
+                log.warning(
+                    "the driver (Ray job %s) of attempt %s is gone; this pool worker ends with it",
+                    owner_job_id,
+                    self._claimant,
+                )
                 os._exit(1)
 
     def placement(self) -> dict[str, Any]:
         """Where this actor landed: its node id (the rank-ordering key), IP, process and training process."""
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "training_pid": self._rank.pid,
-                "actor_id": context.get_actor_id(), "name": context.get_actor_name()}
+        return {
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "training_pid": self._rank.pid,
+            "actor_id": context.get_actor_id(),
+            "name": context.get_actor_name(),
+        }
 
     def rendezvous_port(self) -> int:
         """Open a listening socket for the rendezvous store of the group this worker will lead as rank 0, and return
@@ -119,22 +131,58 @@ class TrainWorker:
         self._last_heartbeat = time.monotonic()
         return self.generation
 
-    def join(self, generation: int, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
-             rendezvous_timeout_s: float) -> None:
+    def join(
+        self,
+        generation: int,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        rendezvous_timeout_s: float,
+    ) -> None:
         """Leave the previous group (abort: a peer may be gone mid-collective) and form the new one. `timeout_s`: the
         group's collectives'; `rendezvous_timeout_s` (at most that): how long this member waits for the others to
         form it. A member lost while the group forms leaves the others waiting: they give up after the shorter wait
         and are free for the driver's next formation, which waits for them (its store's timeout is `timeout_s`)."""
         self.generation = generation
-        self._rank.call("join", self._cpus, self._uses_gpu, generation, rank, world_size, master_addr, master_port,
-                        timeout_s, rendezvous_timeout_s)
+        self._rank.call(
+            "join",
+            self._cpus,
+            self._uses_gpu,
+            generation,
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            timeout_s,
+            rendezvous_timeout_s,
+        )
 
-    def train(self, generation: int, spec_json: str, job_id: str, storage_root: str, ranks_per_node: list[int],
-              resume_from_root: str | None = None, attempt: int = 1,
-              memory_resume: dict[str, int] | None = None) -> dict[str, Any]:
+    def train(
+        self,
+        generation: int,
+        spec_json: str,
+        job_id: str,
+        storage_root: str,
+        ranks_per_node: list[int],
+        resume_from_root: str | None = None,
+        attempt: int = 1,
+        memory_resume: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
         """`memory_resume`: {"generation", "step"} of the in-memory snapshot the driver chose (None: from storage)."""
-        return self._rank.call("train", self._uses_gpu, generation, spec_json, job_id, storage_root, ranks_per_node,
-                               resume_from_root, attempt, memory_resume)
+        return self._rank.call(
+            "train",
+            self._uses_gpu,
+            generation,
+            spec_json,
+            job_id,
+            storage_root,
+            ranks_per_node,
+            resume_from_root,
+            attempt,
+            memory_resume,
+        )
 
     @ray.method(enable_task_events=False)
     def drain(self, metrics_acknowledged: int | None = None) -> dict[str, list[dict[str, Any]]]:

@@ -17,22 +17,38 @@ ARCHIVE_TYPES = frozenset({"application/zip", "application/x-zip-compressed", "a
 router = APIRouter(prefix=UPLOAD_PATH, tags=["code"], responses=error_responses(401))
 
 _ARCHIVE_BODY = {
-    "requestBody": {"required": True, "content": {"application/zip": {"schema": {"type": "string", "format": "binary"}}}},
-    "responses": {"422": {"description": "Not a zip, an unsafe path inside, or nothing in it",
-                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}}},
+    "requestBody": {
+        "required": True,
+        "content": {"application/zip": {"schema": {"type": "string", "format": "binary"}}},
+    },
+    "responses": {
+        "422": {
+            "description": "Not a zip, an unsafe path inside, or nothing in it",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}},
+        }
+    },
 }
 
 
-@router.post("", response_model=CodeArchiveOut, status_code=status.HTTP_201_CREATED, openapi_extra=_ARCHIVE_BODY,
-             responses={200: {"model": CodeArchiveOut, "description": "The tenant had this archive already"},
-                        **error_responses(413, 415)})
+@router.post(
+    "",
+    response_model=CodeArchiveOut,
+    status_code=status.HTTP_201_CREATED,
+    openapi_extra=_ARCHIVE_BODY,
+    responses={
+        200: {"model": CodeArchiveOut, "description": "The tenant had this archive already"},
+        **error_responses(413, 415),
+    },
+)
 async def upload(request: Request, response: Response, principal: CurrentPrincipal) -> CodeArchiveOut:
     """Store a zip of a job's code for the caller's tenant: 201 when new, 200 when the tenant has it already (same hash).
 
     Larger than RINGMASTER_MAX_CODE_BYTES, packed or unpacked: 413, and nothing is stored."""
     media_type = request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()
     if media_type not in ARCHIVE_TYPES:
-        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"send the code archive as application/zip, not {media_type!r}")
+        raise HTTPException(
+            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"send the code archive as application/zip, not {media_type!r}"
+        )
     content = await request.body()  # bounded by api.limits.BodySizeLimit at RINGMASTER_MAX_CODE_BYTES
     state = request.app.state
 

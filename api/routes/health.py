@@ -18,5 +18,7 @@ def healthz(db: DatabaseDep) -> Health | JSONResponse:
         with db.engine.connect() as connection:
             connection.exec_driver_sql("SELECT 1")
     except SQLAlchemyError as exc:
-        return JSONResponse(status_code=503, content=Health(status="unavailable", database=str(exc.__class__.__name__)).model_dump())
+        return JSONResponse(
+            status_code=503, content=Health(status="unavailable", database=str(exc.__class__.__name__)).model_dump()
+        )
     return Health(status="ok", database="ok")

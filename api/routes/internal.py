@@ -23,28 +23,47 @@ from ringmaster.service.reports import DriverReport
 router = APIRouter(prefix="/v1/internal", tags=["internal"], responses=error_responses(400, 401, 404, 409, 413))
 
 # Report fields stored in 32-bit INTEGER columns (PostgreSQL's limit; SQLite would take more and differ).
-_INT32_FIELDS = {"metrics": ("step", "world_size", "attempt"), "checkpoints": ("step", "world_size"), "memory": ("rank", "dp", "tp", "pp")}
+_INT32_FIELDS = {
+    "metrics": ("step", "world_size", "attempt"),
+    "checkpoints": ("step", "world_size"),
+    "memory": ("rank", "dp", "tp", "pp"),
+}
 _INT32_MAX = 2**31 - 1
 
 
 def _check_int32(report: DriverReport) -> None:
-    errors = [{"type": "less_than_equal", "loc": [section, index, field], "input": value,
-               "msg": f"must be at most {_INT32_MAX}"}
-              for section, fields in _INT32_FIELDS.items()
-              for index, entry in enumerate(getattr(report, section))
-              for field in fields
-              if (value := getattr(entry, field)) is not None and value > _INT32_MAX]
+    errors = [
+        {
+            "type": "less_than_equal",
+            "loc": [section, index, field],
+            "input": value,
+            "msg": f"must be at most {_INT32_MAX}",
+        }
+        for section, fields in _INT32_FIELDS.items()
+        for index, entry in enumerate(getattr(report, section))
+        for field in fields
+        if (value := getattr(entry, field)) is not None and value > _INT32_MAX
+    ]
     if report.seq is not None and report.seq > _INT32_MAX:
-        errors.append({"type": "less_than_equal", "loc": ["seq"], "input": report.seq, "msg": f"must be at most {_INT32_MAX}"})
+        errors.append(
+            {"type": "less_than_equal", "loc": ["seq"], "input": report.seq, "msg": f"must be at most {_INT32_MAX}"}
+        )
     if errors:
         raise InvalidSpec(errors)
 
 
 def _check_metric_attempts(report: DriverReport, attempt: int) -> None:
     """A replayed point names the earlier attempt that ran its step; no point can come from a later attempt."""
-    errors = [{"type": "less_than_equal", "loc": ["metrics", index, "attempt"], "input": point.attempt,
-               "msg": f"must be at most the reporting attempt ({attempt})"}
-              for index, point in enumerate(report.metrics) if point.attempt is not None and point.attempt > attempt]
+    errors = [
+        {
+            "type": "less_than_equal",
+            "loc": ["metrics", index, "attempt"],
+            "input": point.attempt,
+            "msg": f"must be at most the reporting attempt ({attempt})",
+        }
+        for index, point in enumerate(report.metrics)
+        if point.attempt is not None and point.attempt > attempt
+    ]
     if errors:
         raise InvalidSpec(errors)
 

@@ -10,8 +10,8 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ringmaster.api.deps import CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep, read_cluster_shape
 from ringmaster.api.errors import FiniteJSONResponse, error_responses, finite_values
@@ -21,8 +21,8 @@ from ringmaster.service import jobs
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import InvalidSpec, JobConflict, LogsUnavailable
 from ringmaster.service.spec import JobSpec, field_meant
-from ringmaster.service.stream import Cursor, read_batch
 from ringmaster.service.states import JobState
+from ringmaster.service.stream import Cursor, read_batch
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 404))
 
@@ -49,7 +49,8 @@ async def spec_from_body(request: Request) -> JobSpec:
         document = load_json(await request.body())
     else:
         raise HTTPException(
-            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"send the job spec as application/json or application/yaml, not {media_type!r}"
+            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+            f"send the job spec as application/json or application/yaml, not {media_type!r}",
         )
     if not isinstance(document, dict):
         raise InvalidSpec([{"type": "model_type", "loc": [], "msg": "a job spec must be a mapping of fields"}])
@@ -70,14 +71,25 @@ _SPEC_BODY = {
         },
     },
     # FastAPI documents its 422 only for the bodies it parses itself.
-    "responses": {"422": {"description": "Validation Error",
-                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}}},
+    "responses": {
+        "422": {
+            "description": "Validation Error",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}},
+        }
+    },
 }
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobDetailOut, openapi_extra=_SPEC_BODY,
-             responses=error_responses(413, 415))
-def submit(request: Request, principal: CurrentPrincipal, spec: Annotated[JobSpec, Depends(spec_from_body)]) -> FiniteJSONResponse:
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobDetailOut,
+    openapi_extra=_SPEC_BODY,
+    responses=error_responses(413, 415),
+)
+def submit(
+    request: Request, principal: CurrentPrincipal, spec: Annotated[JobSpec, Depends(spec_from_body)]
+) -> FiniteJSONResponse:
     """Queue a job for the caller's tenant; 422 when the spec is invalid or larger than the tenant's quota allows."""
     # The database, settings and cluster shape come from app.state here, not as dependencies: FastAPI resolves each
     # dependency anew on every request, and this is the route clients call most.
@@ -99,8 +111,13 @@ def list_jobs(
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Offset = 0,
-    id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="Only jobs whose id starts with "
-                                           "this (how the CLI takes an unambiguous short id).")] = None,
+    id_prefix: Annotated[
+        str | None,
+        Query(
+            pattern="^[0-9a-f]{1,32}$",
+            description="Only jobs whose id starts with this (how the CLI takes an unambiguous short id).",
+        ),
+    ] = None,
 ) -> Page[JobOut]:
     """The caller's tenant's jobs, newest first; an admin's token lists every tenant's."""
     page = jobs.list_jobs(session, state, limit, offset, tenant=principal.scope, id_prefix=id_prefix)
@@ -114,10 +131,14 @@ def get_job(job_id: str, principal: CurrentPrincipal, session: SessionDep, setti
 
 
 @router.post("/{job_id}/cancel", responses=error_responses(409))
-def cancel(request: Request, job_id: str, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep) -> JobDetailOut:
+def cancel(
+    request: Request, job_id: str, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep
+) -> JobDetailOut:
     with session_scope(db.sessions) as session:
         job = jobs.cancel_job(session, job_id, principal.scope)
-        cancelled = JobDetailOut.from_job(job, settings, jobs.list_memory(session, job_id), jobs.job_progress(session, job))
+        cancelled = JobDetailOut.from_job(
+            job, settings, jobs.list_memory(session, job_id), jobs.job_progress(session, job)
+        )
     _wake_dispatcher(request)  # after the commit, so it sees the cancellation and stops the Ray job now
     return cancelled
 
@@ -130,22 +151,25 @@ def _wake_dispatcher(request: Request) -> None:
 
 
 @router.get("/{job_id}/events")
-def events(job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000,
-           offset: Offset = 0) -> Page[EventOut]:
+def events(
+    job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0
+) -> Page[EventOut]:
     return Page[EventOut].convert(jobs.list_events(session, job_id, limit, offset, principal.scope), EventOut.from_row)
 
 
 @router.get("/{job_id}/metrics")
-def metrics(job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000,
-            offset: Offset = 0) -> MetricsPage:
+def metrics(
+    job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0
+) -> MetricsPage:
     """Metric rows by attempt and step; ``memory`` (not paged) holds each rank's state memory, measured and predicted."""
     page = jobs.list_metrics(session, job_id, limit, offset, principal.scope)
     return MetricsPage.build(page, jobs.list_memory(session, job_id))
 
 
 @router.get("/{job_id}/checkpoints")
-def checkpoints(job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000,
-                offset: Offset = 0) -> Page[CheckpointOut]:
+def checkpoints(
+    job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0
+) -> Page[CheckpointOut]:
     page = jobs.list_checkpoints(session, job_id, limit, offset, principal.scope)
     return Page[CheckpointOut].convert(page, CheckpointOut.from_row)
 
@@ -161,7 +185,9 @@ def logs(job_id: str, principal: CurrentPrincipal, request: Request, db: Databas
     with session_scope(db.sessions) as session:
         submission_id = jobs.get_job(session, job_id, principal.scope).submission_id
     if provider is None:
-        raise LogsUnavailable("this server has no logs provider configured; job logs are served when it runs with a Ray cluster")
+        raise LogsUnavailable(
+            "this server has no logs provider configured; job logs are served when it runs with a Ray cluster"
+        )
     if submission_id is None:
         raise JobConflict(f"job {job_id} has not been dispatched to Ray yet, so it has no logs")
     return PlainTextResponse(provider(submission_id))
@@ -174,13 +200,22 @@ _SSE_EVENT = {
     "properties": {
         "id": {"type": "string", "description": "Resume after this event with Last-Event-ID."},
         "event": {"type": "string", "enum": ["state", "event", "metric"]},
-        "data": {"type": "string", "contentMediaType": "application/json",
-                 "description": "state: the transition; event: an EventOut; metric: a MetricOut."},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "description": "state: the transition; event: an EventOut; metric: a MetricOut.",
+        },
     },
 }
-_STREAM_DOC = {"responses": {200: {"description": "Server-sent events: `state`, `event` and `metric`, each with a JSON `data` "
-                                                  "line and an `id` to resume from with Last-Event-ID.",
-                                   "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}}
+_STREAM_DOC = {
+    "responses": {
+        200: {
+            "description": "Server-sent events: `state`, `event` and `metric`, each with a JSON `data` "
+            "line and an `id` to resume from with Last-Event-ID.",
+            "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+        }
+    }
+}
 
 
 @router.get("/{job_id}/stream", response_class=StreamingResponse, openapi_extra=_STREAM_DOC)

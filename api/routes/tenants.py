@@ -24,7 +24,9 @@ def _tenant_out(session: SessionDep, name: str) -> TenantOut:
 @router.get("/me")
 def me(principal: CurrentPrincipal, session: SessionDep) -> PrincipalOut:
     """Who the token speaks for, with the tenant's quotas and what its jobs hold now."""
-    return PrincipalOut(tenant=_tenant_out(session, principal.tenant), admin=principal.admin, token_id=principal.token_id)
+    return PrincipalOut(
+        tenant=_tenant_out(session, principal.tenant), admin=principal.admin, token_id=principal.token_id
+    )
 
 
 @router.get("/tenants")
@@ -51,12 +53,17 @@ def put_tenant(name: TenantName, body: QuotaIn, _admin: AdminPrincipal, session:
 def create_token(body: TokenIn, _admin: AdminPrincipal, session: SessionDep) -> TokenCreatedOut:
     """A new token (its tenant created without quotas when missing); the secret is in this answer only."""
     issued = auth.create_token(session, body.tenant, admin=body.admin, description=body.description)
-    return TokenCreatedOut(**TokenOut.from_row(issued.row).model_dump(), token=issued.secret, tenant_created=issued.tenant_created)
+    return TokenCreatedOut(
+        **TokenOut.from_row(issued.row).model_dump(), token=issued.secret, tenant_created=issued.tenant_created
+    )
 
 
 @router.get("/tokens")
-def list_tokens(_admin: AdminPrincipal, session: SessionDep,
-                tenant: Annotated[str | None, Query(pattern=tenants.NAME_PATTERN, max_length=64)] = None) -> list[TokenOut]:
+def list_tokens(
+    _admin: AdminPrincipal,
+    session: SessionDep,
+    tenant: Annotated[str | None, Query(pattern=tenants.NAME_PATTERN, max_length=64)] = None,
+) -> list[TokenOut]:
     """Every token (never its secret), optionally of one tenant."""
     return [TokenOut.from_row(token) for token in auth.list_tokens(session, tenant)]
 

@@ -31,8 +31,13 @@ def page(page: str = "") -> FileResponse:
 
 @router.get("/docs")
 def docs() -> HTMLResponse:
-    return get_swagger_ui_html(openapi_url="/openapi.json", title="ringmaster API", swagger_js_url=f"{_SWAGGER}/swagger-ui-bundle.js",
-                               swagger_css_url=f"{_SWAGGER}/swagger-ui.css", swagger_favicon_url=f"{_SWAGGER}/favicon-32x32.png")
+    return get_swagger_ui_html(
+        openapi_url="/openapi.json",
+        title="ringmaster API",
+        swagger_js_url=f"{_SWAGGER}/swagger-ui-bundle.js",
+        swagger_css_url=f"{_SWAGGER}/swagger-ui.css",
+        swagger_favicon_url=f"{_SWAGGER}/favicon-32x32.png",
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -48,5 +48,7 @@ def read_effective_samples(storage_root: str | Path) -> dict[int, tuple[int, lis
         latest[step] = max(latest.get(step, generation), generation)
         epoch, by_replica = taken.setdefault((step, generation), (record["epoch"], {}))
         by_replica[record["dp_rank"]] = record["ids"]  # tp/pp peers of a replica share its data
-    return {step: (taken[(step, generation)][0], [i for ids in taken[(step, generation)][1].values() for i in ids])
-            for step, generation in sorted(latest.items())}
+    return {
+        step: (taken[(step, generation)][0], [i for ids in taken[(step, generation)][1].values() for i in ids])
+        for step, generation in sorted(latest.items())
+    }

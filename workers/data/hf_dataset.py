@@ -31,17 +31,29 @@ def hf_dataset_splits(data: HFDatasetData, vocab_size: int | None) -> tuple[Toke
     train_file, dtype = _packed(train, data)
     name = _describe(data, data.split)
     if data.val_split is None:
-        return token_file_splits(train_file, None, dtype, data.seq_len, data.val_fraction, name=name, vocab_size=vocab_size)
+        return token_file_splits(
+            train_file, None, dtype, data.seq_len, data.val_fraction, name=name, vocab_size=vocab_size
+        )
     validation_file, _ = _packed(_split(loaded, data, data.val_split), data)
-    return token_file_splits(train_file, validation_file, dtype, data.seq_len, 0.0, name=name,
-                             val_name=_describe(data, data.val_split), vocab_size=vocab_size)
+    return token_file_splits(
+        train_file,
+        validation_file,
+        dtype,
+        data.seq_len,
+        0.0,
+        name=name,
+        val_name=_describe(data, data.val_split),
+        vocab_size=vocab_size,
+    )
 
 
 def _load(path: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise JobInputError("data kind 'hf_dataset' needs the datasets package on the workers: pip install 'ringmaster[hf]'") from None
+        raise JobInputError(
+            "data kind 'hf_dataset' needs the datasets package on the workers: pip install 'ringmaster[hf]'"
+        ) from None
     if "://" not in path and not Path(path).is_dir():
         raise JobInputError(f"data.path {path!r} is not a directory on this node (a datasets save_to_disk directory)")
     try:
@@ -57,16 +69,20 @@ def _is_dict(loaded: Any) -> bool:
 def _split(loaded: Any, data: HFDatasetData, split: str | None) -> Any:
     if split is None:
         if data.split is not None or data.val_split is not None:
-            raise JobInputError(f"data.path {data.path!r} holds a single Dataset, not a DatasetDict: leave data.split and "
-                             f"data.val_split unset (data.val_fraction holds out a validation set)")
+            raise JobInputError(
+                f"data.path {data.path!r} holds a single Dataset, not a DatasetDict: leave data.split and "
+                f"data.val_split unset (data.val_fraction holds out a validation set)"
+            )
         dataset = loaded
     elif split not in loaded:
         raise JobInputError(f"data.path {data.path!r} has no split {split!r}; its splits are {sorted(loaded.keys())}")
     else:
         dataset = loaded[split]
     if data.column not in dataset.column_names:
-        raise JobInputError(f"data.column {data.column!r} is not a column of {data.path!r}"
-                         f"{f' split {split!r}' if split else ''}; its columns are {dataset.column_names}")
+        raise JobInputError(
+            f"data.column {data.column!r} is not a column of {data.path!r}"
+            f"{f' split {split!r}' if split else ''}; its columns are {dataset.column_names}"
+        )
     return dataset
 
 
@@ -83,11 +99,15 @@ def _packed(dataset: Any, data: HFDatasetData) -> tuple[Path, str]:
     value_type = column.type
     if pa.types.is_string(value_type) or pa.types.is_large_string(value_type):
         dtype = "uint8"
-    elif (pa.types.is_list(value_type) or pa.types.is_large_list(value_type)) and pa.types.is_integer(value_type.value_type):
+    elif (pa.types.is_list(value_type) or pa.types.is_large_list(value_type)) and pa.types.is_integer(
+        value_type.value_type
+    ):
         dtype = "uint32"
     else:
-        raise JobInputError(f"data.column {data.column!r} of {data.path!r} holds {value_type}; it must hold strings or "
-                         f"lists of integer token ids")
+        raise JobInputError(
+            f"data.column {data.column!r} of {data.path!r} holds {value_type}; it must hold strings or "
+            f"lists of integer token ids"
+        )
     # What the rows were read from: the dataset's fingerprint and its arrow files as they are now.
     files = [(entry["filename"], *_stat(entry["filename"])) for entry in dataset.cache_files]
     name = f"{cache_key(os.path.abspath(data.path), data.column, dataset._fingerprint, files)}-packed.{dtype}"
@@ -104,8 +124,10 @@ def _packed(dataset: Any, data: HFDatasetData) -> tuple[Path, str]:
             else:
                 ids = pc.list_flatten(chunk).to_numpy(zero_copy_only=False)
                 if len(ids) and (ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
-                    raise JobInputError(f"data.column {data.column!r} of {data.path!r} holds token id "
-                                     f"{ids.min() if ids.min() < 0 else ids.max()}, outside 0..{np.iinfo(np.uint32).max}")
+                    raise JobInputError(
+                        f"data.column {data.column!r} of {data.path!r} holds token id "
+                        f"{ids.min() if ids.min() < 0 else ids.max()}, outside 0..{np.iinfo(np.uint32).max}"
+                    )
                 ids.astype(np.uint32).tofile(out)
             first = False
 

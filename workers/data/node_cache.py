@@ -14,10 +14,10 @@ import fcntl
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 from urllib.parse import urlparse
 
 import fsspec
@@ -53,8 +53,11 @@ def node_local_file(path: str, field: str = "data.path") -> tuple[Path, bool]:
     if is_local(path):
         local = local_path(path)
         if not local.is_file():
-            raise JobInputError(f"{field}: data file {path!r} does not exist on this node" if not local.exists()
-                                else f"{field}: data file {path!r} is not a file")
+            raise JobInputError(
+                f"{field}: data file {path!r} does not exist on this node"
+                if not local.exists()
+                else f"{field}: data file {path!r} is not a file"
+            )
         return local, False
     filesystem, remote = fsspec.core.url_to_fs(path)
     try:

@@ -62,7 +62,9 @@ def stdlib_corpus(max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES) -> tuple[tor
         elif train_bytes < max_corpus_bytes:
             train_files.append((root / relative_path).read_bytes())
             train_bytes += len(train_files[-1])
-    train, validation = (torch.frombuffer(bytearray(b"\n".join(files)), dtype=torch.uint8) for files in (train_files, validation_files))
+    train, validation = (
+        torch.frombuffer(bytearray(b"\n".join(files)), dtype=torch.uint8) for files in (train_files, validation_files)
+    )
     return train, validation
 
 
@@ -72,7 +74,9 @@ class ByteWindows(Dataset):
 
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
         if len(tokens) < seq_len + 1:
-            raise JobInputError(f"corpus of {len(tokens)} bytes is shorter than one window of seq_len + 1 = {seq_len + 1}")
+            raise JobInputError(
+                f"corpus of {len(tokens)} bytes is shorter than one window of seq_len + 1 = {seq_len + 1}"
+            )
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -85,7 +89,9 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
-def pysource_splits(seq_len: int = CORPUS_SEQ_LEN, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES) -> tuple[ByteWindows, ByteWindows]:
+def pysource_splits(
+    seq_len: int = CORPUS_SEQ_LEN, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES
+) -> tuple[ByteWindows, ByteWindows]:
     """Train and validation window datasets over the stdlib corpus."""
     train, validation = stdlib_corpus(max_corpus_bytes)
     return ByteWindows(train, seq_len), ByteWindows(validation, seq_len)

@@ -17,8 +17,16 @@ def data_source_splits(data: DataSourceSpec, vocab_size: int | None = None) -> t
     if isinstance(data, TokensData):
         train_file, _ = node_local_file(data.path)
         val_file = node_local_file(data.val_path, "data.val_path")[0] if data.val_path is not None else None
-        return token_file_splits(train_file, val_file, data.dtype, data.seq_len, data.val_fraction, name=data.path,
-                                 val_name=data.val_path, vocab_size=vocab_size)
+        return token_file_splits(
+            train_file,
+            val_file,
+            data.dtype,
+            data.seq_len,
+            data.val_fraction,
+            name=data.path,
+            val_name=data.val_path,
+            vocab_size=vocab_size,
+        )
     if isinstance(data, HFDatasetData):
         return hf_dataset_splits(data, vocab_size)
     raise TypeError(f"not a data source: {data!r}")

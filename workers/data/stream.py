@@ -44,8 +44,19 @@ class GlobalBatchStream:
     position counts only the micro-batches handed out, so it is the same as without workers.
     """
 
-    def __init__(self, dataset: Dataset, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 global_batch_size: int, position: DataPosition, pin_memory: bool = False, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        global_batch_size: int,
+        position: DataPosition,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+    ) -> None:
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
@@ -54,29 +65,52 @@ class GlobalBatchStream:
         self.pin_memory = pin_memory
         self.samples_per_epoch = len(dataset) // global_batch_size * global_batch_size
         if self.samples_per_epoch == 0:
-            raise JobInputError(f"training set of {len(dataset)} samples is smaller than one global batch of {global_batch_size}")
+            raise JobInputError(
+                f"training set of {len(dataset)} samples is smaller than one global batch of {global_batch_size}"
+            )
         if position.samples_in_epoch % self.samples_per_micro_step:
-            raise ValueError(f"data position {position.samples_in_epoch} is not on a micro-step boundary of {self.samples_per_micro_step}")
+            raise ValueError(
+                f"data position {position.samples_in_epoch} is not on a micro-step boundary of {self.samples_per_micro_step}"
+            )
         self.position = DataPosition(position.epoch, position.samples_in_epoch)
         self._order = epoch_order(len(dataset), seed, self.position.epoch)
         self.last_sample_ids: list[int] = []
         self._loaded: Iterator[tuple[list[int], Any]] | None = None
         if num_workers:
             # The loader's own copy of the stream, started at the same position, names the ids its workers fetch.
-            ahead = GlobalBatchStream(dataset, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                      seed=seed, global_batch_size=global_batch_size, position=self.position)
-            loader = DataLoader(_MicroBatches(dataset), batch_size=None, sampler=_UpcomingIds(ahead),
-                                num_workers=num_workers, collate_fn=_as_fetched, pin_memory=pin_memory)
+            ahead = GlobalBatchStream(
+                dataset,
+                micro_batch_size=micro_batch_size,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                seed=seed,
+                global_batch_size=global_batch_size,
+                position=self.position,
+            )
+            loader = DataLoader(
+                _MicroBatches(dataset),
+                batch_size=None,
+                sampler=_UpcomingIds(ahead),
+                num_workers=num_workers,
+                collate_fn=_as_fetched,
+                pin_memory=pin_memory,
+            )
             self._loaded = iter(loader)
 
     def next_batch(self) -> Any:
         self.last_sample_ids = self._next_ids()
         if self._loaded is None:
             batch = _collated(self.dataset, self.last_sample_ids)
-            return tree_map(lambda value: value.pin_memory() if isinstance(value, torch.Tensor) else value, batch) if self.pin_memory else batch
+            return (
+                tree_map(lambda value: value.pin_memory() if isinstance(value, torch.Tensor) else value, batch)
+                if self.pin_memory
+                else batch
+            )
         fetched_ids, batch = next(self._loaded)
         if fetched_ids != self.last_sample_ids:
-            raise RuntimeError(f"the data loader fetched samples {fetched_ids}, but the stream's order names {self.last_sample_ids}")
+            raise RuntimeError(
+                f"the data loader fetched samples {fetched_ids}, but the stream's order names {self.last_sample_ids}"
+            )
         return batch
 
     def close(self) -> None:

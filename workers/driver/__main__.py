@@ -28,7 +28,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ringmaster.workers.driver", description=__doc__)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--attempt", type=int, required=True)
-    parser.add_argument("--ray-address", help="the cluster's GCS address; without it, the one the Jobs API gives the driver")
+    parser.add_argument(
+        "--ray-address", help="the cluster's GCS address; without it, the one the Jobs API gives the driver"
+    )
     parser.add_argument("--placement-group", required=True)
     parser.add_argument("--api-url", required=True)
     parser.add_argument("--storage-uri", required=True)
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     # entrypoint column, a kilobyte of JSON.
     spec = JobSpec.model_validate_json(os.environ[JOB_SPEC_ENV])
     started = time.monotonic()
-    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, _temp_dir=_own_node_temp_dir())
+    ray.init(
+        address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, _temp_dir=_own_node_temp_dir()
+    )
     # After ray.init: its core worker installs a handler that writes a crash dump into the log on SIGTERM, which a
     # cancel sends; Python's own handler replaces it.
     signal.signal(signal.SIGTERM, _stop_requested)
@@ -72,14 +76,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
         # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
-        code = Controller(spec, args.job_id, args.attempt, args.placement_group, args.storage_uri, reporter,
-                          claimant=submission_id_for(args.job_id, args.attempt), tenant=args.tenant).run()
+        code = Controller(
+            spec,
+            args.job_id,
+            args.attempt,
+            args.placement_group,
+            args.storage_uri,
+            reporter,
+            claimant=submission_id_for(args.job_id, args.attempt),
+            tenant=args.tenant,
+        ).run()
     finally:
         # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
         # rerun a finished job as a failed attempt.
         delivered = reporter.close(timeout_s=FINAL_REPORT_WAIT_S)
-    log.info("job %s attempt %d ended with code %d after %.1fs (reports delivered: %s)",
-             args.job_id, args.attempt, code, time.monotonic() - started, delivered)
+    log.info(
+        "job %s attempt %d ended with code %d after %.1fs (reports delivered: %s)",
+        args.job_id,
+        args.attempt,
+        code,
+        time.monotonic() - started,
+        delivered,
+    )
     _outlive_one_metrics_export()
     return code
 
@@ -98,7 +116,7 @@ def _outlive_one_metrics_export() -> None:
         from ray._raylet import Config  # the interval the cluster was started with
 
         interval_s = Config.metrics_report_interval_ms() / 1000
-    except Exception:  # noqa: BLE001 — a Ray without it: metrics are an aid, the job is done
+    except Exception:
         return
     time.sleep(min(interval_s + 0.5, METRICS_EXPORT_WAIT_CAP_S))
 

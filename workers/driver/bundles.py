@@ -28,7 +28,9 @@ class Slot:
 
 def slot_nodes(slots: list[Slot]) -> list[str | None]:
     """The node each slot's bundle is placed on (None: not placed now)."""
-    tables = {group: placement_group_table(group).get("bundles_to_node_id", {}) for group in {slot.group for slot in slots}}
+    tables = {
+        group: placement_group_table(group).get("bundles_to_node_id", {}) for group in {slot.group for slot in slots}
+    }
     return [tables[slot.group].get(slot.index) for slot in slots]
 
 

@@ -29,8 +29,8 @@ from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Bundles, Slot
-from ringmaster.workers.driver.poll import GroupPoll, PollResult
 from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
+from ringmaster.workers.driver.poll import GroupPoll, PollResult
 from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.driver.standby import StandbyPool
 from ringmaster.workers.driver.training_log import TrainingLog
@@ -147,16 +147,27 @@ class Controller:
     def __post_init__(self) -> None:
         self.storage_root = f"{self.storage_uri.rstrip('/')}/{self.job_id}"
         # JobSpec.resume_from: the other job's storage, resumed from while this job has no checkpoint of its own.
-        self.resume_from_root = f"{self.storage_uri.rstrip('/')}/{self.spec.resume_from}" if self.spec.resume_from else None
-        self.group = WorkerGroup(self.spec, COLLECTIVE_TIMEOUT_S, self.claimant,
-                                 label=f"{self.spec.name}-{self.job_id[:8]}-a{self.attempt}",
-                                 rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S)
+        self.resume_from_root = (
+            f"{self.storage_uri.rstrip('/')}/{self.spec.resume_from}" if self.spec.resume_from else None
+        )
+        self.group = WorkerGroup(
+            self.spec,
+            COLLECTIVE_TIMEOUT_S,
+            self.claimant,
+            label=f"{self.spec.name}-{self.job_id[:8]}-a{self.attempt}",
+            rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S,
+        )
         self.failures = FailurePolicy()
         self.scaling = ScalingPolicy(self.spec.workers, CAPACITY_WAIT_S)
         self._rank0_metrics = DrainedMetrics()
         self._poll: GroupPoll | None = None  # the latest training call's
-        self.training_log = TrainingLog(self.spec, self.job_id, self.attempt, self.tenant,
-                                        tensorboard_dir=f"{self.storage_root}/{TENSORBOARD_DIR}/attempt-{self.attempt}")
+        self.training_log = TrainingLog(
+            self.spec,
+            self.job_id,
+            self.attempt,
+            self.tenant,
+            tensorboard_dir=f"{self.storage_root}/{TENSORBOARD_DIR}/attempt-{self.attempt}",
+        )
 
     def run(self) -> int:
         """Drive the job to an end; 0 when it succeeded or the control plane ended the attempt, 1 when it failed
@@ -166,7 +177,7 @@ class Controller:
         try:
             while not isinstance(self.state, (Finished, Failed)):
                 self.state = self.step(self.state)
-        except Exception:  # noqa: BLE001 — whatever broke, the job's record must say what
+        except Exception:
             self.state = Failed(f"driver error:\n{traceback.format_exc()}")
         finally:
             if isinstance(self.state, Failed):
@@ -196,17 +207,26 @@ class Controller:
         self.standby.top_up(self.spec.workers.standby, taken=set(self.bundles.admission))
         began = time.monotonic()
         members = self.group.launch(self.bundles.admission, START_TIMEOUT_S)
-        log.info("%d worker actor(s) running after %.2fs (%d from the warm pool)", len(members),
-                 time.monotonic() - began, self.group.pooled_started)
+        log.info(
+            "%d worker actor(s) running after %.2fs (%d from the warm pool)",
+            len(members),
+            time.monotonic() - began,
+            self.group.pooled_started,
+        )
         if len(members) < self.spec.workers.min:
             return Failed(f"only {len(members)} of {self.spec.workers.min} workers started")
         if (lost := self._form_without_the_lost(members, again_from=0)) is not None:
             return lost  # re-formed as after a loss, which reports RUNNING once formed
         log.info("process group formed after %.2fs", time.monotonic() - began)
-        self._report(state="RUNNING", message=f"training on {self.group.world_size} workers across "
-                             f"{len(self.group.nodes)} node(s)", details={
-                                 "world_size": self.group.world_size, "warm_pool_workers": self.group.pooled_started,
-                                 "ranks": [worker.describe() for worker in self.group.workers]})
+        self._report(
+            state="RUNNING",
+            message=f"training on {self.group.world_size} workers across {len(self.group.nodes)} node(s)",
+            details={
+                "world_size": self.group.world_size,
+                "warm_pool_workers": self.group.pooled_started,
+                "ranks": [worker.describe() for worker in self.group.workers],
+            },
+        )
         return self._train()
 
     def _train(self, memory_resume: dict[str, int] | None = None) -> Running:
@@ -214,9 +234,16 @@ class Controller:
         the latest committed checkpoint."""
         self._rank0_metrics.restart()
         futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt, memory_resume)
-        self._poll = GroupPoll(self.group, futures, interval_s=POLL_INTERVAL_S, drain_every_s=DRAIN_INTERVAL_S,
-                               heartbeat_interval_s=HEARTBEAT_INTERVAL_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                               probe_timeout_s=PROBE_TIMEOUT_S, probe_grace_s=PROBE_GRACE_S)
+        self._poll = GroupPoll(
+            self.group,
+            futures,
+            interval_s=POLL_INTERVAL_S,
+            drain_every_s=DRAIN_INTERVAL_S,
+            heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+            probe_timeout_s=PROBE_TIMEOUT_S,
+            probe_grace_s=PROBE_GRACE_S,
+        )
         return Running(self._poll)
 
     def _run(self, running: Running) -> State:
@@ -235,7 +262,9 @@ class Controller:
             if any(outcome["stopped"] for outcome in result.finished):
                 return Resizing()
             final = result.finished[0]
-            self._report(state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}")
+            self._report(
+                state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}"
+            )
             return Finished(succeeded=True)
         self._keep_workers_warm()
         if not running.stopping and self.scaling.should_grow(self._counts()):
@@ -267,11 +296,15 @@ class Controller:
         taken = {worker.slot for worker in self.group.workers}
         for ready in self.standby.top_up(self.scaling.warm_wanted(self._counts()), taken):
             if missing:
-                self._report(message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the "
-                                     "next step", details={"warm_node": ready.node_id, "warm_pid": ready.pid})
+                self._report(
+                    message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the next step",
+                    details={"warm_node": ready.node_id, "warm_pid": ready.pid},
+                )
             else:
-                self._report(message=f"standby worker ready on node {ready.node_id[:12]}",
-                                     details={"standby_node": ready.node_id, "standby_pid": ready.pid})
+                self._report(
+                    message=f"standby worker ready on node {ready.node_id[:12]}",
+                    details={"standby_node": ready.node_id, "standby_pid": ready.pid},
+                )
 
     def _counts(self) -> _Counts:
         return _Counts(self.group.world_size, len(self.standby.ready), self.standby.starting)
@@ -282,22 +315,31 @@ class Controller:
         """Keep the survivors and take the standbys it needs; Placing then adds new workers and forms the group."""
         recovering = isinstance(state, Recovering)
         again = recovering and state.again_from is not None
-        placing = Placing(reason=state.reason if recovering else "capacity returned", recovering=recovering,
-                          world_size_before=state.again_from if again else self.group.world_size)
+        placing = Placing(
+            reason=state.reason if recovering else "capacity returned",
+            recovering=recovering,
+            world_size_before=state.again_from if again else self.group.world_size,
+        )
         if recovering:
             # A node's death reaches the driver one actor at a time: the others it took can still look alive. Asked
             # now, they fail a heartbeat at once (Ray knows the node is gone); live ones answer in milliseconds.
             lost_nodes = {worker.node_id for worker in state.lost}
-            suspects = [worker for worker in self.group.workers if worker.node_id in lost_nodes and worker not in state.lost]
+            suspects = [
+                worker for worker in self.group.workers if worker.node_id in lost_nodes and worker not in state.lost
+            ]
             lost = state.lost + (self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S, suspects) if suspects else [])
             # A worker whose process alone died (its node lives) leaves a bundle a replacement can take at once.
             self.bundles.lost_nodes |= {worker.node_id for worker in lost if not died_on_a_live_node(worker)}
-            self._report(state=None if again else "RECOVERING", message=f"{state.reason}; re-forming the group", details={
-                "lost_ranks": sorted(worker.rank for worker in lost),
-                "lost_nodes": sorted({worker.node_id for worker in lost}),
-                "lost_pids": sorted(worker.pid for worker in lost),
-                "world_size_before": placing.world_size_before,
-            })
+            self._report(
+                state=None if again else "RECOVERING",
+                message=f"{state.reason}; re-forming the group",
+                details={
+                    "lost_ranks": sorted(worker.rank for worker in lost),
+                    "lost_nodes": sorted({worker.node_id for worker in lost}),
+                    "lost_pids": sorted(worker.pid for worker in lost),
+                    "world_size_before": placing.world_size_before,
+                },
+            )
             self.group.remove(lost)
         if self.scaling.wait_for_warming(self._counts()):
             self.standby.wait_for_starting(START_TIMEOUT_S)
@@ -316,17 +358,25 @@ class Controller:
     def _place(self, placing: Placing) -> State:
         """Start new workers where bundles can be placed now; form the next generation once the scaling policy says
         so, else wait a second (a state of its own each time) or give up."""
-        spare = self.bundles.spare(self._taken(placing))[:placing.wanted]
+        spare = self.bundles.spare(self._taken(placing))[: placing.wanted]
         added = self.group.launch(spare, START_TIMEOUT_S) if placing.wanted else []
         members = self.group.workers + placing.standbys + added
-        log.info("regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
-                 time.monotonic() - placing.started, self.group.world_size, len(added), len(spare))
+        log.info(
+            "regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
+            time.monotonic() - placing.started,
+            self.group.world_size,
+            len(added),
+            len(spare),
+        )
         decision = self.scaling.decide(len(members), time.monotonic() - placing.waiting_since, placing.reason)
         if not isinstance(decision, FormGroup):
             for worker in added:
                 ray.kill(worker.actor, no_restart=True)
             if self.reporter.ended.is_set():
-                log.info("the control plane ended this attempt (job %s) while it waited for capacity", self.reporter.ended_state)
+                log.info(
+                    "the control plane ended this attempt (job %s) while it waited for capacity",
+                    self.reporter.ended_state,
+                )
                 return Finished(succeeded=False)
             if isinstance(decision, GiveUp):
                 return Failed(decision.reason)
@@ -335,8 +385,12 @@ class Controller:
         again_from = placing.world_size_before if placing.recovering else None
         if (lost := self._form_without_the_lost(members, again_from)) is not None:
             return lost
-        log.info("formed generation %d at %d workers after %.1fs", self.group.generation, self.group.world_size,
-                 time.monotonic() - placing.started)
+        log.info(
+            "formed generation %d at %d workers after %.1fs",
+            self.group.generation,
+            self.group.world_size,
+            time.monotonic() - placing.started,
+        )
         # The newest step the members hold in memory between them; else rank 0 names the checkpoint it will resume
         # from (reading checkpoints takes torch, which the driver never imports: 2-3 s of CPU, taken from training).
         snapshot = choose_snapshot(self.group.snapshot_inventories(self.job_id))
@@ -346,14 +400,22 @@ class Controller:
             resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
             source = "storage"
             if snapshot.why_not:
-                self._report(message=f"{snapshot.why_not}: resuming from the durable checkpoint of step {resumed}",
-                             details={"memory_fallback": snapshot.why_not, "resumed_from_step": resumed})
+                self._report(
+                    message=f"{snapshot.why_not}: resuming from the durable checkpoint of step {resumed}",
+                    details={"memory_fallback": snapshot.why_not, "resumed_from_step": resumed},
+                )
         before = placing.world_size_before
-        details = {"world_size": self.group.world_size, "world_size_before": before, "resumed_from_step": resumed,
-                   "resumed_from": source,
-                   "ranks": [worker.describe() for worker in self.group.workers],
-                   "standby_workers_used": len(placing.standbys), "workers_missing": self.scaling.missing(self._counts()),
-                   "nodes": len(self.group.nodes), "regroup_s": round(time.monotonic() - placing.started, 3)}
+        details = {
+            "world_size": self.group.world_size,
+            "world_size_before": before,
+            "resumed_from_step": resumed,
+            "resumed_from": source,
+            "ranks": [worker.describe() for worker in self.group.workers],
+            "standby_workers_used": len(placing.standbys),
+            "workers_missing": self.scaling.missing(self._counts()),
+            "nodes": len(self.group.nodes),
+            "regroup_s": round(time.monotonic() - placing.started, 3),
+        }
         where = "peers' memory" if source == "memory" else "durable checkpoint"
         message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed} ({where})"
         if placing.recovering:
@@ -362,8 +424,15 @@ class Controller:
             self._report(message=f"capacity returned: {message}", details=details)
         return self._train(snapshot.chosen)
 
-    def _report(self, *, state: str | None = None, message: str | None = None, metrics: list[MetricPoint] | None = None,
-                checkpoints: list[CheckpointRecord] | None = None, **rest) -> int:
+    def _report(
+        self,
+        *,
+        state: str | None = None,
+        message: str | None = None,
+        metrics: list[MetricPoint] | None = None,
+        checkpoints: list[CheckpointRecord] | None = None,
+        **rest,
+    ) -> int:
         """Report to the control plane, and say it in the driver's log (what the Ray dashboard shows of the job)."""
         if metrics:
             self.training_log.metrics(metrics, self.group.world_size)
@@ -386,8 +455,12 @@ class Controller:
             lost = self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S)
             if not lost:
                 raise
-            return Recovering(lost, f"lost rank(s) {sorted(worker.rank for worker in lost)} of the group being formed "
-                                    f"on node(s) {sorted({worker.node_id[:12] for worker in lost})}", again_from=again_from)
+            return Recovering(
+                lost,
+                f"lost rank(s) {sorted(worker.rank for worker in lost)} of the group being formed "
+                f"on node(s) {sorted({worker.node_id[:12] for worker in lost})}",
+                again_from=again_from,
+            )
         return None
 
     def _form(self, members: list[RankedWorker]) -> None:
@@ -398,11 +471,20 @@ class Controller:
         # Which process is which rank: a warm pool worker belongs to the control plane's Ray job, not this one, so the
         # dashboard lists it under that job; its actor id finds it there.
         for worker in self.group.workers:
-            log.info("rank %d: pid %d (training in pid %d) on node %s, Ray actor %s (%s)", worker.rank, worker.pid,
-                     worker.training_pid, worker.node_id[:12], worker.actor_id, worker.name or "unnamed")
+            log.info(
+                "rank %d: pid %d (training in pid %d) on node %s, Ray actor %s (%s)",
+                worker.rank,
+                worker.pid,
+                worker.training_pid,
+                worker.node_id[:12],
+                worker.actor_id,
+                worker.name or "unnamed",
+            )
 
     def _report_failure(self, reason: str) -> None:
         """What rank 0 recorded before the failure goes out first."""
         if self._poll is not None:
-            self._forward(PollResult(drained=self._poll.drain(self._rank0_metrics.acknowledged(self.reporter.handled_seq))))
+            self._forward(
+                PollResult(drained=self._poll.drain(self._rank0_metrics.acknowledged(self.reporter.handled_seq)))
+            )
         self._report(state="FAILED", message=reason[-_MAX_MESSAGE:])

@@ -22,8 +22,17 @@ from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.rank_process import TRAINING_PROCESS_NOTE
 
 # Text of the exceptions a rank raises when a peer or the transport is gone, not the user's code.
-_COMMUNICATION_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
-                           "DistNetworkError", "NCCL error", "Timed out", "timed out", "aborted")
+_COMMUNICATION_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "DistNetworkError",
+    "NCCL error",
+    "Timed out",
+    "timed out",
+    "aborted",
+)
 
 
 def is_communication_failure(error: BaseException) -> bool:
@@ -74,8 +83,10 @@ def describe_task_error(error: BaseException) -> str:
     if noted is None:
         return f"training raised an exception in {where.strip()}\nTraceback (most recent call last):\n{frames}"
     node = _RAY_TASK_NODE.search(where)
-    return (f"training raised an exception on {noted['where']}{f', node {node[1]}' if node else ''}\n"
-            f"Traceback (most recent call last):\n{frames[noted.end():]}")
+    return (
+        f"training raised an exception on {noted['where']}{f', node {node[1]}' if node else ''}\n"
+        f"Traceback (most recent call last):\n{frames[noted.end() :]}"
+    )
 
 
 class GroupCounts(Protocol):

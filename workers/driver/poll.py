@@ -58,15 +58,27 @@ class Heartbeats:
         if now - self._last_sent >= self.interval_s:
             self._outstanding.update({worker.actor.heartbeat.remote(): (worker, now) for worker in workers})
             self._last_sent = now
-        return sorted({id(worker): worker for worker, sent in self._outstanding.values()
-                       if now - sent > self.timeout_s}.values(), key=lambda worker: worker.rank)
+        return sorted(
+            {id(worker): worker for worker, sent in self._outstanding.values() if now - sent > self.timeout_s}.values(),
+            key=lambda worker: worker.rank,
+        )
 
 
 class GroupPoll:
     """Polls one training call of a group (one generation) until it finishes or breaks."""
 
-    def __init__(self, group: WorkerGroup, futures: dict[Any, RankedWorker], *, interval_s: float, drain_every_s: float,
-                 heartbeat_interval_s: float, heartbeat_timeout_s: float, probe_timeout_s: float, probe_grace_s: float) -> None:
+    def __init__(
+        self,
+        group: WorkerGroup,
+        futures: dict[Any, RankedWorker],
+        *,
+        interval_s: float,
+        drain_every_s: float,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        probe_timeout_s: float,
+        probe_grace_s: float,
+    ) -> None:
         self._group = group
         self._futures = futures
         self._pending = list(futures)
@@ -104,8 +116,11 @@ class GroupPoll:
         if result.errors and not result.lost:
             probing = time.monotonic()
             result.lost = self._group.unresponsive(*self._probe)
-            log.info("a collective failed; probe found %d unresponsive worker(s) in %.2fs", len(result.lost),
-                     time.monotonic() - probing)
+            log.info(
+                "a collective failed; probe found %d unresponsive worker(s) in %.2fs",
+                len(result.lost),
+                time.monotonic() - probing,
+            )
         elif result.lost:
             log.info("lost %d worker(s): actor death or a missed heartbeat", len(result.lost))
         if result.lost:  # the survivors whose call the loss broke, seen ending before the loss was
@@ -127,8 +142,9 @@ class GroupPoll:
         interrupted = {ref: self._futures[ref] for ref in self._pending}
         self._pending = []
         if interrupted:
-            threading.Thread(target=_log_interrupted, args=(interrupted, timeout_s), name="interrupted-calls",
-                             daemon=True).start()
+            threading.Thread(
+                target=_log_interrupted, args=(interrupted, timeout_s), name="interrupted-calls", daemon=True
+            ).start()
 
     def drain(self, metrics_acknowledged: int) -> list[tuple[RankedWorker, dict[str, list[dict[str, Any]]]]]:
         """Rank 0's metrics, checkpoints and events, and each rank's one memory report ([] when none answer: the
@@ -137,8 +153,10 @@ class GroupPoll:
         if not sources:
             return []
         try:
-            drained = ray.get([worker.actor.drain.remote(metrics_acknowledged if worker.rank == 0 else None)
-                               for worker in sources], timeout=self._probe[0])
+            drained = ray.get(
+                [worker.actor.drain.remote(metrics_acknowledged if worker.rank == 0 else None) for worker in sources],
+                timeout=self._probe[0],
+            )
         except (RayActorError, ray.exceptions.GetTimeoutError):
             return []
         for batch in drained:
@@ -150,7 +168,7 @@ def _log_interrupted(calls: dict[Any, RankedWorker], timeout_s: float) -> None:
     for ref, worker in calls.items():
         try:
             ray.get(ref, timeout=timeout_s)
-        except Exception as error:  # noqa: BLE001 — lost with its actor, or still running when the driver moved on
+        except Exception as error:
             _log_ended(worker, error)
 
 
@@ -159,6 +177,8 @@ def _log_ended(worker: RankedWorker, error: Exception) -> None:
     if isinstance(error, RayTaskError):
         cause = error.cause if error.cause is not None else error
         first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        log.info("rank %d's interrupted training call ended: %s: %s", worker.rank, type(cause).__name__, first_line[:300])
+        log.info(
+            "rank %d's interrupted training call ended: %s: %s", worker.rank, type(cause).__name__, first_line[:300]
+        )
     else:
         log.info("rank %d's interrupted training call ended: %s", worker.rank, type(error).__name__)

@@ -39,5 +39,7 @@ def choose_snapshot(inventories: list[list[dict[str, Any]]]) -> SnapshotChoice:
     if newest not in required:
         missing = "its metadata (every rank that held it is gone)"
     else:
-        missing = ", ".join(" or ".join(files) for files in lacking(newest)) + " (a shard and every copy of it are lost)"
+        missing = (
+            ", ".join(" or ".join(files) for files in lacking(newest)) + " (a shard and every copy of it are lost)"
+        )
     return SnapshotChoice(None, f"the in-memory snapshot of step {newest[1]} lacks {missing}")

@@ -25,15 +25,27 @@ log = logging.getLogger("ringmaster.training")
 
 PROGRESS_EVERY_S = 5.0
 # ringmaster_train_<name>: the gauges each driver sets (deploy/grafana charts them).
-TRAINING_SERIES = {"loss": "Training loss at the newest step.", "samples_per_s": "Samples per second at the newest step.",
-                   "step": "The newest completed step.", "world_size": "Workers in the training group.",
-                   "recoveries": "Times the group re-formed after losing a worker.", "lr": "Learning rate."}
+TRAINING_SERIES = {
+    "loss": "Training loss at the newest step.",
+    "samples_per_s": "Samples per second at the newest step.",
+    "step": "The newest completed step.",
+    "world_size": "Workers in the training group.",
+    "recoveries": "Times the group re-formed after losing a worker.",
+    "lr": "Learning rate.",
+}
 _PACE_POINTS = 20  # the ETA's pace: the wall time over this many newest steps
 
 
 class TrainingLog:
-    def __init__(self, spec: JobSpec, job_id: str, attempt: int, tenant: str, every_s: float = PROGRESS_EVERY_S,
-                 tensorboard_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        job_id: str,
+        attempt: int,
+        tenant: str,
+        every_s: float = PROGRESS_EVERY_S,
+        tensorboard_dir: str | None = None,
+    ) -> None:
         """`tensorboard_dir`: where this attempt's TensorBoard event files go (a path or fsspec URI); None: nowhere."""
         self.total_steps = spec.train.steps
         self.every_s = every_s
@@ -73,8 +85,11 @@ class TrainingLog:
         return "  ".join(parts)
 
     def checkpoint(self, record: CheckpointRecord) -> None:
-        took = f" ({record.save_s:.2f}s, training blocked {record.blocked_s:.2f}s)" if record.save_s is not None \
-            and record.blocked_s is not None else ""
+        took = (
+            f" ({record.save_s:.2f}s, training blocked {record.blocked_s:.2f}s)"
+            if record.save_s is not None and record.blocked_s is not None
+            else ""
+        )
         log.info("checkpoint committed at step %d%s: %s", record.step, took, record.uri)
 
     def close(self) -> None:
@@ -99,18 +114,26 @@ class _RaySeries:
             from ray.util.metrics import Gauge
 
             keys = tuple(tags)
-            self._gauges = {name: Gauge(f"ringmaster_train_{name}", description=text, tag_keys=keys)
-                            for name, text in TRAINING_SERIES.items()}
+            self._gauges = {
+                name: Gauge(f"ringmaster_train_{name}", description=text, tag_keys=keys)
+                for name, text in TRAINING_SERIES.items()
+            }
             for gauge in self._gauges.values():
                 gauge.set_default_tags(tags)
-        except Exception:  # noqa: BLE001 — metrics are an aid: training never waits on them
+        except Exception:
             log.debug("Ray metrics unavailable", exc_info=True)
 
     def set(self, point: MetricPoint, world_size: int, recoveries: int) -> None:
         if self._gauges is None:
             return
-        for name, value in (("loss", point.loss), ("samples_per_s", point.samples_per_s), ("step", point.step),
-                            ("world_size", world_size), ("recoveries", recoveries), ("lr", point.lr)):
+        for name, value in (
+            ("loss", point.loss),
+            ("samples_per_s", point.samples_per_s),
+            ("step", point.step),
+            ("world_size", world_size),
+            ("recoveries", recoveries),
+            ("lr", point.lr),
+        ):
             if value is not None:
                 self._gauges[name].set(value)
 
@@ -120,8 +143,14 @@ class _RaySeries:
 
 
 # MetricPoint field -> TensorBoard tag
-_TENSORBOARD_TAGS = {"loss": "train/loss", "val_loss": "train/val_loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                     "samples_per_s": "train/samples_per_s", "world_size": "train/world_size"}
+_TENSORBOARD_TAGS = {
+    "loss": "train/loss",
+    "val_loss": "train/val_loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "samples_per_s": "train/samples_per_s",
+    "world_size": "train/world_size",
+}
 _UPLOAD_EVERY_S = 10.0
 
 
@@ -139,11 +168,14 @@ class TensorBoardEvents:
         from tensorboard.compat.proto import event_pb2
 
         self._remote = directory if "://" in directory and not directory.startswith("file://") else None
-        self._local = Path(tempfile.mkdtemp(prefix="ringmaster-tb-")) if self._remote else Path(directory.removeprefix("file://"))
+        self._local = (
+            Path(tempfile.mkdtemp(prefix="ringmaster-tb-")) if self._remote else Path(directory.removeprefix("file://"))
+        )
         self._local.mkdir(parents=True, exist_ok=True)
         # TensorBoard reads every file whose name holds "tfevents"; the host and pid keep two writers' apart.
-        self._file = (self._local / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
-                      ).open("ab")
+        self._file = (
+            self._local / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        ).open("ab")
         self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         self._uploaded_at = time.monotonic()
 
@@ -154,11 +186,19 @@ class TensorBoardEvents:
             scalars = {tag: getattr(point, field) for field, tag in _TENSORBOARD_TAGS.items()}
             if point.loss is not None:
                 scalars["train/recoveries"] = recoveries
-            values = [summary_pb2.Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()
-                      if value is not None]
+            values = [
+                summary_pb2.Summary.Value(tag=tag, simple_value=value)
+                for tag, value in scalars.items()
+                if value is not None
+            ]
             if values:
-                self._write(event_pb2.Event(wall_time=point.wall_time or time.time(), step=point.step,
-                                            summary=summary_pb2.Summary(value=values)))
+                self._write(
+                    event_pb2.Event(
+                        wall_time=point.wall_time or time.time(),
+                        step=point.step,
+                        summary=summary_pb2.Summary(value=values),
+                    )
+                )
         self._file.flush()  # a TensorBoard watching the directory sees each batch as it comes
         if self._remote and time.monotonic() - self._uploaded_at >= _UPLOAD_EVERY_S:
             self._upload()
@@ -177,7 +217,7 @@ class TensorBoardEvents:
             filesystem, root = fsspec.core.url_to_fs(self._remote)
             for path in self._local.iterdir():
                 filesystem.put_file(str(path), f"{root.rstrip('/')}/{path.name}")
-        except Exception:  # noqa: BLE001 — the event files are an aid: training never waits on them
+        except Exception:
             log.warning("TensorBoard event files not copied to %s", self._remote, exc_info=True)
 
     def close(self) -> None:

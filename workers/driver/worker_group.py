@@ -38,14 +38,28 @@ class RankedWorker:
     name: str | None = None  # its Ray actor name: the job's (`<job>-<id>-a<attempt>-w<n>`) or a warm pool worker's
 
     @classmethod
-    def placed(cls, actor: Any, slot: Slot, placement: dict[str, Any]) -> "RankedWorker":
+    def placed(cls, actor: Any, slot: Slot, placement: dict[str, Any]) -> RankedWorker:
         """A started actor, from what its `placement()` answered."""
-        return cls(actor, slot, placement["node_id"], placement["ip"], placement["pid"],
-                   training_pid=placement["training_pid"], actor_id=placement["actor_id"], name=placement["name"])
+        return cls(
+            actor,
+            slot,
+            placement["node_id"],
+            placement["ip"],
+            placement["pid"],
+            training_pid=placement["training_pid"],
+            actor_id=placement["actor_id"],
+            name=placement["name"],
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": self.pid, "training_pid": self.training_pid, "node_id": self.node_id,
-                "actor_id": self.actor_id, "name": self.name}
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "training_pid": self.training_pid,
+            "node_id": self.node_id,
+            "actor_id": self.actor_id,
+            "name": self.name,
+        }
 
 
 def died_on_a_live_node(worker: RankedWorker) -> bool:
@@ -54,7 +68,7 @@ def died_on_a_live_node(worker: RankedWorker) -> bool:
     dead, a frozen one, or no answer) its node is treated as lost."""
     try:
         actor = ray._private.state.actors(worker.actor_id)
-    except Exception:  # noqa: BLE001 — the GCS busy or restarting: the cautious answer
+    except Exception:
         return False
     cause = actor.get("DeathCause")
     if actor.get("State") != "DEAD" or cause is None or cause.WhichOneof("context") != "actor_died_error_context":
@@ -72,8 +86,14 @@ def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
 
 
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, collective_timeout_s: float, claimant: str | None = None, label: str = "worker",
-                 rendezvous_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        collective_timeout_s: float,
+        claimant: str | None = None,
+        label: str = "worker",
+        rendezvous_timeout_s: float | None = None,
+    ) -> None:
         """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never);
         `label`: what the actors it starts are named after (the job and attempt), `<label>-w<n>`;
         `rendezvous_timeout_s`: how long a member waits for the others while the group forms (TrainWorker.join; None:
@@ -148,14 +168,24 @@ class WorkerGroup:
         if self._unfinished_joins:
             # Members of a formation that failed (a member lost during it) may still wait in its rendezvous, holding
             # their group lock until they give up (the rendezvous timeout): this formation starts once they have.
-            ray.wait(self._unfinished_joins, num_returns=len(self._unfinished_joins),
-                     timeout=self.rendezvous_timeout_s + _JOIN_GIVE_UP_MARGIN_S)
+            ray.wait(
+                self._unfinished_joins,
+                num_returns=len(self._unfinished_joins),
+                timeout=self.rendezvous_timeout_s + _JOIN_GIVE_UP_MARGIN_S,
+            )
             self._unfinished_joins = []
         master = self.workers[0]
         port = ray.get(master.actor.rendezvous_port.remote())
         joins = [
-            worker.actor.join.remote(self.generation, worker.rank, self.world_size, master.ip, port, self.collective_timeout_s,
-                                     self.rendezvous_timeout_s)
+            worker.actor.join.remote(
+                self.generation,
+                worker.rank,
+                self.world_size,
+                master.ip,
+                port,
+                self.collective_timeout_s,
+                self.rendezvous_timeout_s,
+            )
             for worker in self.workers
         ]
         try:
@@ -164,12 +194,19 @@ class WorkerGroup:
             self._unfinished_joins = joins
             raise
 
-    def train(self, job_id: str, storage_root: str, resume_from_root: str | None = None, attempt: int = 1,
-              memory_resume: dict[str, int] | None = None) -> dict[Any, RankedWorker]:
+    def train(
+        self,
+        job_id: str,
+        storage_root: str,
+        resume_from_root: str | None = None,
+        attempt: int = 1,
+        memory_resume: dict[str, int] | None = None,
+    ) -> dict[Any, RankedWorker]:
         spec_json, layout = self.spec.model_dump_json(), self.ranks_per_node
         return {
-            worker.actor.train.remote(self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt,
-                                      memory_resume): worker
+            worker.actor.train.remote(
+                self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt, memory_resume
+            ): worker
             for worker in self.workers
         }
 
@@ -177,7 +214,9 @@ class WorkerGroup:
         """What each member holds of the job's in-memory snapshots."""
         return ray.get([worker.actor.snapshot_inventory.remote(job_id) for worker in self.workers])
 
-    def unresponsive(self, timeout_s: float, grace_s: float, workers: list[RankedWorker] | None = None) -> list[RankedWorker]:
+    def unresponsive(
+        self, timeout_s: float, grace_s: float, workers: list[RankedWorker] | None = None
+    ) -> list[RankedWorker]:
         """Workers (of the group, or those given) that do not answer a heartbeat within timeout_s, nor within grace_s
         of another's answer (dead, or their node frozen). A live worker answers in milliseconds; a dead one's call
         hangs until Ray declares its node dead, so waiting the full timeout for it only delays the recovery. A call

@@ -38,8 +38,9 @@ def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
     if pretrained is not None:
         load_safetensors(model, pretrained)
     if getattr(config, "vocab_size", 256) < 256:
-        raise EntrypointError(f"model 'hf:{model_class}': vocab_size {config.vocab_size} cannot hold the byte-level "
-                              "corpus's 256 tokens")
+        raise EntrypointError(
+            f"model 'hf:{model_class}': vocab_size {config.vocab_size} cannot hold the byte-level corpus's 256 tokens"
+        )
     train, validation = pysource_splits(**data_options) if corpus else (None, None)
     return hf_bundle(model, train, validation)
 
@@ -51,19 +52,30 @@ def model_class_and_config(model_class: str, config_options: dict[str, Any]) -> 
 
     cls = getattr(transformers, model_class, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise EntrypointError(f"model 'hf:{model_class}': transformers {transformers.__version__} has no model class {model_class!r}")
+        raise EntrypointError(
+            f"model 'hf:{model_class}': transformers {transformers.__version__} has no model class {model_class!r}"
+        )
     accepted = set(inspect.signature(cls.config_class.__init__).parameters) - {"self", "kwargs"}
     unknown = sorted(set(config_options) - accepted)
     if unknown:
-        raise EntrypointError(f"model 'hf:{model_class}': model_options {unknown} are not fields of {cls.config_class.__name__}")
+        raise EntrypointError(
+            f"model 'hf:{model_class}': model_options {unknown} are not fields of {cls.config_class.__name__}"
+        )
     return cls, cls.config_class(**config_options)
 
 
 def hf_bundle(model: nn.Module, train_dataset, val_dataset) -> ModelBundle:
     """A transformers causal LM with the hooks every strategy needs."""
     without_generation_cache(model)
-    return ModelBundle(model, train_dataset, val_dataset, next_token_loss, tensor_parallel=config_tensor_parallel,
-                       pipeline_stage=pipeline_stage, output_loss_fn=logits_loss)
+    return ModelBundle(
+        model,
+        train_dataset,
+        val_dataset,
+        next_token_loss,
+        tensor_parallel=config_tensor_parallel,
+        pipeline_stage=pipeline_stage,
+        output_loss_fn=logits_loss,
+    )
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -95,8 +107,10 @@ def load_safetensors(model: nn.Module, location: str) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     missing = [key for key in missing if key not in tied]
     if missing or unexpected:
-        raise EntrypointError(f"model_options.pretrained {location!r} does not fit the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
+        raise EntrypointError(
+            f"model_options.pretrained {location!r} does not fit the model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
+        )
     if hasattr(model, "tie_weights"):
         model.tie_weights()
 
@@ -107,8 +121,10 @@ def config_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     replicated."""
     plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     if not plan:
-        raise JobInputError(f"{type(model).__name__} carries no tensor-parallel plan (config.base_model_tp_plan); "
-                         "return a ModelBundle with a tensor_parallel hook from your own model function")
+        raise JobInputError(
+            f"{type(model).__name__} carries no tensor-parallel plan (config.base_model_tp_plan); "
+            "return a ModelBundle with a tensor_parallel hook from your own model function"
+        )
     degree, config = tp_mesh.size(), model.config
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field, None)
@@ -117,13 +133,16 @@ def config_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     styles = {}
     for pattern, style in plan.items():
         if style not in _STYLES:
-            raise JobInputError(f"{type(model).__name__}'s tensor-parallel plan uses {style!r} for {pattern!r}; "
-                             f"ringmaster applies {sorted(_STYLES)}")
+            raise JobInputError(
+                f"{type(model).__name__}'s tensor-parallel plan uses {style!r} for {pattern!r}; "
+                f"ringmaster applies {sorted(_STYLES)}"
+            )
         styles[pattern] = _STYLES[style]()
     base = model.base_model
     names = [name for name, _ in base.named_modules()]
-    parallelize_module(base, tp_mesh, {name: style for pattern, style in styles.items()
-                                       for name in fnmatch.filter(names, pattern)})
+    parallelize_module(
+        base, tp_mesh, {name: style for pattern, style in styles.items() for name in fnmatch.filter(names, pattern)}
+    )
 
 
 class _PassThrough(nn.Module):
@@ -173,7 +192,7 @@ def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Mo
         elif isinstance(parent._modules[name], nn.Dropout):
             parent._modules[name] = nn.Identity()
     last = stage_index == num_stages - 1
-    for name in children[position + 1:] if not last else ():
+    for name in children[position + 1 :] if not last else ():
         if any(True for _ in parent._modules[name].parameters()):
             parent._modules[name] = nn.Identity()
     if not last:

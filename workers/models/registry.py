@@ -13,9 +13,10 @@ import inspect
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,13 +77,17 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
     if spec.model.startswith(HF_PREFIX):
         from ringmaster.workers.models import hf
 
-        builder = partial(hf.build, spec.model.removeprefix(HF_PREFIX), corpus=not isinstance(spec.data, DataSourceSpec))
+        builder = partial(
+            hf.build, spec.model.removeprefix(HF_PREFIX), corpus=not isinstance(spec.data, DataSourceSpec)
+        )
     else:
         builder = resolve_entrypoint(entrypoint)
     try:
         inspect.signature(builder).bind(**spec.model_options)
     except TypeError as error:
-        raise EntrypointError(f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}") from None
+        raise EntrypointError(
+            f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}"
+        ) from None
     token_windows = isinstance(spec.data, DataSourceSpec) or spec.data == "pysource"
     bundle = _as_bundle(builder(**spec.model_options), entrypoint, spec.data if not token_windows else None)
     _with_hf_hooks(bundle)
@@ -94,16 +99,22 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
             vocab_size = getattr(config, "vocab_size", None)
         context = getattr(config, "max_position_embeddings", None)
         if isinstance(context, int) and spec.data.seq_len is not None and spec.data.seq_len > context:
-            raise EntrypointError(f"data.seq_len ({spec.data.seq_len}) exceeds the context length of model "
-                                  f"{entrypoint!r}: its config's max_position_embeddings is {context}")
+            raise EntrypointError(
+                f"data.seq_len ({spec.data.seq_len}) exceeds the context length of model "
+                f"{entrypoint!r}: its config's max_position_embeddings is {context}"
+            )
         bundle.train_dataset, bundle.val_dataset = data_source_splits(spec.data, vocab_size)
     elif spec.data != USER_DATA and builtin is None:
         corpus = BUILTIN_CORPORA[spec.data]
         accepted = inspect.signature(corpus).parameters
-        bundle.train_dataset, bundle.val_dataset = corpus(**{k: v for k, v in spec.model_options.items() if k in accepted})
+        bundle.train_dataset, bundle.val_dataset = corpus(
+            **{k: v for k, v in spec.model_options.items() if k in accepted}
+        )
     if bundle.train_dataset is None:
-        raise EntrypointError(f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in "
-                              "corpus or a data source")
+        raise EntrypointError(
+            f"model {entrypoint!r} returned no train_dataset and spec.data is {spec.data!r}, not a built-in "
+            "corpus or a data source"
+        )
     return bundle
 
 
@@ -116,15 +127,22 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
     except ImportError as error:
         top_level = module_name.split(".")[0]
         missing_itself = isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == top_level
-        hint = ("; ship its directory with the job (ringmaster submit --code DIR) or put it on RINGMASTER_CODE_PATH"
-                if missing_itself else "")
-        raise EntrypointError(f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: "
-                              f"{type(error).__name__}: {error}{_where_raised(error)}{hint}") from error
+        hint = (
+            "; ship its directory with the job (ringmaster submit --code DIR) or put it on RINGMASTER_CODE_PATH"
+            if missing_itself
+            else ""
+        )
+        raise EntrypointError(
+            f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: "
+            f"{type(error).__name__}: {error}{_where_raised(error)}{hint}"
+        ) from error
     builder = getattr(module, attribute, None)
     if builder is None:
         raise EntrypointError(f"model entrypoint {entrypoint!r}: module {module_name!r} has no attribute {attribute!r}")
     if not callable(builder):
-        raise EntrypointError(f"model entrypoint {entrypoint!r}: {attribute!r} is a {type(builder).__name__}, not a function")
+        raise EntrypointError(
+            f"model entrypoint {entrypoint!r}: {attribute!r} is a {type(builder).__name__}, not a function"
+        )
     return builder
 
 
@@ -142,7 +160,9 @@ def _job_code_first() -> None:
     the job's driver (or, for a warm pool worker, the control plane) started in before it; when that is a ringmaster
     checkout, its api/, service/ and workers/ folders would shadow a user's own packages of those names. ringmaster
     itself imports only ringmaster.*, so nothing of its own can be shadowed in turn."""
-    for entry in reversed([os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]):
+    for entry in reversed(
+        [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    ):
         sys.path[:] = [entry] + [path for path in sys.path if os.path.abspath(path or ".") != entry]
     importlib.invalidate_caches()
 
@@ -171,7 +191,8 @@ def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) 
                 f"model entrypoint {entrypoint!r} returned a {type(result).__name__} alone, and with data "
                 f"{data_needing_a_bundle!r} it must also return its datasets and loss: a ModelBundle or a tuple (model, "
                 "train_dataset, loss_fn[, val_dataset]). A model alone trains on token windows with the next-token "
-                "loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: pysource")
+                "loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: pysource"
+            )
         result = ModelBundle(result, None, None, next_token_loss)
     if isinstance(result, tuple) and len(result) in (3, 4):
         model, train_dataset, loss_fn, *rest = result
@@ -182,9 +203,13 @@ def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) 
             "a tuple (model, train_dataset, loss_fn[, val_dataset]), or a torch.nn.Module alone (on token windows)"
         )
     if not isinstance(result.model, nn.Module):
-        raise EntrypointError(f"model entrypoint {entrypoint!r}: model is a {type(result.model).__name__}, not a torch.nn.Module")
+        raise EntrypointError(
+            f"model entrypoint {entrypoint!r}: model is a {type(result.model).__name__}, not a torch.nn.Module"
+        )
     if not callable(result.loss_fn):
-        raise EntrypointError(f"model entrypoint {entrypoint!r}: loss_fn is a {type(result.loss_fn).__name__}, not callable")
+        raise EntrypointError(
+            f"model entrypoint {entrypoint!r}: loss_fn is a {type(result.loss_fn).__name__}, not callable"
+        )
     return result
 
 

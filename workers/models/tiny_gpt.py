@@ -133,6 +133,11 @@ def build(
     config = TinyGPTConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
     train_dataset, val_dataset = pysource_splits(seq_len=seq_len, max_corpus_bytes=max_corpus_bytes)
     return ModelBundle(
-        TinyGPT(config), train_dataset, val_dataset, next_token_loss,
-        tensor_parallel=apply_tensor_parallel, pipeline_stage=pipeline_stage, output_loss_fn=logits_loss,
+        TinyGPT(config),
+        train_dataset,
+        val_dataset,
+        next_token_loss,
+        tensor_parallel=apply_tensor_parallel,
+        pipeline_stage=pipeline_stage,
+        output_loss_fn=logits_loss,
     )

@@ -41,7 +41,9 @@ def pipeline_stage(model: TinyGPT, stage_index: int, num_stages: int) -> TinyGPT
     first stage and norm and head on the last; block names ("layers.3") are the unsplit model's."""
     names = list(model.layers.keys())
     if len(names) < num_stages:
-        raise JobInputError(f"tiny-gpt: {len(names)} layers cannot fill {num_stages} pipeline stages; use n_layers >= {num_stages}")
+        raise JobInputError(
+            f"tiny-gpt: {len(names)} layers cannot fill {num_stages} pipeline stages; use n_layers >= {num_stages}"
+        )
     start, stop = len(names) * stage_index // num_stages, len(names) * (stage_index + 1) // num_stages
     stage = copy.deepcopy(model)
     for name in names[:start] + names[stop:]:

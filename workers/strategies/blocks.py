@@ -16,8 +16,10 @@ def repeated_blocks(model: nn.Module, class_names: Sequence[str] | None = None) 
         blocks = list(_outermost(model, set(names)))
         if class_names and not blocks:
             present = sorted({type(module).__name__ for module in model.modules()})
-            raise ValueError(f"parallel.blocks {list(class_names)}: the model has no module of these classes; "
-                             f"its classes are {present}")
+            raise ValueError(
+                f"parallel.blocks {list(class_names)}: the model has no module of these classes; "
+                f"its classes are {present}"
+            )
         if blocks:
             return blocks
     return _largest_uniform_container(model)

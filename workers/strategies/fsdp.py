@@ -4,8 +4,8 @@ replicate, the data-parallel wrapper that (unlike DDP) holds tensor-parallel DTe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -22,8 +22,12 @@ def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
     mesh = setup.mesh[setup.dims.dp_mesh_names]
     reshard_after_forward = setup.spec.parallel.shard != "zero2"
     for block in repeated_blocks(module, setup.spec.parallel.blocks):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=False))
-    return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=True))
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=False)
+        )
+    return fully_shard(
+        module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(setup, root=True)
+    )
 
 
 def apply_replicate(module: nn.Module, setup: ParallelSetup) -> nn.Module:
@@ -36,8 +40,9 @@ def mixed_precision(setup: ParallelSetup, root: bool) -> MixedPrecisionPolicy:
     the root hands back fp32 outputs so the loss is computed in fp32, as under autocast."""
     if not setup.bf16:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                output_dtype=torch.float32 if root else None)
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
+    )
 
 
 @contextmanager

@@ -30,8 +30,10 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
     """Apply ``setup.spec.strategy`` to a bundle whose model is already on ``setup.device``."""
     strategy = setup.spec.strategy
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} must be resolved before training (by the planner for 'auto'); "
-                         f"available: {sorted(STRATEGIES)}")
+        raise ValueError(
+            f"strategy {strategy!r} must be resolved before training (by the planner for 'auto'); "
+            f"available: {sorted(STRATEGIES)}"
+        )
     entry, dims = STRATEGIES[strategy], setup.dims
     pipelined = dims.pp > 1
     shared = shared_parameters(bundle.model) if pipelined else []
@@ -47,20 +49,35 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
             compile_blocks(module, blocks)
     wrap, local_accumulation = _data_parallel(entry, setup)
     parts = [wrap(module) for module in modules]
-    optimizers = [sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part.parameters())
-                  for part in parts]
+    optimizers = [
+        sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part.parameters())
+        for part in parts
+    ]
     first_tp_rank = setup.dims.local_rank(setup.mesh, "tp") == 0
     if not pipelined:
         replicated = entry.data_parallel == "ddp" and not entry.shards_optimizer and dims.tp == 1
-        return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=first_tp_rank,
-                             accumulate_locally=local_accumulation(parts[0]), state_replicated=replicated)
+        return ParallelModel(
+            parts=parts,
+            optimizers=optimizers,
+            holds_loss=first_tp_rank,
+            accumulate_locally=local_accumulation(parts[0]),
+            state_replicated=replicated,
+        )
     # The schedule runs a step's micro-batches itself; each of its backward passes syncs.
     schedule, stages = build_schedule(parts, indices, bundle, setup)
-    return ParallelModel(parts=parts, optimizers=optimizers, holds_loss=stages[-1].is_last and first_tp_rank,
-                         schedule=schedule, stages=stages, tied=tied_across_stages(shared, parts, setup))
+    return ParallelModel(
+        parts=parts,
+        optimizers=optimizers,
+        holds_loss=stages[-1].is_last and first_tp_rank,
+        schedule=schedule,
+        stages=stages,
+        tied=tied_across_stages(shared, parts, setup),
+    )
 
 
-def _data_parallel(entry: StrategyEntry, setup: ParallelSetup) -> tuple[Callable[[nn.Module], nn.Module], LocalAccumulation]:
+def _data_parallel(
+    entry: StrategyEntry, setup: ParallelSetup
+) -> tuple[Callable[[nn.Module], nn.Module], LocalAccumulation]:
     """How replicas synchronise: the entry's wrapper, or none for a single replica of a model-parallel strategy."""
     if setup.dims.dp == 1 and not entry.wraps_one_replica:
         return (lambda module: module), (lambda module: nullcontext)

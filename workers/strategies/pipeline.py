@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.nn.parallel import DistributedDataParallel
 
 from ringmaster.workers.models.registry import ModelBundle
 from ringmaster.workers.strategies.parallel_model import ParallelSetup, local_tensor
@@ -34,8 +34,9 @@ def split_stages(bundle: ModelBundle, setup: ParallelSetup) -> tuple[list[int], 
     return indices, [bundle.pipeline_stage(bundle.model, index, num_stages) for index in indices]
 
 
-def build_schedule(parts: list[nn.Module], indices: list[int], bundle: ModelBundle, setup: ParallelSetup
-                   ) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]:
+def build_schedule(
+    parts: list[nn.Module], indices: list[int], bundle: ModelBundle, setup: ParallelSetup
+) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[PipelineStage]]:
     """Stage the (already parallelized) parts and drive them with the spec's schedule.
 
     Gradients are left summed over micro-batches (scale_grads=False): the trainer divides them once per optimizer
@@ -45,7 +46,9 @@ def build_schedule(parts: list[nn.Module], indices: list[int], bundle: ModelBund
     group = setup.mesh["pp"].get_group()
     stages = [PipelineStage(part, index, num_stages, setup.device, group=group) for part, index in zip(parts, indices)]
     staged = stages if len(stages) > 1 else stages[0]
-    schedule = SCHEDULES[parallel.schedule](staged, parallel.microbatches, loss_fn=bundle.output_loss_fn, scale_grads=False)
+    schedule = SCHEDULES[parallel.schedule](
+        staged, parallel.microbatches, loss_fn=bundle.output_loss_fn, scale_grads=False
+    )
     return schedule, stages
 
 
@@ -90,7 +93,9 @@ class TiedAcrossStages:
             grad.copy_(total)
 
 
-def tied_across_stages(shared: list[SharedParameter], parts: list[nn.Module], setup: ParallelSetup) -> list[TiedAcrossStages]:
+def tied_across_stages(
+    shared: list[SharedParameter], parts: list[nn.Module], setup: ParallelSetup
+) -> list[TiedAcrossStages]:
     """Collective over the pipeline group: which shared parameters the stages hold apart, and this rank's copies."""
     tied = []
     for parameter in shared:
@@ -102,16 +107,23 @@ def tied_across_stages(shared: list[SharedParameter], parts: list[nn.Module], se
             continue  # one stage holds every name: the parameter stays shared inside it
         copies = list(held.values())
         if not copies and setup.dims.dp > 1 and setup.spec.strategy == "3d":
-            raise ValueError(f"{names} are one parameter held by the first and last of {setup.dims.pp} pipeline stages, "
-                             "which the stages between cannot relay while FSDP shards it; use parallel.pp = 2 or untie it")
+            raise ValueError(
+                f"{names} are one parameter held by the first and last of {setup.dims.pp} pipeline stages, "
+                "which the stages between cannot relay while FSDP shards it; use parallel.pp = 2 or untie it"
+            )
         shape = local_tensor(copies[0]).shape if copies else parameter.shape
-        tied.append(TiedAcrossStages(copies, [held[name] for name in names[1:] if name in held], shape, setup.device,
-                                     setup.mesh["pp"].get_group()))
+        tied.append(
+            TiedAcrossStages(
+                copies,
+                [held[name] for name in names[1:] if name in held],
+                shape,
+                setup.device,
+                setup.mesh["pp"].get_group(),
+            )
+        )
     return tied
 
 
 def _named_parameters(part: nn.Module):
     module = part.module if isinstance(part, DistributedDataParallel) else part
     return module.named_parameters(remove_duplicate=False)
-
-

@@ -22,8 +22,12 @@ _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
 def sharded_optimizer(model: nn.Module, setup: ParallelSetup) -> ZeroRedundancyOptimizer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=setup.optimizer.optimizer_class,
-                                   process_group=setup.mesh["dp"].get_group(), **setup.optimizer.options)
+    return ZeroRedundancyOptimizer(
+        model.parameters(),
+        optimizer_class=setup.optimizer.optimizer_class,
+        process_group=setup.mesh["dp"].get_group(),
+        **setup.optimizer.options,
+    )
 
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:

@@ -17,9 +17,17 @@ import torch.distributed as dist
 
 from ringmaster.service.reports import CheckpointRecord, StoredCheckpoint
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import (CommittedCheckpoint, PendingSave, begin_save, checkpoint_dir,
-                                           checkpoint_metrics, checkpoint_stager, commit_save, find_resume_point,
-                                           load_checkpoint)
+from ringmaster.workers.checkpoint import (
+    CommittedCheckpoint,
+    PendingSave,
+    begin_save,
+    checkpoint_dir,
+    checkpoint_metrics,
+    checkpoint_stager,
+    commit_save,
+    find_resume_point,
+    load_checkpoint,
+)
 from ringmaster.workers.checkpoint_storage import CheckpointStorage
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.memory_snapshots import restore_from_peers
@@ -60,20 +68,30 @@ class Checkpointer:
         ctx = self._ctx
         if latest is not None:
             began = time.perf_counter()
-            progress = load_checkpoint(latest.path, model_parts=self._parallel.parts, optimizers=self._parallel.optimizers)
+            progress = load_checkpoint(
+                latest.path, model_parts=self._parallel.parts, optimizers=self._parallel.optimizers
+            )
             restored = Restored(progress.step, progress.position, latest.path)
             if ctx.rank == 0:
                 restore_s = time.perf_counter() - began
-                ctx.sink.event(f"restored checkpoint step {restored.step} in {restore_s:.2f}s",
-                               {"restored_step": restored.step, "restore_s": round(restore_s, 4), "source": "storage"})
+                ctx.sink.event(
+                    f"restored checkpoint step {restored.step} in {restore_s:.2f}s",
+                    {"restored_step": restored.step, "restore_s": round(restore_s, 4), "source": "storage"},
+                )
         if corrupt and ctx.rank == 0:
             resumed = f"resumed from step {latest.step}" if latest is not None else "started from scratch"
-            problems = "; ".join(f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt)
-            ctx.sink.event(f"{problems}; {resumed}", {
-                "corrupt_checkpoints": [{"step": skipped.step, "uri": skipped.path, "problem": problem}
-                                        for skipped, problem in corrupt],
-                "resumed_from_step": latest.step if latest is not None else 0,
-            })
+            problems = "; ".join(
+                f"checkpoint step {skipped.step} is corrupt ({problem})" for skipped, problem in corrupt
+            )
+            ctx.sink.event(
+                f"{problems}; {resumed}",
+                {
+                    "corrupt_checkpoints": [
+                        {"step": skipped.step, "uri": skipped.path, "problem": problem} for skipped, problem in corrupt
+                    ],
+                    "resumed_from_step": latest.step if latest is not None else 0,
+                },
+            )
         # This job's own history only, not resume_from's.
         if latest is not None and ctx.rank == 0 and latest.path == checkpoint_dir(ctx.storage_root, latest.step):
             self._metrics.replay(checkpoint_metrics(latest))
@@ -90,17 +108,30 @@ class Checkpointer:
         dist.barrier(group=group)
         began, reads_before = time.perf_counter(), CheckpointStorage.reads
         progress, metrics, received = restore_from_peers(
-            ctx.snapshot_store, ctx.job_id, ctx.memory_resume, group,
-            model_parts=self._parallel.parts, optimizers=self._parallel.optimizers)
+            ctx.snapshot_store,
+            ctx.job_id,
+            ctx.memory_resume,
+            group,
+            model_parts=self._parallel.parts,
+            optimizers=self._parallel.optimizers,
+        )
         totals = torch.tensor([CheckpointStorage.reads - reads_before, received], dtype=torch.float64)
         dist.all_reduce(totals, group=group)
         if ctx.rank == 0:
             restore_s = time.perf_counter() - began
             reads, moved = (int(value) for value in totals.tolist())
-            ctx.sink.event(f"restored step {progress.step} from peers' memory in {restore_s:.2f}s ({moved} bytes moved "
-                           "between ranks)", {"restored_step": progress.step, "restore_s": round(restore_s, 4),
-                                              "source": "memory", "bytes_moved": moved, "storage_reads": reads,
-                                              "snapshot_generation": ctx.memory_resume.generation})
+            ctx.sink.event(
+                f"restored step {progress.step} from peers' memory in {restore_s:.2f}s ({moved} bytes moved "
+                "between ranks)",
+                {
+                    "restored_step": progress.step,
+                    "restore_s": round(restore_s, 4),
+                    "source": "memory",
+                    "bytes_moved": moved,
+                    "storage_reads": reads,
+                    "snapshot_generation": ctx.memory_resume.generation,
+                },
+            )
             self._metrics.replay(metrics)
         # No durable save of this step was made here: the last step's is always written.
         self.saved_step, self.latest_uri = -1, None
@@ -111,18 +142,33 @@ class Checkpointer:
         every = self._spec.checkpoint.every_steps
         return bool(every) and step % every == 0 and step < self._spec.train.steps
 
-    def save(self, step: int, position: DataPosition, metric_value: Callable[[], float | None], *, final: bool,
-             asynchronous: bool) -> str:
+    def save(
+        self,
+        step: int,
+        position: DataPosition,
+        metric_value: Callable[[], float | None],
+        *,
+        final: bool,
+        asynchronous: bool,
+    ) -> str:
         """Collective: begin a save of the state after `step` (in the background when `asynchronous`, committed
         later by `settle`; else written and committed before returning). `metric_value()`: this checkpoint's value
         of checkpoint.keep_best's metric, asked once the previous save is committed."""
         self.settle(block=True)
         value = metric_value()
         began = time.perf_counter()
-        pending = begin_save(self._ctx.storage_root, self._spec, step=step, position=position,
-                             model_parts=self._parallel.parts, optimizers=self._parallel.optimizers,
-                             process_group=self._save_group() if asynchronous else None, metric_value=value,
-                             stager=self._stager, metrics=self._metrics.for_checkpoint())
+        pending = begin_save(
+            self._ctx.storage_root,
+            self._spec,
+            step=step,
+            position=position,
+            model_parts=self._parallel.parts,
+            optimizers=self._parallel.optimizers,
+            process_group=self._save_group() if asynchronous else None,
+            metric_value=value,
+            stager=self._stager,
+            metrics=self._metrics.for_checkpoint(),
+        )
         self._timing[pending.path] = (began, time.perf_counter() - began)
         if asynchronous:
             self._in_flight = pending
@@ -169,13 +215,21 @@ class Checkpointer:
         """Rank 0: make a written save visible, then report it with what retention did."""
         committed = commit_save(pending)
         started, blocked_s = self._timing.pop(pending.path)
-        self._ctx.sink.checkpoint(CheckpointRecord(
-            step=pending.step, uri=committed.path, world_size=self._ctx.world_size, final=final,
-            metric=pending.manifest.get("metric"), metric_value=pending.manifest.get("metric_value"),
-            best_uri=committed.retention.best, deleted_uris=committed.retention.deleted,
-            kept=_stored(committed.retention.kept, committed.path),
-            blocked_s=round(blocked_s, 4), save_s=round(time.perf_counter() - started, 4),
-        ))
+        self._ctx.sink.checkpoint(
+            CheckpointRecord(
+                step=pending.step,
+                uri=committed.path,
+                world_size=self._ctx.world_size,
+                final=final,
+                metric=pending.manifest.get("metric"),
+                metric_value=pending.manifest.get("metric_value"),
+                best_uri=committed.retention.best,
+                deleted_uris=committed.retention.deleted,
+                kept=_stored(committed.retention.kept, committed.path),
+                blocked_s=round(blocked_s, 4),
+                save_s=round(time.perf_counter() - started, 4),
+            )
+        )
 
     def _agreed_resume_point(self) -> tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]]:
         """Rank 0 chooses the checkpoint and the corrupt ones it skipped, and tells every rank, so all load the same
@@ -196,6 +250,13 @@ def _stored(kept: list[CommittedCheckpoint], committed_path: str) -> list[Stored
     store whose listings lag its writes), which would otherwise read as that save gone."""
     if committed_path not in {checkpoint.path for checkpoint in kept}:
         return None
-    return [StoredCheckpoint(step=checkpoint.step, uri=checkpoint.path, world_size=checkpoint.manifest.get("world_size"),
-                             metric=checkpoint.manifest.get("metric"), metric_value=checkpoint.manifest.get("metric_value"))
-            for checkpoint in kept]
+    return [
+        StoredCheckpoint(
+            step=checkpoint.step,
+            uri=checkpoint.path,
+            world_size=checkpoint.manifest.get("world_size"),
+            metric=checkpoint.manifest.get("metric"),
+            metric_value=checkpoint.manifest.get("metric_value"),
+        )
+        for checkpoint in kept
+    ]

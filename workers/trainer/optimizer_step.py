@@ -83,8 +83,11 @@ def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float, total_no
     """Scale every gradient by max_norm / total_norm when that is below 1, as torch.nn.utils.clip_grad_norm_ does; a
     DTensor gradient is scaled through its local shard, so plain and DTensor gradients mix."""
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    local = [parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
-             for parameter in parameters if parameter.grad is not None]
+    local = [
+        parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
+        for parameter in parameters
+        if parameter.grad is not None
+    ]
     if local:
         torch._foreach_mul_(local, coefficient.to(local[0].device))
 
@@ -93,9 +96,15 @@ class OptimizerStep:
     """Steps every optimizer of this rank's parts at the schedule's learning rate, after clipping the gradients to
     ``grad_clip`` (their global norm over every shard and rank) when one is set."""
 
-    def __init__(self, optimizers: list[Optimizer], base_lr: float, lr_factor: Callable[[int], float],
-                 grad_clip: float | None = None, pipeline_group: dist.ProcessGroup | None = None,
-                 counted_elsewhere: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(
+        self,
+        optimizers: list[Optimizer],
+        base_lr: float,
+        lr_factor: Callable[[int], float],
+        grad_clip: float | None = None,
+        pipeline_group: dist.ProcessGroup | None = None,
+        counted_elsewhere: Iterable[torch.Tensor] = (),
+    ) -> None:
         """``counted_elsewhere``: parameters another stage also holds (tied across pipeline stages), whose gradient
         the norm takes from that stage only."""
         self._optimizers = optimizers
@@ -104,8 +113,9 @@ class OptimizerStep:
         self._grad_clip = grad_clip
         self._pipeline_group = pipeline_group
         # The parameter lists are fixed once the optimizers exist: found once here, not every step.
-        self._parameters = [parameter for optimizer in optimizers for group in optimizer.param_groups
-                            for parameter in group["params"]]
+        self._parameters = [
+            parameter for optimizer in optimizers for group in optimizer.param_groups for parameter in group["params"]
+        ]
         elsewhere = {id(parameter) for parameter in counted_elsewhere}
         self._counted_here = [parameter for parameter in self._parameters if id(parameter) not in elsewhere]
         self.grad_norm: torch.Tensor | None = None  # of the last step, before clipping

@@ -51,38 +51,78 @@ class Trainer:
         bundle = build_bundle(spec)
         keep_best = spec.checkpoint.keep_best
         if keep_best is not None and keep_best.metric == "val_loss" and bundle.val_dataset is None:
-            raise JobInputError(f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none")
+            raise JobInputError(
+                f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none"
+            )
         if spec.train.eval_every_steps and bundle.val_dataset is None:
             raise JobInputError(f"train.eval_every_steps needs a validation set, and model {spec.model!r} has none")
         self._parameter_count = sum(parameter.numel() for parameter in bundle.model.parameters())
         bundle.model.to(ctx.device)
         base_lr = spec.scaled_lr(ctx.world_size)
         chosen = spec.train.optimizer
-        optimizer = OptimizerConfig(lr=base_lr, weight_decay=spec.train.effective_weight_decay, name=chosen.name,
-                                    betas=chosen.betas, eps=chosen.eps)
+        optimizer = OptimizerConfig(
+            lr=base_lr,
+            weight_decay=spec.train.effective_weight_decay,
+            name=chosen.name,
+            betas=chosen.betas,
+            eps=chosen.eps,
+        )
         self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
-        self._optimizer = OptimizerStep(self.parallel.optimizers, base_lr, lr_schedule(spec.train), spec.train.grad_clip,
-                                        pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None,
-                                        counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates])
+        self._optimizer = OptimizerStep(
+            self.parallel.optimizers,
+            base_lr,
+            lr_schedule(spec.train),
+            spec.train.grad_clip,
+            pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None,
+            counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates],
+        )
         replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
-        self._snapshots = None if replicas is None or ctx.snapshot_store is None else PeerSnapshots(
-            ctx.snapshot_store, ctx.job_id, ctx.generation, replicas, ctx.ranks_per_node, ctx.device,
-            model_parts=self.parallel.parts, optimizers=self.parallel.optimizers, live_state=self.parallel.state_replicated,
-            report=self._report_snapshot_cost if ctx.rank == 0 else None)
-        self._metrics = RankMetrics(ctx.attempt, ctx.sink.metric, ctx.sink.metrics_acknowledged,
-                                    keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None)
+        self._snapshots = (
+            None
+            if replicas is None or ctx.snapshot_store is None
+            else PeerSnapshots(
+                ctx.snapshot_store,
+                ctx.job_id,
+                ctx.generation,
+                replicas,
+                ctx.ranks_per_node,
+                ctx.device,
+                model_parts=self.parallel.parts,
+                optimizers=self.parallel.optimizers,
+                live_state=self.parallel.state_replicated,
+                report=self._report_snapshot_cost if ctx.rank == 0 else None,
+            )
+        )
+        self._metrics = RankMetrics(
+            ctx.attempt,
+            ctx.sink.metric,
+            ctx.sink.metrics_acknowledged,
+            keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None,
+        )
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
         # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
         bf16 = spec.train.precision == "bf16" and not isinstance(self.parallel.parts[0], FSDPModule)
         self._autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
         # A pipeline step feeds `microbatches` micro-batches to the schedule at once.
         self._batch_size = spec.train.micro_batch_size * (spec.parallel.microbatches if self.parallel.schedule else 1)
-        self._validator = None if bundle.val_dataset is None else Validator(
-            self.parallel, bundle.loss_fn, bundle.val_dataset, ctx.device, self._autocast,
-            dp_rank=self._dp_rank, dp=dims.dp, micro_batch_size=spec.train.micro_batch_size,
-            microbatches=spec.parallel.microbatches, num_workers=_data_workers(spec))
+        self._validator = (
+            None
+            if bundle.val_dataset is None
+            else Validator(
+                self.parallel,
+                bundle.loss_fn,
+                bundle.val_dataset,
+                ctx.device,
+                self._autocast,
+                dp_rank=self._dp_rank,
+                dp=dims.dp,
+                micro_batch_size=spec.train.micro_batch_size,
+                microbatches=spec.parallel.microbatches,
+                num_workers=_data_workers(spec),
+            )
+        )
         # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot]: one all-reduce per step carries
         # them. Only loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.
         self._step_stats = torch.zeros(3 if self._snapshots is not None else 2, device=ctx.device)
@@ -101,9 +141,16 @@ class Trainer:
             ctx.snapshot_store.drop(ctx.job_id)
         self.step = restored.step
         self._stream = GlobalBatchStream(
-            self._bundle.train_dataset, micro_batch_size=self._batch_size, dp_rank=self._dp_rank, dp_size=self._dims.dp,
-            seed=spec.train.seed, global_batch_size=spec.train.global_batch_size, position=restored.position,
-            pin_memory=ctx.device.type == "cuda", num_workers=_data_workers(spec))
+            self._bundle.train_dataset,
+            micro_batch_size=self._batch_size,
+            dp_rank=self._dp_rank,
+            dp_size=self._dims.dp,
+            seed=spec.train.seed,
+            global_batch_size=spec.train.global_batch_size,
+            position=restored.position,
+            pin_memory=ctx.device.type == "cuda",
+            num_workers=_data_workers(spec),
+        )
         try:
             result = self._train_from_restored()
         except BaseException:
@@ -130,22 +177,28 @@ class Trainer:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
             if self._snapshot_due():
-                self._snapshots.take(self.step, self._stream.position,
-                                     metrics=self._metrics_for_snapshot(),
-                                     changed_anywhere=self._snapshot_structure_changed)
+                self._snapshots.take(
+                    self.step,
+                    self._stream.position,
+                    metrics=self._metrics_for_snapshot(),
+                    changed_anywhere=self._snapshot_structure_changed,
+                )
             saving = stopped or self._checkpointer.due(self.step)
             if self._validation_due(saving):
                 self._validate()
             self._metrics.release()
             if saving:
                 # Periodic saves run in the background; the one a stop asks for is written before returning.
-                self._checkpointer.save(self.step, self._stream.position, self._checkpoint_metric, final=False,
-                                        asynchronous=not stopped)
+                self._checkpointer.save(
+                    self.step, self._stream.position, self._checkpoint_metric, final=False, asynchronous=not stopped
+                )
         if self._audit is not None:
             self._audit.close()
         self._checkpointer.settle(block=True)
         if self._checkpointer.saved_step != self.step:
-            self._checkpointer.save(self.step, self._stream.position, self._checkpoint_metric, final=True, asynchronous=False)
+            self._checkpointer.save(
+                self.step, self._stream.position, self._checkpoint_metric, final=True, asynchronous=False
+            )
         self._checkpointer.close()
         uri = self._checkpointer.latest_uri
         if stopped:
@@ -166,7 +219,9 @@ class Trainer:
                 sample_ids += self._stream.last_sample_ids
             # Gradients are synchronised only on the last micro-step; earlier ones accumulate locally.
             with self.parallel.accumulate_locally() if micro_step < self._accumulation - 1 else nullcontext():
-                micro_loss = _forward_backward(self.parallel, self._bundle.loss_fn, batch, self._accumulation, self._autocast)
+                micro_loss = _forward_backward(
+                    self.parallel, self._bundle.loss_fn, batch, self._accumulation, self._autocast
+                )
             if micro_loss is not None:
                 loss_sum.add_(micro_loss)
         self._checkpointer.before_state_changes()
@@ -201,8 +256,12 @@ class Trainer:
         self._step_stats[2] = float(self._snapshots.structure_changed())
         dist.all_reduce(self._step_stats)
         stop = self._close_step(started, self._optimizer.lr(self.step), sample_ids)
-        self._snapshots.seal(self.step, self._stream.position, self._metrics_for_snapshot(),
-                             changed_anywhere=self._snapshot_structure_changed)
+        self._snapshots.seal(
+            self.step,
+            self._stream.position,
+            self._metrics_for_snapshot(),
+            changed_anywhere=self._snapshot_structure_changed,
+        )
         self._update(self.step - 1)
         self._snapshots.after_update(self.step)
         return stop
@@ -222,14 +281,24 @@ class Trainer:
             raise JobInputError(
                 f"training diverged: the loss was {self.loss} at step {self.step}, and the weights after it are not "
                 f"usable; the job stopped there, and its checkpoints hold only earlier steps. A smaller train.lr, "
-                f"more train.warmup_steps or a train.grad_clip usually keeps the loss finite")
+                f"more train.warmup_steps or a train.grad_clip usually keeps the loss finite"
+            )
         if self._audit is not None:
             self._audit.record(self.step, self._stream.position.epoch, sample_ids)
         if self.ctx.rank == 0:
-            self._metrics.record(MetricPoint(
-                step=self.step, loss=self.loss, samples_per_s=self.spec.train.global_batch_size / step_time,
-                step_time_s=step_time, wall_time=time.time(), lr=lr, grad_norm=self._optimizer.grad_norm.item(),
-                world_size=self.ctx.world_size), hold=True)  # sent with the step's validation, if it has one
+            self._metrics.record(
+                MetricPoint(
+                    step=self.step,
+                    loss=self.loss,
+                    samples_per_s=self.spec.train.global_batch_size / step_time,
+                    step_time_s=step_time,
+                    wall_time=time.time(),
+                    lr=lr,
+                    grad_norm=self._optimizer.grad_norm.item(),
+                    world_size=self.ctx.world_size,
+                ),
+                hold=True,
+            )  # sent with the step's validation, if it has one
         return votes > 0 and self.step < self.spec.train.steps
 
     def _update(self, completed_steps: int) -> float:
@@ -255,9 +324,12 @@ class Trainer:
 
     def _report_snapshot_cost(self, costs: list[dict[str, int]]) -> None:
         most = max(costs, key=lambda cost: cost["held_bytes"])
-        self.ctx.sink.event(f"in-memory snapshots hold up to {most['held_bytes']} bytes of host memory per rank "
-                            f"(rank {most['rank']}); each snapshot sends {sum(c['sent_bytes_per_snapshot'] for c in costs)} "
-                            "bytes to buddies in all", {"snapshot_host_memory": costs})
+        self.ctx.sink.event(
+            f"in-memory snapshots hold up to {most['held_bytes']} bytes of host memory per rank "
+            f"(rank {most['rank']}); each snapshot sends {sum(c['sent_bytes_per_snapshot'] for c in costs)} "
+            "bytes to buddies in all",
+            {"snapshot_host_memory": costs},
+        )
 
     def _validation_due(self, saving: bool) -> bool:
         """Whether to evaluate after this step, before its metric point is sent (which then carries the value): every
@@ -265,8 +337,11 @@ class Trainer:
         if self._validator is None:
             return False
         every, keep_best = self.spec.train.eval_every_steps, self.spec.checkpoint.keep_best
-        return ((bool(every) and self.step % every == 0) or self.step == self.spec.train.steps
-                or (saving and keep_best is not None and keep_best.metric == "val_loss"))
+        return (
+            (bool(every) and self.step % every == 0)
+            or self.step == self.spec.train.steps
+            or (saving and keep_best is not None and keep_best.metric == "val_loss")
+        )
 
     def _validate(self) -> float:
         """Collective: the validation loss now (reused if this step was validated); rank 0 reports a new one."""
@@ -286,8 +361,10 @@ class Trainer:
         """The sample-id record lives in the job's storage root, which must then be a local directory."""
         storage, root = storage_for(self.ctx.storage_root)
         if not isinstance(storage, LocalStorage):
-            raise JobInputError(f"train.record_sample_ids writes its record to a local directory, and this job's storage "
-                             f"is {self.ctx.storage_root!r}")
+            raise JobInputError(
+                f"train.record_sample_ids writes its record to a local directory, and this job's storage "
+                f"is {self.ctx.storage_root!r}"
+            )
         return SampleAudit(root, self.ctx.rank, self._dp_rank, self.ctx.generation)
 
 
@@ -296,8 +373,9 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
     return Trainer(spec, ctx).train()
 
 
-def _forward_backward(parallel: ParallelModel, loss_fn: LossFn, batch: Any, accumulation: int,
-                      autocast: torch.autocast) -> torch.Tensor | None:
+def _forward_backward(
+    parallel: ParallelModel, loss_fn: LossFn, batch: Any, accumulation: int, autocast: torch.autocast
+) -> torch.Tensor | None:
     """One micro-step's forward and backward; returns its mean loss where this rank holds losses."""
     if parallel.schedule is not None:
         inputs, targets = batch
@@ -321,8 +399,10 @@ def _not_a_loss(returned: Any) -> str:
         what = f"a tensor of shape {tuple(returned.shape)}"
     else:
         what = "a tensor that autograd does not track (made under torch.no_grad, or with .detach() or .item())"
-    return (f"the model's loss_fn returned {what}: it must return the batch's mean loss, one number as a tensor that "
-            f"autograd tracks (for per-sample losses, their .mean())")
+    return (
+        f"the model's loss_fn returned {what}: it must return the batch's mean loss, one number as a tensor that "
+        f"autograd tracks (for per-sample losses, their .mean())"
+    )
 
 
 def _data_workers(spec: JobSpec) -> int:

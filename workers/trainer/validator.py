@@ -15,9 +15,20 @@ VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-
 
 
 class Validator:
-    def __init__(self, parallel: ParallelModel, loss_fn: LossFn, dataset: Dataset, device: torch.device,
-                 autocast: torch.autocast, *, dp_rank: int, dp: int, micro_batch_size: int, microbatches: int,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        parallel: ParallelModel,
+        loss_fn: LossFn,
+        dataset: Dataset,
+        device: torch.device,
+        autocast: torch.autocast,
+        *,
+        dp_rank: int,
+        dp: int,
+        micro_batch_size: int,
+        microbatches: int,
+        num_workers: int = 0,
+    ) -> None:
         """`micro_batch_size`, `microbatches`: a pipeline's batch shape, `microbatches` micro-batches a step."""
         self._parallel = parallel
         self._loss_fn = loss_fn
@@ -46,13 +57,21 @@ class Validator:
         if len(dataset) == 0:
             raise JobInputError("the validation set holds no samples")
         pipelined = parallel.schedule is not None
-        batches = validation_batches(len(dataset), self._dp, self._dp_rank,
-                                     self._pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE,
-                                     self._microbatches if pipelined else None)
+        batches = validation_batches(
+            len(dataset),
+            self._dp,
+            self._dp_rank,
+            self._pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE,
+            self._microbatches if pipelined else None,
+        )
         # A private generator: the loader draws a seed for its workers, and evaluating between training steps must not
         # draw from the training RNG.
-        loader = DataLoader(dataset, batch_sampler=[ids for ids, _ in batches], generator=torch.Generator(),
-                            num_workers=self._num_workers)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=[ids for ids, _ in batches],
+            generator=torch.Generator(),
+            num_workers=self._num_workers,
+        )
         totals = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of per-sample losses, samples]
         for part in parallel.parts:
             part.eval()
@@ -75,8 +94,9 @@ class Validator:
         return summed / samples
 
 
-def validation_batches(samples: int, dp: int, dp_rank: int, batch_size: int,
-                       microbatches: int | None) -> list[tuple[list[int], list[int]]]:
+def validation_batches(
+    samples: int, dp: int, dp_rank: int, batch_size: int, microbatches: int | None
+) -> list[tuple[list[int], list[int]]]:
     """The batches data-parallel rank `dp_rank` of `dp` evaluates, as (sample ids, samples counted in each of its
     micro-batches): it takes samples dp_rank, dp_rank + dp, …, and pads to the batch count of the rank with the most
     with batches that count nothing. Unpipelined (`microbatches` None) a batch is one micro-batch and the last may be
@@ -91,15 +111,19 @@ def validation_batches(samples: int, dp: int, dp_rank: int, batch_size: int,
 
 def _batches_of(ids: list[int], batch_size: int, microbatches: int | None) -> list[tuple[list[int], list[int]]]:
     if microbatches is None:
-        chunks = [ids[start:start + batch_size] for start in range(0, len(ids), batch_size)]
+        chunks = [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
         return [(chunk, [len(chunk)]) for chunk in chunks]
     per_micro = batch_size // microbatches
     whole = len(ids) // batch_size * batch_size
-    batches = [(ids[start:start + batch_size], [per_micro] * microbatches) for start in range(0, whole, batch_size)]
+    batches = [(ids[start : start + batch_size], [per_micro] * microbatches) for start in range(0, whole, batch_size)]
     tail = ids[whole:]
     for start in range(0, len(tail), microbatches):
-        singles = tail[start:start + microbatches]
+        singles = tail[start : start + microbatches]
         padding = microbatches - len(singles)
-        batches.append(([sample for sample in singles for _ in range(per_micro)] + [0] * (padding * per_micro),
-                        [1] * len(singles) + [0] * padding))
+        batches.append(
+            (
+                [sample for sample in singles for _ in range(per_micro)] + [0] * (padding * per_micro),
+                [1] * len(singles) + [0] * padding,
+            )
+        )
     return batches
