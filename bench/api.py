@@ -1,4 +1,5 @@
-"""Submission throughput and latency of the REST API, and queued-to-admitted latency (issue 5's benchmark; not a timed test).
+"""Submission throughput and latency of the REST API, and queued-to-admitted latency (issue 5's benchmark; not a timed
+test).
 
 Starts api.app.create_app on uvicorn in a thread on 127.0.0.1, as `ringmaster serve` runs it, and drives it from a
 child process (its own GIL) with concurrent clients, each request carrying a tenant's bearer token. The clients are
@@ -237,7 +238,8 @@ def run(url: str, token: str, clients: int, count: int, max_s: float) -> dict[st
 
 
 def run_paced(url: str, token: str, clients: int, count: int, rate: float) -> tuple[list[tuple[str, float]], int]:
-    """Open loop: job i is posted at start + i/rate (by whichever client is free); returns (job id, POST start) pairs."""
+    """Open loop: job i is posted at start + i/rate (by whichever client is free); returns (job id, POST start)
+    pairs."""
     posted: list[tuple[str, float]] = []
     errors = 0
     next_index = [0]
@@ -307,7 +309,8 @@ def _cpu_seconds() -> float:
 def _report(label: str, result: dict[str, float]) -> None:
     print(
         f"{label:10s} {result['submitted']:6.0f} jobs in {result['seconds']:5.1f}s: {result['per_s']:7.1f}/s  "
-        f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}  "
+        f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  "
+        f"errors {result['errors']:.0f}  "
         f"server CPU {result['server_cpu_ms']:.2f} ms/job",
         flush=True,
     )
@@ -315,8 +318,9 @@ def _report(label: str, result: dict[str, float]) -> None:
 
 def _report_admission(label: str, rate: float, result: dict[str, float]) -> None:
     print(
-        f"{label:10s} {result['admitted']:4.0f}/{result['submitted']:.0f} admitted, submitted at {rate:g}/s: POST->ADMITTED "
-        f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}",
+        f"{label:10s} {result['admitted']:4.0f}/{result['submitted']:.0f} admitted, submitted at {rate:g}/s: "
+        f"POST->ADMITTED p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  "
+        f"max {result['max_ms']:6.1f} ms  errors {result['errors']:.0f}",
         flush=True,
     )
 
@@ -337,7 +341,7 @@ def _postgres_schema(admin_url: str) -> Iterator[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first paragraph, refilled by argparse
     parser.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients in the throughput run")
     parser.add_argument(
         "--count", type=int, default=2000, help="submissions per database in the throughput run (0: skip it)"
@@ -358,8 +362,8 @@ def main() -> None:
     if args.access_log:
         configure_logging(stream=open(os.devnull, "w"))  # noqa: SIM115 — lives as long as the process
     print(
-        f"{args.clients} clients, up to {args.count} submissions or {args.max_seconds:.0f}s per database, {os.cpu_count()} CPUs, "
-        f"loop={args.loop} http={args.http} access log {'on' if args.access_log else 'off'}",
+        f"{args.clients} clients, up to {args.count} submissions or {args.max_seconds:.0f}s per database, "
+        f"{os.cpu_count()} CPUs, loop={args.loop} http={args.http} access log {'on' if args.access_log else 'off'}",
         flush=True,
     )
     options = {"loop": args.loop, "http": args.http, "access_log": args.access_log}

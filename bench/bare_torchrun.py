@@ -1,7 +1,8 @@
 """Baseline: tiny-gpt (or, with --model hf-gpt2, a Hugging Face GPT-2) trained by a hand-written DDP loop under
 torchrun, with no ringmaster in the way.
 
-    torchrun --nproc_per_node=N bench/bare_torchrun.py --steps S --global-batch-size G --micro-batch-size M --seed 0 [--model hf-gpt2]
+    torchrun --nproc_per_node=N bench/bare_torchrun.py --steps S --global-batch-size G --micro-batch-size M --seed 0
+                                                       [--model hf-gpt2]
 
 Prints one JSON line whose steps_per_s_steady ringmaster's overhead is measured against, and the wall-clock span of the
 steady steps (steady_wall).
@@ -122,7 +123,8 @@ def main() -> None:
 
     if rank == 0:
         steady_steps = args.steps - args.skip_steps
-        # The steady steps' wall-clock span (Unix time, as ringmaster's metrics give wall_time), for bench/overhead.py's CPU figure.
+        # The steady steps' wall-clock span (Unix time, as ringmaster's metrics give wall_time), for bench/overhead.py's
+        # CPU figure.
         report = {
             "steps_per_s_steady": steady_steps / steady_seconds,
             "steady_wall": [steady_wall_start, steady_wall_end],

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import json
 import resource
 import statistics
@@ -117,7 +118,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
 
     for mode in ("sync", "async"):
         begin_times = []
-        training.begin_save = lambda *a, **kw: timed_begin(*a, synchronous=mode == "sync", **kw)
+        training.begin_save = functools.partial(timed_begin, synchronous=mode == "sync")
         walls: list[float] = []
         run_training(
             _spec(args, args.steps),
@@ -128,7 +129,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
                 mode,
                 f"{root}/{mode}",
                 sink=CallbackSink(
-                    on_metric=lambda p: walls.append(time.perf_counter()) if p.loss is not None else None
+                    on_metric=lambda p, walls=walls: walls.append(time.perf_counter()) if p.loss is not None else None
                 ),
             ),
         )

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.cpu_time import Cpu, CpuClock  # noqa: E402
 from harness.ports import free_port  # noqa: E402
-from harness.sinks import CallbackSink
+from harness.sinks import CallbackSink  # noqa: E402
 from ringmaster.service.reports import MetricPoint  # noqa: E402
 from ringmaster.service.spec import JobSpec  # noqa: E402
 from ringmaster.workers.models import build_bundle  # noqa: E402
@@ -158,7 +158,8 @@ def main() -> None:
 
     bare_rate, ringmaster_rate = tokens_per_step / bare_step, tokens_per_step / ringmaster_step
     print(
-        f"tiny-gpt {spec.model_options} bf16, batch {args.batch_size}, {args.steps} steps ({args.skip_steps} skipped), {device}"
+        f"tiny-gpt {spec.model_options} bf16, batch {args.batch_size}, {args.steps} steps ({args.skip_steps} skipped), "
+        f"{device}"
     )
     print(
         f"bare torch loop : {bare_rate:12.0f} tokens/s   peak memory {bare_peak}   "

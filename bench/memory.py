@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from harness.process_group import run_on_ranks  # noqa: E402
-from harness.sinks import CallbackSink
+from harness.sinks import CallbackSink  # noqa: E402
 from ringmaster.service import planner  # noqa: E402
 from ringmaster.service.job_plan import predicted_rank_state  # noqa: E402
 from ringmaster.service.spec import JobSpec  # noqa: E402
@@ -164,10 +164,12 @@ def zero3_peak(args: argparse.Namespace) -> None:
     root = tempfile.mkdtemp()
     run_on_ranks(_zero3_peak, 2, _gpt2_spec(args, 2).model_dump_json(), root)
     print(
-        f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), fsdp zero3 on 2 ranks: unsharded parameter bytes during a step"
+        f"\nHF GPT-2 (n_embd {args.dim}, {args.layers} blocks), fsdp zero3 on 2 ranks: "
+        "unsharded parameter bytes during a step"
     )
     print(
-        f"{'rank':>4} {'peak':>10} {'shard':>10} {'one block':>10} {'shard+2 blocks':>15} {'whole model':>12} {'peak/whole':>10}"
+        f"{'rank':>4} {'peak':>10} {'shard':>10} {'one block':>10} {'shard+2 blocks':>15} {'whole model':>12} "
+        f"{'peak/whole':>10}"
     )
     for rank in range(2):
         m = json.loads(Path(root, f"rank{rank}.json").read_text())
@@ -206,7 +208,8 @@ def main() -> None:
         return
     print(f"tiny-gpt dim {args.dim}, {args.layers} layers, fp32 AdamW; bytes per rank after the first optimizer step")
     print(
-        f"{'strategy':<27} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'measured':>9} {'predicted':>9} {'ratio':>6}"
+        f"{'strategy':<27} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'measured':>9} {'predicted':>9} "
+        f"{'ratio':>6}"
     )
     for name, (_, workers, layout, _, _) in CASES.items():
         spec = _spec(name, args)
@@ -217,8 +220,9 @@ def main() -> None:
             total = measured["parameters_bytes"] + measured["gradients_bytes"] + measured["optimizer_bytes"]
             predicted = _predicted(spec, measured, layout)
             print(
-                f"{name if rank == 0 else '':<27} {rank:>4} {measured['parameters_bytes']:>9} {measured['gradients_bytes']:>9} "
-                f"{measured['optimizer_bytes']:>9} {total:>9} {round(predicted.total):>9} {total / predicted.total:>6.3f}",
+                f"{name if rank == 0 else '':<27} {rank:>4} {measured['parameters_bytes']:>9} "
+                f"{measured['gradients_bytes']:>9} {measured['optimizer_bytes']:>9} {total:>9} "
+                f"{round(predicted.total):>9} {total / predicted.total:>6.3f}",
                 flush=True,
             )
 

@@ -3,7 +3,8 @@
     python bench/overhead.py [--workers 2] [--steps 600] [--rounds 5] [--model tiny-gpt|hf-gpt2] [--without-ray-loops]
                               [--code DIR [--code-only]]
 
-(a) trains tiny-gpt (--model hf-gpt2: `model: hf:GPT2LMHeadModel`, a 2-block GPT-2) through ringmaster: REST submit → queue → Ray job → worker actors;
+(a) trains tiny-gpt (--model hf-gpt2: `model: hf:GPT2LMHeadModel`, a 2-block GPT-2) through ringmaster: REST submit →
+queue → Ray job → worker actors;
 (b) trains it with bench/bare_torchrun.py under torchrun, beside the same idle Ray cluster and
 control plane;
 (c) runs the same bare_torchrun.py loop inside plain Ray actors (threaded, as ringmaster's workers are) on that
@@ -455,8 +456,9 @@ def main() -> None:
                             first_step.append(to_first_step)
                     ratios.append(steady / bare[-1])
                     print(
-                        f"round {round_index} ({' then '.join(order)}): bare {bare[-1]:.2f} steps/s, ringmaster {steady:.2f} "
-                        f"steps/s, ratio {ratios[-1]:.3f}, submit→first step {to_first_step:.2f} s {phases}",
+                        f"round {round_index} ({' then '.join(order)}): bare {bare[-1]:.2f} steps/s, "
+                        f"ringmaster {steady:.2f} steps/s, ratio {ratios[-1]:.3f}, "
+                        f"submit→first step {to_first_step:.2f} s {phases}",
                         flush=True,
                     )
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
@@ -465,9 +467,11 @@ def main() -> None:
                         in_child.append(bare_in_ray_actors(args, bare_ranks, in_child=True))
                         print(
                             f"round {round_index}: bare loop in plain Ray actors {in_ray[-1]:.2f} steps/s "
-                            f"({in_ray[-1] / bare[-1]:.3f} of torchrun); ringmaster over it {steady / in_ray[-1]:.3f}; in a "
-                            f"child process of each actor {in_child[-1]:.2f} steps/s ({in_child[-1] / bare[-1]:.3f} of "
-                            f"torchrun, {in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)",
+                            f"({in_ray[-1] / bare[-1]:.3f} of torchrun); "
+                            f"ringmaster over it {steady / in_ray[-1]:.3f}; "
+                            f"in a child process of each actor {in_child[-1]:.2f} steps/s "
+                            f"({in_child[-1] / bare[-1]:.3f} of torchrun, "
+                            f"{in_child[-1] / in_ray[-1]:.3f} of the loop in the actors)",
                             flush=True,
                         )
                 if code_pool is not None:

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ class _StepLog:
             "pid": os.getpid(),
             "inc": incarnation,
         }
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - written until the actor exits
 
     def emit(self, **record: Any) -> None:
         self._file.write(json.dumps({**record, **self._fields}) + "\n")
@@ -560,7 +561,7 @@ def measure_ray_train(
     # A survivor that committed nothing after the kill was restarted too: then the first step anyone committed ends it.
     survivor = sorted(r["t"] for r in committed if r["inc"] <= kill_time and r["rank"] != victim_rank)
     survivor = [t for t in survivor if t >= max([t for t in survivor if t <= kill_time], default=kill_time)]
-    gaps = [(later - earlier, later) for earlier, later in zip(survivor, survivor[1:])]
+    gaps = [(later - earlier, later) for earlier, later in pairwise(survivor)]
     detail["survivor_restarted"] = not gaps
     stall_end = max(gaps)[1] if gaps else min((r["t"] for r in committed if r["t"] > kill_time), default=None)
     resumed = next((r for r in committed if r["t"] == stall_end), None)
@@ -586,7 +587,7 @@ def measure_ray_train(
 
 def _median_step_seconds(progress: list[dict]) -> float | None:
     times = sorted({r["step"]: r["t"] for r in progress if r["rank"] == 0}.items())
-    gaps = sorted(b[1] - a[1] for a, b in zip(times, times[1:]) if b[0] == a[0] + 1)
+    gaps = sorted(b[1] - a[1] for a, b in pairwise(times) if b[0] == a[0] + 1)
     return round(gaps[len(gaps) // 2], 4) if gaps else None
 
 

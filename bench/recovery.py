@@ -21,10 +21,10 @@ Ray Train runs through bench/raytrain_recovery.py; in replace, so does Ray Train
 torchft), whose surviving replica trains on (its pause compares with ringmaster's shrink, standby and replace-spare)
 while the replacement heals from it (compared with ringmaster's replace), and which trains one small epoch so that
 the samples it repeated or never used are counted from the ids its steps logged. Ringmaster's repeated samples come
-from the ids its ranks recorded (train.record_sample_ids). Beside each time, the steps redone per node loss: the newest step
-the old group completed (reported by the kill, or just after it) minus the step the new group resumed from (ringmaster:
-its RUNNING event; Ray Train: the checkpoint it restored). Prints each measurement and the ratios; goals: ringmaster
-≤ 1/5 of Ray Train's time, shrink ≤ 5 s, frozen node noticed ≤ 5 s, ≤ 1 step redone.
+from the ids its ranks recorded (train.record_sample_ids). Beside each time, the steps redone per node loss: the newest
+step the old group completed (reported by the kill, or just after it) minus the step the new group resumed from
+(ringmaster: its RUNNING event; Ray Train: the checkpoint it restored). Prints each measurement and the ratios; goals:
+ringmaster ≤ 1/5 of Ray Train's time, shrink ≤ 5 s, frozen node noticed ≤ 5 s, ≤ 1 step redone.
 """
 
 from __future__ import annotations

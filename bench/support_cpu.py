@@ -19,6 +19,7 @@ one (Ray's JobSupervisor forks a `sleep` every second) is missed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -119,7 +120,7 @@ def main() -> None:
                 while not client.metrics(job["id"], limit=1)["items"]:
                     time.sleep(args.poll_s)
                 time.sleep(5)  # past the first steps and the pool's refill
-                training.append(sample(args.sample_s, args.poll_s, lambda: client.job(job["id"])))
+                training.append(sample(args.sample_s, args.poll_s, functools.partial(client.job, job["id"])))
                 client.cancel(job["id"])
                 wait_for_state(
                     client, job["id"], {"CANCELLED", "SUCCEEDED", "FAILED"}, timeout_s=300, poll_s=args.poll_s
