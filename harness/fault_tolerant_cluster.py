@@ -53,22 +53,23 @@ class FaultTolerantCluster:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.cpus_per_node = cpus_per_node
         self.redis_port = free_port()
-        self.redis = subprocess.Popen(
-            [
-                redis_server_path() or "redis-server",
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=open(data_dir / "redis.log", "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(data_dir / "redis.log", "ab") as log:  # the child writes through its own copy of the descriptor
+            self.redis = subprocess.Popen(
+                [
+                    redis_server_path() or "redis-server",
+                    "--port",
+                    str(self.redis_port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.head_env = {
             "RAY_REDIS_ADDRESS": f"127.0.0.1:{self.redis_port}",
             # One cluster's keys in Redis: a restarted head finds them under the same namespace.
@@ -116,10 +117,10 @@ class FaultTolerantCluster:
             tempfile.mkdtemp(prefix="rm-", dir="/tmp"),  # (the system config is the head's)
         ]
         env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        log = open(self.data_dir / f"node-{len(self.nodes) + 1}.log", "ab")
-        self.nodes.append(
-            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        )
+        with open(self.data_dir / f"node-{len(self.nodes) + 1}.log", "ab") as log:  # the child has its own copy
+            self.nodes.append(
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            )
 
     def wait_for_resources(self, timeout_s: float = 120, **wanted: float) -> None:
         """Until the cluster reports at least these resources (a loaded machine starts a node slowly)."""
