@@ -185,7 +185,8 @@ def builtin_job_rules() -> list[dict[str, object]]:
 
 def strategy_rules() -> list[dict[str, object]]:
     """JSON Schema rules of a JobSpec's parallel fields under each strategy: the degrees it must split (≥ 2), those it
-    may not (= 1), and whether parallel.shard may be 'hybrid'. ddp's rule also holds when strategy is absent (its default)."""
+    may not (= 1), and whether parallel.shard may be 'hybrid'. ddp's rule also holds when strategy is absent (its
+    default)."""
     rules: list[dict[str, object]] = []
     for name in STRATEGY_NAMES:
         entry = STRATEGIES.get(name)  # None: auto, which splits nothing until the planner resolves it

@@ -91,7 +91,8 @@ class RingmasterClient:
             time.sleep(0.2)
 
     def submit_yaml(self, text: str, code: Path | None = None) -> dict[str, Any]:
-        """Submit a YAML (or JSON) spec; with `code`, that directory is packed and uploaded first and the spec names it."""
+        """Submit a YAML (or JSON) spec; with `code`, that directory is packed and uploaded first and the spec names
+        it."""
         if code is None:
             return self._call("POST", "/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
         spec = yaml.safe_load(text)
@@ -100,7 +101,8 @@ class RingmasterClient:
         return self.submit(spec, code=code)
 
     def submit(self, spec: dict[str, Any], code: Path | None = None) -> dict[str, Any]:
-        """Submit a spec; with `code`, that directory is packed and uploaded first (upload_code) and the spec names it."""
+        """Submit a spec; with `code`, that directory is packed and uploaded first (upload_code) and the spec names
+        it."""
         if code is not None:
             if spec.get("code") is not None:
                 raise ValueError(
@@ -187,7 +189,8 @@ class RingmasterClient:
                 headers["Last-Event-ID"] = last_event_id
             try:
                 # The client's timeouts but a minute's read (the server sends a keepalive comment every 15 s). A tuple,
-                # not an httpx.Timeout, so a client of httpx2 (starlette's TestClient, where it is installed) takes it too.
+                # not an httpx.Timeout, so a client of httpx2 (starlette's TestClient, where it is installed) takes it
+                # too.
                 timeout = self._http.timeout
                 with self._http.stream(
                     "GET",

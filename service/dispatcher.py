@@ -469,9 +469,13 @@ class Dispatcher:
             if session.scalar(select(Attempt.ended_at).where(Attempt.id == attempt.id)) is not None:
                 return  # another replica closed it since the list was read
         reported_end = job.state in (JobState.SUCCEEDED, JobState.FAILED) and job.attempt == attempt.number
-        if reported_end and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}:
-            if job.finished_at and (utcnow() - job.finished_at).total_seconds() < _DRIVER_EXIT_GRACE_S:
-                return
+        if (
+            reported_end
+            and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}
+            and job.finished_at
+            and (utcnow() - job.finished_at).total_seconds() < _DRIVER_EXIT_GRACE_S
+        ):
+            return
         self.cluster.stop(attempt.submission_id)
         if attempt.placement_group:
             self.cluster.release(attempt.placement_group)

@@ -64,9 +64,14 @@ def _config_class_of(source: str, model_class: str) -> str | None:
             and isinstance(node.value, ast.Name)
         ):
             return node.value.id
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "config":
-            if isinstance(node.annotation, ast.Name) and node.annotation.id.endswith("Config"):
-                return node.annotation.id
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == "config"
+            and isinstance(node.annotation, ast.Name)
+            and node.annotation.id.endswith("Config")
+        ):
+            return node.annotation.id
     return None
 
 

@@ -80,8 +80,8 @@ def plan_submission(spec: JobSpec, shape: ClusterShape | None) -> PlannedSpec:
 
 
 def _check_fits_nodes(spec: JobSpec, shape: ClusterShape, per_node: int) -> None:
-    """A worker must fit on a node, workers.min on the cluster's nodes (when their number is known), and a tensor-parallel
-    group inside one node (the seeds' placement rule)."""
+    """A worker must fit on a node, workers.min on the cluster's nodes (when their number is known), and a
+    tensor-parallel group inside one node (the seeds' placement rule)."""
     workers = spec.workers
     if per_node == 0:
         field = "gpus_per_worker" if workers.gpus_per_worker else "cpus_per_worker"
@@ -193,7 +193,8 @@ def predicted_rank_state(spec: JobSpec, parameter_count: int, dp: int, tp: int, 
 def _resolve_auto(
     spec: JobSpec, model: planner.ModelSize | None, cluster: planner.Cluster, workload: planner.Workload
 ) -> PlannedSpec:
-    """The planner's pick, or the next fitting option when the pick breaks a rule of the spec (e.g. batch divisibility)."""
+    """The planner's pick, or the next fitting option when the pick breaks a rule of the spec (e.g. batch
+    divisibility)."""
     if model is None or cluster.gpu_memory is None:
         unknown = (
             "the model's size is unknown (set model_parameters for a user model)"
@@ -271,7 +272,8 @@ def _does_not_fit(
 
 def _needs(option: planner.Option, cluster: planner.Cluster) -> str:
     parts = (
-        f"parameters {planner.format_bytes(option.state.parameters)} + gradients {planner.format_bytes(option.state.gradients)}"
+        f"parameters {planner.format_bytes(option.state.parameters)}"
+        f" + gradients {planner.format_bytes(option.state.gradients)}"
         f" + optimizer {planner.format_bytes(option.state.optimizer)}"
     )
     if option.activations is not None:

@@ -146,7 +146,8 @@ def submit_job(
         "cancel_requested": False,
         "tenant": principal.tenant,
     }
-    # Plain INSERTs, the job before the events that refer to it: the unit of work made this transaction a quarter slower.
+    # Plain INSERTs, the job before the events that refer to it: the unit of work made this transaction a quarter
+    # slower.
     connection = session.connection()
     connection.execute(insert(Job.__table__), row)
     connection.execute(

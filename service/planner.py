@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import pairwise
 from typing import Any
 
 from ringmaster.service.catalogue import BUILTIN_MODELS, STRATEGIES
@@ -111,7 +112,7 @@ def tiny_gpt_parameters(n_layers: int, n_heads: int, dim: int, seq_len: int, voc
 def mlp_parameters(in_dim: int, hidden: int, out_dim: int, depth: int) -> int:
     """Parameters of workers/models/mlp.py: ``depth`` biased hidden layers, then a biased output layer."""
     widths = [in_dim] + [hidden] * depth
-    return sum(a * b + b for a, b in zip(widths, widths[1:])) + widths[-1] * out_dim + out_dim
+    return sum(a * b + b for a, b in pairwise(widths)) + widths[-1] * out_dim + out_dim
 
 
 def builtin_model_size(name: str, options: Mapping[str, Any]) -> ModelSize:
@@ -196,7 +197,8 @@ class StateMemory:
 
 
 def state_memory(parameters: int, prec: Precision, layout: Layout) -> StateMemory:
-    """ZeRO §5: stage ≥ 1 divides the optimizer state by the shards, ≥ 2 the gradients, 3 the parameters; TP and PP divide all.
+    """ZeRO §5: stage ≥ 1 divides the optimizer state by the shards, ≥ 2 the gradients, 3 the parameters; TP and PP
+    divide all.
 
     Assumes an even split over tensor shards and pipeline stages (embeddings and norms are counted as split too).
     """
@@ -285,7 +287,8 @@ class Communication:
 
 
 def communication(model: ModelSize, workload: Workload, layout: Layout) -> Communication:
-    """Per step: one optimizer step without gradient accumulation (one micro-batch per replica, or m through a pipeline).
+    """Per step: one optimizer step without gradient accumulation (one micro-batch per replica, or m through a
+    pipeline).
 
     Data parallel: DDP, ZeRO-1 and ZeRO-2 send 2(N−1)/N·S of gradients (ZeRO-1/2 as a reduce-scatter plus an
     all-gather of the same volume); ZeRO-3 adds a parameter all-gather in forward and one in backward per
@@ -446,7 +449,8 @@ def _strategy_reasons(
         )
     if layout.tp > 1 and cluster.gpus_per_node is not None:
         reasons.append(
-            f"tp={layout.tp} ≤ {cluster.gpus_per_node} GPUs per node: its all-reduces in every block stay on a node's links"
+            f"tp={layout.tp} ≤ {cluster.gpus_per_node} GPUs per node: its all-reduces in every block stay on a node's "
+            "links"
         )
     if bubble is not None:
         formula = "(p−1)/(v·m+p−1)" if workload.schedule == "interleaved1f1b" else "(p−1)/(p+m−1)"
@@ -518,7 +522,10 @@ def recommend(
     fitting = [option for option in table if option.fits]
     if not fitting:
         least = min(table, key=lambda option: option.memory)
-        least_text = f"nothing fits on {cluster.world_size} GPUs: the least memory is {least.label} with {format_bytes(least.memory)} per GPU"
+        least_text = (
+            f"nothing fits on {cluster.world_size} GPUs: the least memory is {least.label} with "
+            f"{format_bytes(least.memory)} per GPU"
+        )
         return None, (too_large, least_text, *more_hardware_hints(model, cluster, workload))
     choice = fitting[0]
     reasons = [too_large, f"cheapest that fits: {choice.label}, {format_bytes(choice.memory)} per GPU"]
@@ -560,6 +567,6 @@ def format_bytes(value: float) -> str:
 
 def format_duration(seconds: float) -> str:
     """A time left, as progress lines show it: '0m41s', '12m05s', '3h07m'."""
-    whole = int(round(seconds))
+    whole = round(seconds)
     hours, rest = divmod(whole, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

@@ -46,7 +46,8 @@ def claim_next(
 def release(sessions: sessionmaker[Session], job_id: str, owner: str, waiting_reason: str | None = None) -> bool:
     """Give a claimed job back at once; False when owner no longer holds it.
 
-    waiting_reason says why it stays queued (over its tenant's quota, no room on the cluster yet), for GET /v1/jobs/{id}.
+    waiting_reason says why it stays queued (over its tenant's quota, no room on the cluster yet), for GET
+    /v1/jobs/{id}.
     """
     with session_scope(sessions) as session:
         job = session.get(Job, job_id, with_for_update=True)

@@ -472,8 +472,9 @@ class JobSpec(_Strict):
     priority: int = Field(default=0, ge=-1000, le=1000)
     resume_from: str | None = Field(
         default=None,
-        description="Id of another job (or an unambiguous prefix of one, stored as the whole id): this job starts from that job's newest usable "
-        "checkpoint (model, optimizer, step, data position; any world size) while it has none of its own.",
+        description="Id of another job (or an unambiguous prefix of one, stored as the whole id): this job starts "
+        "from that job's newest usable checkpoint (model, optimizer, step, data position; any world size) while it has "
+        "none of its own.",
     )
     code: str | None = Field(
         default=None,
@@ -544,7 +545,8 @@ class JobSpec(_Strict):
             if builtin and self.data != builtin.corpus:
                 raise conflict(
                     "data",
-                    f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, got {self.data!r}",
+                    f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, "
+                    f"got {self.data!r}",
                 )
         else:
             self._check_data_source(builtin)
@@ -558,7 +560,8 @@ class JobSpec(_Strict):
                 raise conflict(
                     "workers.max",
                     f"workers: every world size in [{self.workers.min}, {self.workers.max}] must be a multiple of "
-                    f"parallel.tp × parallel.pp ({self.parallel.tp} × {self.parallel.pp} = {model_parallel}); {world} is not",
+                    f"parallel.tp × parallel.pp ({self.parallel.tp} × {self.parallel.pp} = {model_parallel}); "
+                    f"{world} is not",
                 )
             per_step = self.samples_per_micro_step(world)
             if train.global_batch_size % per_step:
@@ -617,7 +620,8 @@ class JobSpec(_Strict):
             if keep_best is not None and keep_best.metric == "val_loss":
                 raise conflict(
                     "checkpoint.keep_best.metric",
-                    f"checkpoint.keep_best.metric 'val_loss' needs a validation set: set data.val_fraction or {separate}",
+                    "checkpoint.keep_best.metric 'val_loss' needs a validation set: "
+                    f"set data.val_fraction or {separate}",
                 )
 
     def _check_hf_model(self) -> None:
@@ -688,7 +692,8 @@ class JobSpec(_Strict):
         if parallel.schedule == "interleaved1f1b" and parallel.pp > 1 and parallel.microbatches % parallel.pp:
             raise conflict(
                 "parallel.microbatches",
-                f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) for interleaved1f1b",
+                f"parallel.microbatches ({parallel.microbatches}) must be a multiple of parallel.pp ({parallel.pp}) "
+                "for interleaved1f1b",
             )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -703,7 +708,10 @@ class JobSpec(_Strict):
     def _micro_step_formula(self, world_size: int) -> str:
         dp = self.data_parallel_size(world_size)
         if self.parallel.pp > 1:
-            return f"micro_batch_size × parallel.microbatches × data-parallel size ({self.train.micro_batch_size} × {self.parallel.microbatches} × {dp}"
+            return (
+                "micro_batch_size × parallel.microbatches × data-parallel size "
+                f"({self.train.micro_batch_size} × {self.parallel.microbatches} × {dp}"
+            )
         if self.parallel.tp > 1:
             return f"micro_batch_size × data-parallel size ({self.train.micro_batch_size} × {dp}"
         return f"micro_batch_size × world size ({self.train.micro_batch_size} × {world_size}"
