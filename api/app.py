@@ -136,11 +136,13 @@ def _document_validation_errors(components: dict[str, Any]) -> None:
     entry["properties"]["field"] = {
         "type": "string",
         "title": "Field",
-        "description": "The dotted path of the value at fault in the body, query or path (e.g. train.global_batch_size), "
-        "or the part's own name (body) when the part as a whole is at fault: not JSON, not a zip.",
+        "description": "The dotted path of the value at fault in the body, query or path (e.g. "
+        "train.global_batch_size), or the part's own name (body) when the part as a whole is at fault: not JSON, "
+        "not a zip.",
     }
     entry["required"] = [*entry["required"], "field"]
     entry["properties"]["type"]["description"] = (
         "The rule broken. Those this schema cannot state: " + ", ".join(RULES_BEYOND_SCHEMA) + " (a rule between "
-        "fields; the cluster's nodes or GPUs; the tenant's quota; a job, code archive or model class that does not exist)."
+        "fields; the cluster's nodes or GPUs; the tenant's quota; a job, code archive or model class that does not "
+        "exist)."
     )

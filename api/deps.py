@@ -65,7 +65,8 @@ DatabaseDep = Annotated[Database, Depends(get_database)]
 async def get_principal(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_user_token)]
 ) -> Principal:
-    """The caller behind the bearer token: from the token cache, else looked up in a short transaction before the route's."""
+    """The caller behind the bearer token: from the token cache, else looked up in a short transaction before the
+    route's."""
     if credentials is None:
         if request.headers.get("authorization"):
             raise auth.Unauthorized("malformed Authorization header: expected 'Bearer <token>'")

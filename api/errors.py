@@ -45,7 +45,8 @@ _PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
 class FiniteJSONResponse(JSONResponse):
-    """JSON with NaN and infinities as null: JSON has no such numbers, yet a diverged loss or an echoed input holds them."""
+    """JSON with NaN and infinities as null: JSON has no such numbers, yet a diverged loss or an echoed input holds
+    them."""
 
     def render(self, content: Any) -> bytes:
         try:
@@ -159,7 +160,8 @@ async def _unavailable(_request: Request, exc: Exception) -> FiniteJSONResponse:
 
 
 async def _database_unavailable(request: Request, exc: Exception) -> FiniteJSONResponse:
-    """The database went away (restarting, failing over, locked): the client should retry, and the log needs one line."""
+    """The database went away (restarting, failing over, locked): the client should retry, and the log needs one
+    line."""
     log.warning(
         "database unavailable during %s %s: %s",
         request.method,

@@ -139,7 +139,8 @@ def load_json(body: bytes) -> Any:
 
 
 def check_document(document: Any, *, finite: bool = True, loc: Sequence[str | int] = ()) -> None:
-    """InvalidSpec unless the data is small and shallow enough, its integers fit 64 bits and (with finite) its floats are finite.
+    """InvalidSpec unless the data is small and shallow enough, its integers fit 64 bits and (with finite) its floats
+    are finite.
 
     Iterative, and stops at the first value past a limit, so shared (aliased) values cost what they expand to.
     """
@@ -218,7 +219,8 @@ def state_document_rules(schema: dict[str, Any], json_value_ref: str) -> None:
 
 
 def json_value_schema(json_value_ref: str) -> dict[str, Any]:
-    """The JSON_VALUE component: any JSON value check_document accepts, but for its document-wide limits (size, depth)."""
+    """The JSON_VALUE component: any JSON value check_document accepts, but for its document-wide limits (size,
+    depth)."""
     return {
         "description": f"Any JSON value; integers within ±{MAX_INT}, no string or key holding NUL.",
         "anyOf": [

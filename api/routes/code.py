@@ -41,7 +41,8 @@ _ARCHIVE_BODY = {
     },
 )
 async def upload(request: Request, response: Response, principal: CurrentPrincipal) -> CodeArchiveOut:
-    """Store a zip of a job's code for the caller's tenant: 201 when new, 200 when the tenant has it already (same hash).
+    """Store a zip of a job's code for the caller's tenant: 201 when new, 200 when the tenant has it already (same
+    hash).
 
     Larger than RINGMASTER_MAX_CODE_BYTES, packed or unpacked: 413, and nothing is stored."""
     media_type = request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()

@@ -161,7 +161,8 @@ def events(
 def metrics(
     job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0
 ) -> MetricsPage:
-    """Metric rows by attempt and step; ``memory`` (not paged) holds each rank's state memory, measured and predicted."""
+    """Metric rows by attempt and step; ``memory`` (not paged) holds each rank's state memory, measured and
+    predicted."""
     page = jobs.list_metrics(session, job_id, limit, offset, principal.scope)
     return MetricsPage.build(page, jobs.list_memory(session, job_id))
 
