@@ -42,8 +42,9 @@ class ParallelDims:
             common = math.gcd(*self.ranks_per_node)
             fitting = [tp for tp in range(1, common + 1) if common % tp == 0]
             raise PlacementError(
-                f"parallel.tp ({self.tp}) must divide the workers on every node so that each tensor-parallel group stays "
-                f"inside one node; the job's nodes hold {list(self.ranks_per_node)} workers, so tp can be one of {fitting}"
+                f"parallel.tp ({self.tp}) must divide the workers on every node so that each tensor-parallel group "
+                f"stays inside one node; the job's nodes hold {list(self.ranks_per_node)} workers, so tp can be one of "
+                f"{fitting}"
             )
         if self.hybrid:
             self._check_hybrid_layout()
@@ -65,7 +66,8 @@ class ParallelDims:
             if len(layout) < 2:
                 raise PlacementError(
                     f"parallel.shard 'hybrid' shards within a node and replicates across nodes, but all {world_size} "
-                    "workers are on one node; use shard 'zero3' (or 'zero2') there, or place the job on two or more nodes"
+                    "workers are on one node; use shard 'zero3' (or 'zero2') there, or place the job on two or more "
+                    "nodes"
                 )
             replicas = len(layout)
             if dp % replicas:

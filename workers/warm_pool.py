@@ -102,7 +102,8 @@ def claim_workers(nodes: list[str | None], claimant: str, cpus: float, pool_key:
     pool = pool_by_node(pool_key)
     wanted = {node for node in nodes if node is not None}
     statuses = pool_statuses([name for node in wanted for name in pool.get(node, [])])
-    # Only warm ones: one still importing does so at the lowest priority, so under load it may be slower than a cold start.
+    # Only warm ones: one still importing does so at the lowest priority, so under load it may be slower than a cold
+    # start.
     idle = {
         node: [
             statuses[name][0]
@@ -145,7 +146,8 @@ class WarmPoolKeeper:
 
     def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]] | None = None) -> None:
         """`runtime_envs`: pool -> the Ray runtime_env its workers start in (URIs only: Ray refuses local paths for an
-        actor); pools not named here are emptied of idle workers. Default: the shared pool alone, in this process's env."""
+        actor); pools not named here are emptied of idle workers. Default: the shared pool alone, in this process's
+        env."""
         wanted = {SHARED_POOL: {}} if runtime_envs is None else runtime_envs
         pools = pools_by_node()
         statuses = pool_statuses([name for nodes in pools.values() for names in nodes.values() for name in names])
@@ -159,7 +161,8 @@ class WarmPoolKeeper:
                 idle = [name for name in names if name not in statuses or statuses[name][1]["claimant"] is None]
                 target = min(self.per_node, int(node["Resources"]["CPU"])) if pool in wanted else 0
                 if node["NodeID"] not in busy and pool in wanted:
-                    # Only on a node nothing runs on: starting a worker takes seconds of CPU, taken from training otherwise.
+                    # Only on a node nothing runs on: starting a worker takes seconds of CPU, taken from training
+                    # otherwise.
                     self._start(pool, wanted[pool], node["NodeID"], names, target - len(idle))
                 for name in idle[target:]:  # the pool was made smaller, turned off, or is no longer wanted
                     if name in statuses:

@@ -54,7 +54,8 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control", enable_task_events=False)
     def pool_status(self) -> dict[str, Any]:
-        """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, and whether it is warm."""
+        """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, and whether it is
+        warm."""
         with self._lock:
             return {"claimant": self._claimant, "warm": self._warm.is_set()}
 

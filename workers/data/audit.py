@@ -13,7 +13,8 @@ class SampleAudit:
     def __init__(self, storage_root: str, rank: int, dp_rank: int, generation: int) -> None:
         directory = Path(storage_root) / "sample-ids"
         directory.mkdir(parents=True, exist_ok=True)
-        self._file = open(directory / f"generation-{generation:04d}-rank-{rank:04d}.jsonl", "a")
+        # Open for the recorder's life, not a with block: it appends a line every step.
+        self._file = open(directory / f"generation-{generation:04d}-rank-{rank:04d}.jsonl", "a")  # noqa: SIM115
         self._fields = {"generation": generation, "rank": rank, "dp_rank": dp_rank}
 
     def record(self, step: int, epoch: int, sample_ids: list[int]) -> None:
@@ -46,7 +47,7 @@ def read_effective_samples(storage_root: str | Path) -> dict[int, tuple[int, lis
     for record in _records(storage_root):
         step, generation = record["step"], record["generation"]
         latest[step] = max(latest.get(step, generation), generation)
-        epoch, by_replica = taken.setdefault((step, generation), (record["epoch"], {}))
+        _epoch, by_replica = taken.setdefault((step, generation), (record["epoch"], {}))
         by_replica[record["dp_rank"]] = record["ids"]  # tp/pp peers of a replica share its data
     return {
         step: (taken[(step, generation)][0], [i for ids in taken[(step, generation)][1].values() for i in ids])

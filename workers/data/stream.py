@@ -70,7 +70,8 @@ class GlobalBatchStream:
             )
         if position.samples_in_epoch % self.samples_per_micro_step:
             raise ValueError(
-                f"data position {position.samples_in_epoch} is not on a micro-step boundary of {self.samples_per_micro_step}"
+                f"data position {position.samples_in_epoch} is not on a micro-step boundary of "
+                f"{self.samples_per_micro_step}"
             )
         self.position = DataPosition(position.epoch, position.samples_in_epoch)
         self._order = epoch_order(len(dataset), seed, self.position.epoch)

@@ -63,9 +63,9 @@ class RankedWorker:
 
 
 def died_on_a_live_node(worker: RankedWorker) -> bool:
-    """Whether Ray recorded the worker's actor dead of its own process's death (killed, crashed, out of memory) while its
-    node lives on, so its bundle can take a replacement at once. Else (a node that died, one Ray has not yet declared
-    dead, a frozen one, or no answer) its node is treated as lost."""
+    """Whether Ray recorded the worker's actor dead of its own process's death (killed, crashed, out of memory) while
+    its node lives on, so its bundle can take a replacement at once. Else (a node that died, one Ray has not yet
+    declared dead, a frozen one, or no answer) its node is treated as lost."""
     try:
         actor = ray._private.state.actors(worker.actor_id)
     except Exception:

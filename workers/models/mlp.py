@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +16,7 @@ class MLPRegressor(nn.Module):
     def __init__(self, in_dim: int, hidden: int, out_dim: int, depth: int) -> None:
         super().__init__()
         widths = [in_dim] + [hidden] * depth
-        self.hidden_layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.hidden_layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(widths))
         self.output = nn.Linear(widths[-1], out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

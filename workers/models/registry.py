@@ -36,7 +36,8 @@ TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
 PipelineStageFn = Callable[[nn.Module, int, int], nn.Module]
 OutputLossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
-# A user model may train on a built-in corpus (spec.data, one of the catalogue's); built from the model_options it names.
+# A user model may train on a built-in corpus (spec.data, one of the catalogue's); built from the model_options it
+# names.
 BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset, Dataset]]] = {
     "pysource": pysource_splits,
     "synthetic": synthetic_regression_splits,
@@ -155,9 +156,9 @@ def _where_raised(error: BaseException) -> str:
 
 
 def _job_code_first() -> None:
-    """Put the job's code path (its PYTHONPATH: the job's own code, which Ray unpacked as its working_dir, then the spec's
-    runtime_env PYTHONPATH and RINGMASTER_CODE_PATH, in that order) first on sys.path. Ray puts the directory
-    the job's driver (or, for a warm pool worker, the control plane) started in before it; when that is a ringmaster
+    """Put the job's code path (its PYTHONPATH: the job's own code, which Ray unpacked as its working_dir, then the
+    spec's runtime_env PYTHONPATH and RINGMASTER_CODE_PATH, in that order) first on sys.path. Ray puts the directory the
+    job's driver (or, for a warm pool worker, the control plane) started in before it; when that is a ringmaster
     checkout, its api/, service/ and workers/ folders would shadow a user's own packages of those names. ringmaster
     itself imports only ringmaster.*, so nothing of its own can be shadowed in turn."""
     for entry in reversed(
@@ -189,9 +190,10 @@ def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) 
         if data_needing_a_bundle is not None:
             raise EntrypointError(
                 f"model entrypoint {entrypoint!r} returned a {type(result).__name__} alone, and with data "
-                f"{data_needing_a_bundle!r} it must also return its datasets and loss: a ModelBundle or a tuple (model, "
-                "train_dataset, loss_fn[, val_dataset]). A model alone trains on token windows with the next-token "
-                "loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: pysource"
+                f"{data_needing_a_bundle!r} it must also return its datasets and loss: a ModelBundle or a tuple "
+                "(model, train_dataset, loss_fn[, val_dataset]). A model alone trains on token windows with the "
+                "next-token loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: "
+                "pysource"
             )
         result = ModelBundle(result, None, None, next_token_loss)
     if isinstance(result, tuple) and len(result) in (3, 4):

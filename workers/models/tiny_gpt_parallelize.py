@@ -22,7 +22,8 @@ def apply_tensor_parallel(model: TinyGPT, tp_mesh: DeviceMesh) -> None:
     config, degree = model.config, tp_mesh.size()
     if config.n_heads % degree or (config.mlp_ratio * config.dim) % degree:
         raise JobInputError(
-            f"tiny-gpt: parallel.tp ({degree}) must divide n_heads ({config.n_heads}) and the MLP width ({config.mlp_ratio * config.dim})"
+            f"tiny-gpt: parallel.tp ({degree}) must divide n_heads ({config.n_heads}) and the MLP width "
+            f"({config.mlp_ratio * config.dim})"
         )
     for block in model.layers.values():
         plan = {

@@ -45,6 +45,9 @@ class NullSink:
         return 0
 
 
+_NULL_SINK = NullSink()  # stateless: one instance serves every context given no sink
+
+
 @dataclass(frozen=True)
 class TrainContext:
     """Where this rank runs (the process group already exists) and its line to the driver."""
@@ -54,7 +57,7 @@ class TrainContext:
     device: torch.device
     job_id: str
     storage_root: str
-    sink: ProgressSink = NullSink()
+    sink: ProgressSink = _NULL_SINK
     # Workers on each node, in rank order (ranks are contiguous per node); None: all on one node.
     ranks_per_node: tuple[int, ...] | None = None
     # Which formation of the group this is (the driver re-forms it after failures and to grow).

@@ -51,7 +51,8 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], pipeline_group: dist.Pr
 
     A DTensor gradient (FSDP's shards, tensor parallel's pieces) contributes its full tensor's norm, reduced over its
     mesh; a plain one (DDP, or a tensor-parallel model's replicated parts) is the same on every rank that holds it and
-    counts once. Pipeline stages hold different parameters, so their squared norms are summed over ``pipeline_group``."""
+    counts once. Pipeline stages hold different parameters, so their squared norms are summed over
+    ``pipeline_group``."""
     plain: list[torch.Tensor] = []
     by_layout: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for parameter in parameters:

@@ -415,7 +415,8 @@ def _accumulation_steps(spec: JobSpec, world_size: int) -> int:
     if spec.train.global_batch_size % per_pass:
         raise JobInputError(
             f"global_batch_size {spec.train.global_batch_size} is not a multiple of the {per_pass} samples one "
-            f"micro-step takes at world size {world_size} (micro_batch_size × pipeline micro-batches × data-parallel size)"
+            f"micro-step takes at world size {world_size} "
+            "(micro_batch_size × pipeline micro-batches × data-parallel size)"
         )
     return spec.accumulation_steps(world_size)
 

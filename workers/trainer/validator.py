@@ -1,4 +1,5 @@
-"""The validation loss: evaluated over the whole validation set, sharded over data-parallel ranks, once per step at most."""
+"""The validation loss: evaluated over the whole validation set, sharded over data-parallel ranks, once per step at
+most."""
 
 from __future__ import annotations
 
