@@ -59,7 +59,8 @@ class PacedModel(nn.Module):
     def _write(self, ids: torch.Tensor) -> None:
         if self._record is None:
             Path(self.id_record_dir).mkdir(parents=True, exist_ok=True)
-            self._record = open(Path(self.id_record_dir) / f"{os.getpid()}-{id(self):x}.jsonl", "a")
+            # Open for the model's life, not a with block: it appends a line every training forward.
+            self._record = open(Path(self.id_record_dir) / f"{os.getpid()}-{id(self):x}.jsonl", "a")  # noqa: SIM115
         fingerprint = hashlib.sha1()
         for parameter in self.inner.parameters():
             fingerprint.update(parameter.detach().cpu().numpy().tobytes())

@@ -139,7 +139,7 @@ def test_val_loss_without_a_validation_set_is_refused_before_training(tmp_path: 
         train={"steps": 2, "global_batch_size": 4, "micro_batch_size": 4},
         checkpoint={"every_steps": 1, "keep_best": {"metric": "val_loss"}},
     )
-    with pytest.raises(ValueError, match="checkpoint.keep_best.metric 'val_loss' needs a validation set"):
+    with pytest.raises(ValueError, match=r"checkpoint.keep_best.metric 'val_loss' needs a validation set"):
         run_training(spec, TrainContext(0, 1, torch.device("cpu"), "no-val", str(tmp_path)))
     assert list(tmp_path.iterdir()) == []
 
@@ -196,12 +196,12 @@ def test_checkpoint_rows_follow_retention_and_mark_the_best(db: Database) -> Non
             seen.append(
                 [
                     (c.step, c.metric_value, c.best)
-                    for c in map(CheckpointOut.from_row, list_checkpoints(session, job_id).items)
+                    for c in map(CheckpointOut.model_validate, list_checkpoints(session, job_id).items)
                 ]
             )
     assert seen == [[(4, 1.0, True)], [(4, 1.0, True), (6, 2.0, False)], [(10, 0.5, True)]]
     with session_scope(db.sessions) as session:
-        [out] = map(CheckpointOut.from_row, list_checkpoints(session, job_id).items)
+        [out] = map(CheckpointOut.model_validate, list_checkpoints(session, job_id).items)
         messages = [event.message for event in list_events(session, job_id).items if event.kind == "checkpoint"]
     assert out.metric == "val_loss" and out.uri == "s3://bucket/job/step-00000010"
     assert messages == [

@@ -189,7 +189,8 @@ def test_two_ranks_on_s3_save_async_resume_skip_corrupt_and_keep_newest_plus_bes
 
 
 def test_memory_uri_round_trip_retention_and_corruption(single_rank_group: None) -> None:
-    """fsspec's in-process memory filesystem: save, list, keep the newest plus the best, detect a truncated shard, load."""
+    """fsspec's in-process memory filesystem: save, list, keep the newest plus the best, detect a truncated shard,
+    load."""
     root = "memory://ringmaster-tests/round-trip"
     spec = S3_SPEC.model_copy(
         update={
@@ -298,7 +299,7 @@ def test_sample_id_record_needs_a_local_storage_root(single_rank_group: None) ->
     )
     with pytest.raises(
         ValueError,
-        match="train.record_sample_ids writes its record to a local directory, and this job's "
-        "storage is 'memory://ringmaster-tests/audit'",
+        match=r"train.record_sample_ids writes its record to a local directory, and this job's "
+        r"storage is 'memory://ringmaster-tests/audit'",
     ):
         run_training(spec, TrainContext(0, 1, torch.device("cpu"), "audit", "memory://ringmaster-tests/audit"))

@@ -263,7 +263,7 @@ def test_remote_token_file_is_fetched_once_into_the_cache_and_again_when_it_chan
     filesystem.pipe(uri, (np.arange(129) % 256).astype(np.uint16).tobytes())
     changed, fetched_changed = node_local_file(uri)
     assert fetched_changed and changed != first and len(np.fromfile(changed, np.uint16)) == 129
-    with pytest.raises(JobInputError, match="data file 'memory://corpus/absent.bin' does not exist"):
+    with pytest.raises(JobInputError, match=r"data file 'memory://corpus/absent.bin' does not exist"):
         node_local_file("memory://corpus/absent.bin")
     filesystem.rm("/corpus", recursive=True)
 
@@ -353,7 +353,7 @@ def test_dataset_dict_trains_on_its_split_and_validates_on_another(tmp_path: Pat
 def test_hf_dataset_that_is_missing_or_of_the_wrong_shape_is_a_clear_error(tmp_path: Path, hf_dir: Path) -> None:
     with pytest.raises(JobInputError, match=f"data.path '{tmp_path / 'absent'}' is not a directory on this node"):
         hf_dataset_splits(_hf_data(tmp_path / "absent", column="text", seq_len=4), vocab_size=None)
-    with pytest.raises(ValueError, match="holds a single Dataset, not a DatasetDict: leave data.split"):
+    with pytest.raises(ValueError, match=r"holds a single Dataset, not a DatasetDict: leave data.split"):
         hf_dataset_splits(_hf_data(hf_dir, column="text", seq_len=4, split="train"), vocab_size=None)
     numbers = tmp_path / "numbers"
     datasets.Dataset.from_dict({"score": [1.5, 2.5]}).save_to_disk(str(numbers))
@@ -375,8 +375,11 @@ def test_hf_packing_is_written_once_per_node(hf_dir: Path, node_cache: Path) -> 
 # --- the exactly-once order with DataLoader workers -------------------------------------------------------------
 
 
+_START = DataPosition()  # the stream copies the position it is given, so one shared default is never moved
+
+
 def _stream(
-    dataset: TokenWindows, dp_rank: int, num_workers: int, position: DataPosition = DataPosition()
+    dataset: TokenWindows, dp_rank: int, num_workers: int, position: DataPosition = _START
 ) -> GlobalBatchStream:
     return GlobalBatchStream(
         dataset,

@@ -131,11 +131,11 @@ def test_ddp_grad_accumulation_matches_single_process(distributed_runs: Path, mo
     assert len(distributed_gradients) == STEPS
     for step, (distributed, reference) in enumerate(zip(distributed_gradients, gradients), start=1):
         torch.testing.assert_close(
-            distributed, reference, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} gradient: {m}"
+            distributed, reference, rtol=1e-4, atol=1e-6, msg=lambda m, step=step: f"step {step} gradient: {m}"
         )
 
     torch.manual_seed(SEED + 1)
     trained = build_bundle(spec).model
     load_model_weights(latest_committed(run_dir).path, trained)
     for (name, expected), actual in zip(model.state_dict().items(), trained.state_dict().values()):
-        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

@@ -672,7 +672,8 @@ def test_service_selectors_match_pod_labels(overlay: Rendered) -> None:
             target = port.get("targetPort", port["port"])
             for where, template in matched:
                 assert container_port(template["spec"]["containers"], target), (
-                    f"{overlay.name}: Service {service['metadata']['name']} targets port {target!r}, which {where} does not declare"
+                    f"{overlay.name}: Service {service['metadata']['name']} targets port {target!r}, "
+                    f"which {where} does not declare"
                 )
     for kind in ("Deployment", "StatefulSet"):
         for workload in overlay.of_kind(kind):

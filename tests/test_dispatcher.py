@@ -108,7 +108,7 @@ def test_workers_fitting_counts_each_nodes_whole_bundles() -> None:
 
 
 def test_higher_priority_then_older_job_is_admitted_first(db, dispatcher):
-    dispatcher, cluster = dispatcher
+    dispatcher, _cluster = dispatcher
     first_low = _submit(db, _spec("low", workers=4))
     high = _submit(db, _spec("high", workers=4, priority=5))
     dispatcher.run_once()

@@ -69,7 +69,7 @@ def test_a_sharded_checkpoint_exports_the_trained_weights_whole_for_from_pretrai
     expected = reference.state_dict()
     assert set(loaded.state_dict()) == set(expected)
     for name, tensor in loaded.state_dict().items():
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     assert any(not torch.equal(expected[name], initial[name]) for name in expected), "training moved no weight"
     assert exported.tensors == len(load_file(exported.weights))
     if case.startswith("gpt2"):  # tied: one parameter under both names, as the job trained it
@@ -85,7 +85,7 @@ def test_an_export_starts_another_job_as_its_pretrained_weights(trained: Path, t
     spec["model_options"] = {**spec["model_options"], "pretrained": str(tmp_path / "out")}
     started = build_bundle(JobSpec.model_validate(spec)).model.state_dict()
     for name, tensor in exported.items():
-        torch.testing.assert_close(started[name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(started[name], tensor, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_an_occupied_directory_or_a_checkpoint_that_fails_its_manifest_is_refused_with_nothing_written(
@@ -100,7 +100,7 @@ def test_an_occupied_directory_or_a_checkpoint_that_fails_its_manifest_is_refuse
         export_checkpoint(checkpoint.path, occupied, model_class, options)
     assert [path.name for path in occupied.iterdir()] == ["notes.txt"]
 
-    with pytest.raises(ExportError, match="is not a committed checkpoint: it has no readable manifest.json"):
+    with pytest.raises(ExportError, match=r"is not a committed checkpoint: it has no readable manifest.json"):
         export_checkpoint(str(tmp_path), tmp_path / "out-nothing", model_class, options)
     assert not (tmp_path / "out-nothing").exists()
 

@@ -68,7 +68,7 @@ def test_a_dead_worker_failing_at_once_starts_no_grace_for_the_live_ones(local_r
     """Ray may know a worker is dead before a live peer answers (one busy with a failed collective): that failure
     is no answer, so the live worker still has the whole timeout."""
     group = _group([0.0, 1.0])
-    dead, slow = group.workers
+    dead, _slow = group.workers
     ray.get([worker.actor.__ray_ready__.remote() for worker in group.workers])
     ray.kill(dead.actor, no_restart=True)
     _wait_until_ray_knows_it_dead(dead.actor)

@@ -191,7 +191,7 @@ def test_what_cannot_work_is_refused_at_submit_with_the_reason() -> None:
     with pytest.raises(ValidationError, match="transformers has no model class 'NoSuchForCausalLM'"):
         JobSpec.model_validate({**hf_spec("llama", "ddp"), "model": "hf:NoSuchForCausalLM"})
     with pytest.raises(
-        ValidationError, match="no tensor-parallel plan for GPT2LMHeadModel .GPT2Config has no base_model_tp_plan"
+        ValidationError, match=r"no tensor-parallel plan for GPT2LMHeadModel .GPT2Config has no base_model_tp_plan"
     ):
         JobSpec.model_validate(
             {

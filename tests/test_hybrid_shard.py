@@ -58,4 +58,6 @@ def test_hybrid_shards_within_a_node_replicates_across_nodes_and_matches_one_pro
     trained = build_bundle(SPEC).model
     load_model_weights(latest_committed(tmp_path).path, trained)
     for key, expected in reference.state.items():
-        torch.testing.assert_close(trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )

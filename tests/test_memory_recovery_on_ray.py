@@ -124,7 +124,9 @@ def test_a_killed_node_is_replaced_and_the_run_continues_from_memory(name, clust
     trained = build_bundle(JobSpec.model_validate(_spec(name))).model
     load_model_weights(final, trained)  # unsplit FQNs: a plain module loads any layout's shards
     for key, expected in reference.state.items():
-        torch.testing.assert_close(trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
     workers = CASES[name][1]
     memory = [entry for entry in metrics["memory"] if entry["attempt"] == 1]
     assert sorted(entry["rank"] for entry in memory) == list(range(workers)), "every rank reports its memory once"

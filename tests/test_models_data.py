@@ -127,8 +127,8 @@ def test_user_model_on_builtin_corpus_gets_its_windows() -> None:
             "no_such_package.models:build",
             {},
             "cannot import module 'no_such_package.models': ModuleNotFoundError: No "
-            "module named 'no_such_package'; ship its directory with the job (ringmaster submit --code DIR) or put it on "
-            "RINGMASTER_CODE_PATH",
+            "module named 'no_such_package'; ship its directory with the job (ringmaster submit --code DIR) or put it "
+            "on RINGMASTER_CODE_PATH",
         ),
         (f"{__name__}:missing_builder", {}, "has no attribute 'missing_builder'"),
         (f"{__name__}:NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a function"),
@@ -162,5 +162,5 @@ def test_a_module_whose_own_import_fails_is_named_with_the_failing_import_and_wh
 
 
 def test_builtin_model_rejects_unknown_options() -> None:
-    with pytest.raises(EntrypointError, match="ringmaster.workers.models.tiny_gpt:build"):
+    with pytest.raises(EntrypointError, match=r"ringmaster.workers.models.tiny_gpt:build"):
         build_bundle(_spec("tiny-gpt", model_options={"layers": 3}))

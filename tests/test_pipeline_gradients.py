@@ -88,5 +88,9 @@ def test_pipeline_schedule_gives_the_unsplit_model_gradients(pipeline_runs: Path
         assert sorted(gradients) == sorted(reference.gradients[step]), "the stages together hold every parameter once"
         for name, expected in reference.gradients[step].items():
             torch.testing.assert_close(
-                gradients[name], expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step + 1} {name}: {m}"
+                gradients[name],
+                expected,
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, step=step, name=name: f"step {step + 1} {name}: {m}",
             )

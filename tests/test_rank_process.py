@@ -82,7 +82,7 @@ def test_an_exception_in_the_training_process_keeps_its_type_and_traceback(local
             f"training raised an exception on no group yet, pid {placement['training_pid']}, "
             f"node {ray.util.get_node_ip_address()}\n"
         ), described
-        where, traceback_text = described.split("\n", 1)
+        _where, traceback_text = described.split("\n", 1)
         assert traceback_text.startswith("Traceback (most recent call last):\n  File "), described
         assert ", in train\n" in traceback_text and "workers/worker.py" not in traceback_text, described
         assert "_serve" not in traceback_text and traceback_text.count("Traceback") == 1, described

@@ -79,7 +79,7 @@ def test_a_refused_call_keeps_the_agent(agent):
 def test_an_agent_that_cannot_join_says_why_and_the_next_call_tries_again(monkeypatch):
     monkeypatch.setenv("JOIN_ERROR", "could not join the Ray cluster at 127.0.0.1:1: ConnectionError")
     handle = RayAgent([sys.executable, "-c", STAND_IN], join_timeout_s=30)
-    with pytest.raises(AgentUnavailable, match="could not join the Ray cluster at 127.0.0.1:1"):
+    with pytest.raises(AgentUnavailable, match=r"could not join the Ray cluster at 127.0.0.1:1"):
         handle.call("echo")
     monkeypatch.delenv("JOIN_ERROR")
     assert handle.call("echo", value=5)["value"] == 5 and handle.starts == 2

@@ -329,7 +329,8 @@ def test_a_job_starts_in_warm_pool_workers_which_end_with_it(client: RingmasterC
 
 def test_a_cancelled_jobs_driver_stops_itself_when_ray_does_not_stop_it(client: RingmasterClient, monkeypatch):
     """The control plane answers the driver's next report with CANCELLED: the driver frees its workers and bundles on
-    its own. Here the dispatcher's Ray job stop and placement-group release reach nothing, as when the dashboard stalls."""
+    its own. Here the dispatcher's Ray job stop and placement-group release reach nothing, as when the dashboard
+    stalls."""
     from ray.job_submission import JobSubmissionClient
 
     from ringmaster.service.ray_cluster import RayCluster

@@ -100,7 +100,7 @@ def test_the_streams_next_batch_starts_at_its_cursor_in_any_attempt_without_read
     for steps in (FEW, MANY):
         _grow(db, job_id, 1, steps)
         cursor = Cursor(event_id=10**9, attempt=1, step=steps - 3)
-        counted[steps], batch = _instructions(db, lambda session: read_batch(session, job_id, cursor))
+        counted[steps], batch = _instructions(db, lambda session, cursor=cursor: read_batch(session, job_id, cursor))
         assert [(item.data["attempt"], item.data["step"]) for item in batch.items] == [
             (1, steps - 2),
             (1, steps - 1),
@@ -123,7 +123,9 @@ def test_the_mlflow_exports_next_rows_after_its_cursor_are_read_without_the_rows
         _grow(db, job_id, 1, steps)
         with db.sessions() as session:
             cursor = session.scalar(select(Metric.id).where(Metric.job_id == job_id, Metric.step == steps - 2))
-        counted[steps], rows = _instructions(db, lambda session: metric_rows_after(session, job_id, cursor))
+        counted[steps], rows = _instructions(
+            db, lambda session, cursor=cursor: metric_rows_after(session, job_id, cursor)
+        )
         assert [row.step for row in rows] == [steps - 1, steps]
     assert counted[MANY] < 2 * counted[FEW], counted
 

@@ -158,7 +158,9 @@ def _straight_and_stopped_at_two_ranks(rank: int, world_size: int, root: str) ->
                 torch.device("cpu"),
                 "a",
                 f"{root}/{strategy}/job-a",
-                sink=CallbackSink(on_metric=stopped.append, should_stop=lambda: next(calls) >= RESIZE_STOP_AFTER),
+                sink=CallbackSink(
+                    on_metric=stopped.append, should_stop=lambda calls=calls: next(calls) >= RESIZE_STOP_AFTER
+                ),
             ),
         )
         if rank == 0:

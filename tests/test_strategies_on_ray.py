@@ -78,7 +78,7 @@ def test_strategy_matches_single_process_and_reports_every_rank_memory(
     job_id = submitted[name]
     done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED", "CANCELLED"})
     assert done["state"] == "SUCCEEDED", done["error"]
-    strategy, workers, _, precision, _ = CASES[name]
+    _strategy, workers, _, precision, _ = CASES[name]
 
     metrics = client.metrics(job_id)
     rows = metrics["items"]
@@ -94,7 +94,7 @@ def test_strategy_matches_single_process_and_reports_every_rank_memory(
     if precision == "fp32":
         for key, expected in reference.state.items():
             torch.testing.assert_close(
-                trained.state_dict()[key], expected, rtol=0, atol=FP32_TOLERANCE, msg=lambda m: f"{key}: {m}"
+                trained.state_dict()[key], expected, rtol=0, atol=FP32_TOLERANCE, msg=lambda m, key=key: f"{key}: {m}"
             )
 
     memory = metrics["memory"]

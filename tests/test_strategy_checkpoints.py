@@ -48,7 +48,7 @@ def _stop_then_resume_every_strategy(rank: int, world_size: int, root: str) -> N
                 torch.device("cpu"),
                 name,
                 storage,
-                sink=CallbackSink(on_metric=points.append, should_stop=lambda: next(calls) >= STOP_AFTER),
+                sink=CallbackSink(on_metric=points.append, should_stop=lambda calls=calls: next(calls) >= STOP_AFTER),
             ),
         )
         assert stopped.stopped and stopped.step == STOP_AFTER
@@ -77,4 +77,6 @@ def test_stopped_and_resumed_run_matches_uninterrupted_single_process(resumed_ru
     trained = build_bundle(_spec(name)).model
     load_model_weights(latest_committed(resumed_runs / name).path, trained)
     for key, expected in reference.state.items():
-        torch.testing.assert_close(trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            trained.state_dict()[key], expected, rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )

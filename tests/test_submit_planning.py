@@ -64,7 +64,8 @@ def test_strategy_that_cannot_fit_gpu_memory_is_422_naming_what_it_needs_and_wha
     error = _rejected(client, USER_7B)  # strategy ddp: 16 bytes × 7B on each GPU
     assert error["field"] == "workers.gpu_memory_gb" and error["type"] == "does_not_fit"
     assert error["msg"].startswith(
-        "strategy ddp needs 112.00 GB per GPU at 8 workers (parameters 28.00 GB + gradients 28.00 GB + optimizer 56.00 GB), "
+        "strategy ddp needs 112.00 GB per GPU at 8 workers "
+        "(parameters 28.00 GB + gradients 28.00 GB + optimizer 56.00 GB), "
         "more than workers.gpu_memory_gb (80.00 GB); would fit at 8 workers: strategy: zero1 (63.00 GB per GPU); "
         "strategy: fsdp, parallel: {shard: zero2} (38.50 GB per GPU)"
     )

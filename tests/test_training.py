@@ -118,7 +118,8 @@ def test_a_resumed_attempt_replays_the_metrics_its_checkpoint_kept(tmp_path: Pat
     )
     first: list[MetricPoint] = []
     calls = itertools.count(1)
-    # The driver confirms the first two points once a third exists, then goes quiet (dies, or the control plane is down).
+    # The driver confirms the first two points once a third exists, then goes quiet (dies, or the control plane is
+    # down).
     stopped = run_training(
         spec,
         TrainContext(

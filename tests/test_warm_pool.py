@@ -183,7 +183,8 @@ def each_runtime_env_has_a_pool_of_its_own(node: str) -> None:
     setting = lambda actor: ray.get(actor.__ray_call__.remote(lambda _: os.environ.get("PROJECT_SETTING")))  # noqa: E731
     assert (setting(shared), setting(own)) == (None, "project"), "each pool's workers run in their own env"
 
-    # Only the shared pool is wanted now: the project's pool starts nothing more; its claimed worker stays with its attempt.
+    # Only the shared pool is wanted now: the project's pool starts nothing more; its claimed worker stays with its
+    # attempt.
     keeper.tick(active_claimants={"attempt-f", "attempt-g"}, runtime_envs={SHARED_POOL: {}})
     time.sleep(1.0)
     assert list(_pool(node, "env-project").values()) == [{"claimant": "attempt-g", "warm": True}]

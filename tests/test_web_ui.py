@@ -179,7 +179,7 @@ def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser)
     reasons = {
         job_id: _wait(
             f"job {job_id} listed",
-            lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job_id}"] td.reason'),
+            lambda job_id=job_id: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job_id}"] td.reason'),
         )[0].text
         for job_id in done
     }
