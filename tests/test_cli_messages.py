@@ -76,7 +76,7 @@ def ringmaster(*args: str, env: dict[str, str] | None = None, timeout_s: float =
     """The CLI as a person runs it (a fresh process), with only the given RINGMASTER_* variables."""
     clean = {key: value for key, value in os.environ.items() if not key.startswith("RINGMASTER_")}
     return subprocess.run(
-        [sys.executable, "-m", "ringmaster.service.cli", *args],
+        [sys.executable, "-m", "ringmaster.cli", *args],
         cwd=REPO_ROOT,
         text=True,
         capture_output=True,
@@ -250,7 +250,7 @@ def test_watch_without_a_terminal_prints_a_line_at_each_state_and_as_steps_arriv
         jobs.mark_admitted(session, job, 1, f"ringmaster-{job_id}-1", None, 2)
         jobs.transition(session, job, JobState.RUNNING, "training", {})
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "ringmaster.service.cli", "watch", job_id[:12], "--every-s", "0.2"],
+        [sys.executable, "-m", "ringmaster.cli", "watch", job_id[:12], "--every-s", "0.2"],
         cwd=REPO_ROOT,
         text=True,
         stdout=subprocess.PIPE,
@@ -285,7 +285,7 @@ def test_watch_without_a_terminal_prints_a_line_at_each_state_and_as_steps_arriv
     ],
 )
 def test_a_loss_prints_with_four_decimals_unless_its_size_would_hide_it(loss: float, shown: str) -> None:
-    from ringmaster.service.cli import _loss_text
+    from ringmaster.cli.render import _loss_text
 
     assert _loss_text(loss) == shown
 
@@ -345,7 +345,7 @@ def test_logs_follow_prints_the_log_as_it_grows_until_the_job_ends(server: Serve
         job.state, job.attempt, job.submission_id = JobState.RUNNING.value, 1, f"ringmaster-{job_id}-1"
     logs.text = "step 1 loss 2.0\n"
     follower = subprocess.Popen(
-        [sys.executable, "-m", "ringmaster.service.cli", "logs", job_id[:12], "--follow", "--interval-s", "0.2"],
+        [sys.executable, "-m", "ringmaster.cli", "logs", job_id[:12], "--follow", "--interval-s", "0.2"],
         cwd=REPO_ROOT,
         text=True,
         stdout=subprocess.PIPE,
@@ -381,7 +381,7 @@ def test_tensorboard_serves_the_jobs_event_files(server: Server) -> None:
     events.close()
     port = free_port()
     board = subprocess.Popen(
-        [sys.executable, "-m", "ringmaster.service.cli", "tensorboard", job_id[:10], "--port", str(port)],
+        [sys.executable, "-m", "ringmaster.cli", "tensorboard", job_id[:10], "--port", str(port)],
         cwd=REPO_ROOT,
         env={**os.environ, **at(server)},
         stdout=subprocess.PIPE,

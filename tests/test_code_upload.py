@@ -21,7 +21,8 @@ from test_dispatcher import FakeCluster
 from typer.testing import CliRunner
 
 from ringmaster.api.app import create_app
-from ringmaster.service import cli, code_store, jobs
+from ringmaster.cli import app as cli
+from ringmaster.service import code_store, jobs
 from ringmaster.service.code_packing import CodeDirectoryError, files_to_pack, pack_directory
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.dispatcher import Dispatcher
@@ -29,7 +30,7 @@ from ringmaster.service.errors import CodeTooLarge
 from ringmaster.service.models import DEFAULT_TENANT, CodeArchive, Job
 from ringmaster.service.ray_cluster import runtime_env_failure_reason
 from ringmaster.service.reports import REPORT_TOKEN_ENV, DriverReport
-from ringmaster.service.settings import Settings
+from ringmaster.service.settings import Settings, get_settings
 from ringmaster.service.spec import JobSpec
 
 LIMIT = 64 * 1024
@@ -161,9 +162,9 @@ def test_a_missing_or_another_tenants_code_hash_is_refused_at_submit(api: Api, t
         assert response.status_code == 422, response.text
         [error] = response.json()["detail"]
         assert error["field"] == "code"
-        assert error["msg"] == (
-            f"no code archive {ref} for tenant 'team-b': upload it first "
-            "(POST /v1/code, or `ringmaster submit --code DIR`)"
+        assert (
+            error["msg"]
+            == f"no code archive {ref} for tenant 'team-b': upload it first (POST /v1/code, or `ringmaster submit --code DIR`)"
         )
     assert api.call("b", "GET", f"/v1/code/{packed.ref}").status_code == 404, (
         "another tenant's archive reads as unknown"
@@ -335,7 +336,7 @@ Last 50 lines of stdout:
     WARNING: Location 'file:///opt/pypi/simple/no-such-dist/' is ignored: it is neither a file nor a directory.
     ERROR: Could not find a version that satisfies the requirement no-such-dist==9 (from versions: none)
     ERROR: No matching distribution found for no-such-dist==9
-"""  # noqa: E501 (Ray's message verbatim)
+"""
 
 
 def test_a_failed_pip_install_is_told_by_pips_errors_not_rays_traceback() -> None:
@@ -388,11 +389,11 @@ def test_cli_submit_with_code_over_the_limit_is_one_line_and_exit_1(
     project = _tree(tmp_path / "project", {"weights.bin": "0" * 4096})
     monkeypatch.setenv("RINGMASTER_MAX_CODE_BYTES", "2048")
     monkeypatch.setenv("RINGMASTER_DATA_DIR", str(tmp_path / "data"))
-    cli.get_settings.cache_clear()
+    get_settings.cache_clear()
     try:
         result = CliRunner().invoke(cli.app, ["submit", str(spec), "--code", str(project)])
     finally:
-        cli.get_settings.cache_clear()
+        get_settings.cache_clear()
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert lines == [

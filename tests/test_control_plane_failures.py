@@ -92,7 +92,7 @@ class Server:
         )
         with open(self.data_dir / "server.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ringmaster.service.cli", "serve"],
+                [sys.executable, "-m", "ringmaster.cli", "serve"],
                 cwd=REPO_ROOT,
                 env=env,
                 stdout=log,
@@ -103,8 +103,7 @@ class Server:
         try:
             while not client.healthy():
                 assert self.process.poll() is None, (
-                    f"the server exited with {self.process.returncode} (Ray head alive: {self.head.alive()}):\n"
-                    f"{self.log_tail()}"
+                    f"the server exited with {self.process.returncode} (Ray head alive: {self.head.alive()}):\n{self.log_tail()}"
                 )
                 assert time.monotonic() < deadline, (
                     f"the server did not answer within 90 s (Ray head alive: {self.head.alive()}):\n{self.log_tail()}"

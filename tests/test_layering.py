@@ -36,7 +36,7 @@ def test_every_package_folder_installs_under_the_ringmaster_name() -> None:
 
 def test_the_installed_names_link_to_the_top_level_rooms() -> None:
     """src/ringmaster's links are what editors and type checkers follow from a ringmaster.* import to its file."""
-    for room in ("api", "service", "workers"):
+    for room in ("api", "service", "workers", "cli"):
         link = REPO_ROOT / "src" / "ringmaster" / room
         assert link.is_symlink() and link.resolve() == REPO_ROOT / room, link
 

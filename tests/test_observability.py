@@ -339,7 +339,7 @@ def test_stream_of_unknown_job_is_404(client: TestClient) -> None:
 
 
 def test_client_stream_and_watch_progress(client: TestClient) -> None:
-    from ringmaster.service.cli import _progress
+    from ringmaster.cli.jobs import _progress
     from ringmaster.service.client import ApiError, RingmasterClient
 
     job_id = _submit(client)

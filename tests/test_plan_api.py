@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from ringmaster.api.app import create_app
-from ringmaster.service import cli
+from ringmaster.cli import app as cli
+from ringmaster.cli import planning
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.planner import builtin_model_size
 from ringmaster.service.settings import Settings
@@ -120,7 +121,7 @@ def cli_on(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
     """The CLI talking to the in-process API instead of a server."""
     api = RingmasterClient("http://testserver")
     api._http = client  # the TestClient is an HTTP client on the app (httpx2's where installed: starlette prefers it)
-    monkeypatch.setattr(cli, "_client", lambda _url: api)
+    monkeypatch.setattr(planning, "_client", lambda _url: api)
     return CliRunner()
 
 
@@ -145,7 +146,7 @@ def test_cli_plan_json_and_bad_input(cli_on: CliRunner) -> None:
     [("7B", 7 * 10**9), ("350m", 350 * 10**6), ("1.5T", 15 * 10**11), ("13e9", 13 * 10**9), ("7_000", 7000)],
 )
 def test_cli_reads_parameter_counts_the_way_people_write_them(text: str, count: int) -> None:
-    assert cli._count(text) == count
+    assert planning._count(text) == count
 
 
 def test_a_builtins_size_options_may_be_integral_floats_as_json_integers_are(client: TestClient) -> None:

@@ -239,7 +239,7 @@ def test_when_nothing_fits_the_reasons_say_what_would() -> None:
     "modules",
     [
         "ringmaster.service.planner",
-        "ringmaster.service.planner, ringmaster.service.job_plan, ringmaster.service.cli, ringmaster.api.app",
+        "ringmaster.service.planner, ringmaster.service.job_plan, ringmaster.cli.app, ringmaster.api.app",
     ],
 )
 def test_the_planner_and_the_control_plane_import_neither_torch_nor_ray(modules: str) -> None:

@@ -53,7 +53,7 @@ def test_serve_says_where_it_listens_runs_no_client_server_and_leaves_nothing(tm
     env = {key: value for key, value in os.environ.items() if not key.startswith("RINGMASTER_")}
     env.update({"RINGMASTER_DATA_DIR": str(tmp_path), "RINGMASTER_API_PORT": str(port)})
     serve = subprocess.Popen(
-        [sys.executable, "-m", "ringmaster.service.cli", "serve"],
+        [sys.executable, "-m", "ringmaster.cli", "serve"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,

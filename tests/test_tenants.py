@@ -19,7 +19,9 @@ from test_dispatcher import FakeCluster
 from typer.testing import CliRunner
 
 from ringmaster.api.app import create_app
-from ringmaster.service import auth, cli, tenants
+from ringmaster.cli import admin as cli_admin
+from ringmaster.cli import app as cli
+from ringmaster.service import auth, tenants
 from ringmaster.service.auth import Principal
 from ringmaster.service.db import Database, alembic_config, make_engine, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import Dispatcher
@@ -428,7 +430,7 @@ def test_server_on_an_external_database_writes_no_token(db_url: str, tmp_path: P
 def test_cli_creates_tenants_and_tokens_directly_in_the_database(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "get_settings", lambda: Settings(database_url=db_url, data_dir=tmp_path))
+    monkeypatch.setattr(cli_admin, "get_settings", lambda: Settings(database_url=db_url, data_dir=tmp_path))
     runner = CliRunner()
     created = runner.invoke(cli.app, ["tenant", "create", "vision", "--gpus", "8", "--jobs", "2"])
     assert created.exit_code == 0, created.output
@@ -462,9 +464,8 @@ def test_upgrade_moves_existing_jobs_to_the_default_tenant(db_url: str) -> None:
             command.upgrade(alembic_config(connection), "0002")
             connection.execute(
                 text(
-                    "INSERT INTO jobs (id, name, spec, state, priority, attempt, failures, created_at, "
-                    "cancel_requested) VALUES ('0123456789abcdef0123456789abcdef', 'old', '{}', 'QUEUED', 0, 0, 0, "
-                    "CURRENT_TIMESTAMP, false)"
+                    "INSERT INTO jobs (id, name, spec, state, priority, attempt, failures, created_at, cancel_requested) "
+                    "VALUES ('0123456789abcdef0123456789abcdef', 'old', '{}', 'QUEUED', 0, 0, 0, CURRENT_TIMESTAMP, false)"
                 )
             )
         upgrade_schema(db_url)
