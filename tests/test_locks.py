@@ -13,7 +13,7 @@ from packaging.utils import canonicalize_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-LOCKED_EXTRAS = {"ci.txt": ("test", "dev", "hf", "mlflow", "s3"), "runtime.txt": ()}
+LOCKED_EXTRAS = {"ci.txt": ("test", "dev", "hf", "mlflow", "s3", "docs"), "runtime.txt": ()}
 
 
 def _pins(lock: str) -> dict[str, str]:
