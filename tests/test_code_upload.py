@@ -162,9 +162,9 @@ def test_a_missing_or_another_tenants_code_hash_is_refused_at_submit(api: Api, t
         assert response.status_code == 422, response.text
         [error] = response.json()["detail"]
         assert error["field"] == "code"
-        assert (
-            error["msg"]
-            == f"no code archive {ref} for tenant 'team-b': upload it first (POST /v1/code, or `ringmaster submit --code DIR`)"
+        assert error["msg"] == (
+            f"no code archive {ref} for tenant 'team-b': upload it first "
+            "(POST /v1/code, or `ringmaster submit --code DIR`)"
         )
     assert api.call("b", "GET", f"/v1/code/{packed.ref}").status_code == 404, (
         "another tenant's archive reads as unknown"
@@ -336,7 +336,7 @@ Last 50 lines of stdout:
     WARNING: Location 'file:///opt/pypi/simple/no-such-dist/' is ignored: it is neither a file nor a directory.
     ERROR: Could not find a version that satisfies the requirement no-such-dist==9 (from versions: none)
     ERROR: No matching distribution found for no-such-dist==9
-"""
+"""  # noqa: E501 (Ray's message verbatim)
 
 
 def test_a_failed_pip_install_is_told_by_pips_errors_not_rays_traceback() -> None:

@@ -103,7 +103,8 @@ class Server:
         try:
             while not client.healthy():
                 assert self.process.poll() is None, (
-                    f"the server exited with {self.process.returncode} (Ray head alive: {self.head.alive()}):\n{self.log_tail()}"
+                    f"the server exited with {self.process.returncode} (Ray head alive: {self.head.alive()}):\n"
+                    f"{self.log_tail()}"
                 )
                 assert time.monotonic() < deadline, (
                     f"the server did not answer within 90 s (Ray head alive: {self.head.alive()}):\n{self.log_tail()}"

@@ -464,8 +464,9 @@ def test_upgrade_moves_existing_jobs_to_the_default_tenant(db_url: str) -> None:
             command.upgrade(alembic_config(connection), "0002")
             connection.execute(
                 text(
-                    "INSERT INTO jobs (id, name, spec, state, priority, attempt, failures, created_at, cancel_requested) "
-                    "VALUES ('0123456789abcdef0123456789abcdef', 'old', '{}', 'QUEUED', 0, 0, 0, CURRENT_TIMESTAMP, false)"
+                    "INSERT INTO jobs (id, name, spec, state, priority, attempt, failures, created_at, "
+                    "cancel_requested) VALUES ('0123456789abcdef0123456789abcdef', 'old', '{}', 'QUEUED', 0, 0, 0, "
+                    "CURRENT_TIMESTAMP, false)"
                 )
             )
         upgrade_schema(db_url)
