@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.table import Table
@@ -16,6 +16,8 @@ from ringmaster.service.settings import get_settings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+_Number = TypeVar("_Number", int, float)
 
 
 def db_upgrade() -> None:
@@ -107,7 +109,7 @@ def token_revoke(
     console.print(f"token {token_id} revoked")
 
 
-def _quota_value(text: str | None, kind: type[int] | type[float], flag: str) -> int | float | None:
+def _quota_value(text: str | None, kind: type[_Number], flag: str) -> _Number | None:
     """A quota option: a number >= 0, or 'unlimited'."""
     if text is None or text.strip().lower() in ("unlimited", "none"):
         return None
@@ -134,13 +136,14 @@ JobsOption = Annotated[
 def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
     """Add a tenant; an omitted quota is unlimited."""
     from ringmaster.service import tenants
+    from ringmaster.service.models import Tenant
 
     quota = tenants.Quota(
         _quota_value(gpus, int, "--gpus"), _quota_value(cpus, float, "--cpus"), _quota_value(jobs, int, "--jobs")
     )
     try:
         with _database_session() as session:
-            if session.get(tenants.Tenant, name) is not None:
+            if session.get(Tenant, name) is not None:
                 _fail(f"tenant {name!r} exists; change its quotas with `ringmaster tenant quota {name}`")
             tenants.put_tenant(session, name, quota)
     except tenants.InvalidTenant as error:

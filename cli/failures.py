@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import NoReturn, ParamSpec, TypeVar
 
 import httpx
 import typer
@@ -15,8 +16,11 @@ from ringmaster.service.client import ApiError, TokenRefused
 from ringmaster.service.embedded_ray import HeadStartFailed
 from ringmaster.service.settings import get_settings
 
+_Parameters = ParamSpec("_Parameters")
+_Result = TypeVar("_Result")
 
-def _fail(message: str) -> None:
+
+def _fail(message: str) -> NoReturn:
     # Unwrapped, and the message's own brackets (paths, a spec's text) printed as they are, not read as markup.
     console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code=1)
@@ -33,12 +37,12 @@ def _unreachable(error: httpx.TransportError) -> str:
     return f"cannot reach ringmaster at {where} — is `ringmaster serve` running? set RINGMASTER_API_URL or --api"
 
 
-def _handled(command):
+def _handled(command: Callable[_Parameters, _Result]) -> Callable[_Parameters, _Result]:
     """The expected failures of a command that calls the API end it with one line and exit code 1, never a
     traceback: the server unreachable, a refused token (naming where it came from), any 4xx/5xx answer."""
 
     @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: _Parameters.args, **kwargs: _Parameters.kwargs) -> _Result:
         try:
             return command(*args, **kwargs)
         except TokenRefused as error:

@@ -57,7 +57,7 @@ def _job_id(client: RingmasterClient, text: str) -> str:
             f" and {matches['total'] - len(matches['items'])} more" if matches["total"] > len(matches["items"]) else ""
         )
         _fail(f"{text!r} is ambiguous: {matches['total']} job ids start with it ({shown}{more}); give more of the id")
-    return matches["items"][0]["id"]
+    return str(matches["items"][0]["id"])
 
 
 @_handled
@@ -131,7 +131,7 @@ def watch(
     raise typer.Exit(code=0 if job["state"] == "SUCCEEDED" else 1)
 
 
-def _watch(client: RingmasterClient, job_id: str, every_s: float = 10.0) -> dict:
+def _watch(client: RingmasterClient, job_id: str, every_s: float = 10.0) -> dict[str, Any]:
     total = client.job(job_id)["spec"]["train"]["steps"]
     if console.is_terminal:
         columns = [
@@ -180,7 +180,7 @@ def _watch_in_lines(client: RingmasterClient, job_id: str, total: int, every_s: 
         console.print(line(), soft_wrap=True, highlight=False)
 
 
-def _progress(client: RingmasterClient, job_id: str) -> Iterator[tuple[str | None, list[dict]]]:
+def _progress(client: RingmasterClient, job_id: str) -> Iterator[tuple[str | None, list[dict[str, Any]]]]:
     """(state or None, new metric rows) from the job's event stream; polling only if the stream cannot be opened."""
     started = False
     try:

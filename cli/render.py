@@ -68,7 +68,7 @@ def _print_job(job: dict[str, Any]) -> None:
         console.print(f"Ray dashboard: {job['dashboard_url']}", soft_wrap=True)
 
 
-def _shown(state: str | None, new_rows: list[dict]) -> dict[str, Any]:
+def _shown(state: str | None, new_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What a progress message changes of the watched fields: state, step (`completed`), loss, val_loss, speed."""
     shown: dict[str, Any] = {"state": state} if state else {}
     for row in new_rows:
