@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from sqlalchemy import Engine, event, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -239,7 +240,9 @@ class CheckedReportTokens:
         self._lock = threading.Lock()
 
     def known(self, job_id: str, attempt: int, secret: str | None) -> bool:
-        return bool(secret) and (job_id, attempt, hash_secret(secret)) in self._good
+        if not secret:
+            return False
+        return (job_id, attempt, hash_secret(secret)) in self._good
 
     def check(self, sessions: sessionmaker[Session], job_id: str, attempt: int, secret: str | None) -> None:
         """check_report_token in a short transaction of its own; remembered when good."""
@@ -248,7 +251,8 @@ class CheckedReportTokens:
         with self._lock:
             if len(self._good) >= self.max_entries:
                 self._good.clear()  # attempts end; whichever still report are looked up again once
-            self._good.add((job_id, attempt, hash_secret(secret)))
+            # Never None here: check_report_token refused a missing secret.
+            self._good.add((job_id, attempt, hash_secret(cast(str, secret))))
 
 
 def ensure_local_admin_token(sessions: sessionmaker[Session], path: Path) -> str:

@@ -6,7 +6,10 @@ same entries. Adding a strategy or a built-in model is one entry here plus its m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # the JSON Schema fragments' types, as pydantic's json_schema_extra takes them
+    from pydantic.config import JsonDict, JsonValue
 
 DataParallel = Literal["ddp", "fsdp", "replicate"]
 MAX_INT64 = 2**63 - 1  # the largest integer a request may carry (what a BIGINT and SQLite's INTEGER hold)
@@ -117,10 +120,10 @@ class BuiltinModel:
         """The smallest value a size option may take (planner.builtin_model_size enforces it)."""
         return self.size_minimums.get(option, 1)
 
-    def options_schema(self) -> dict[str, object]:
+    def options_schema(self) -> JsonDict:
         """The JSON Schema of this model's model_options: its size options as bounded integers, its data options as
         anything; no other name."""
-        sizes = {
+        sizes: JsonDict = {
             name: {"type": "integer", "minimum": self.lowest(name), "maximum": MAX_INT64} for name in self.size_defaults
         }
         return {
@@ -158,53 +161,61 @@ CORPUS_SEQ_LEN = 64  # the window of an hf: model on the built-in corpus when mo
 USER_DATA = "user"  # data: the model's entrypoint brings its own datasets
 
 
-def builtin_options_rules(model_field: str = "model") -> list[dict[str, object]]:
+def _options_rule(model_field: str, name: str, properties: JsonDict) -> JsonDict:
+    """The rule: where model_field names this built-in, these properties hold."""
+    return {
+        "if": {"properties": {model_field: {"const": name}}, "required": [model_field]},
+        "then": {"properties": properties},
+    }
+
+
+def builtin_options_rules(model_field: str = "model") -> list[JsonDict]:
     """JSON Schema rules (for an object's allOf) tying model_options to the built-in named in model_field."""
     return [
-        {
-            "if": {"properties": {model_field: {"const": name}}, "required": [model_field]},
-            "then": {"properties": {"model_options": model.options_schema()}},
-        }
+        _options_rule(model_field, name, {"model_options": model.options_schema()})
         for name, model in BUILTIN_MODELS.items()
     ]
 
 
-def builtin_job_rules() -> list[dict[str, object]]:
+def builtin_job_rules() -> list[JsonDict]:
     """JSON Schema rules of a JobSpec on a built-in: its options, no model_parameters (it is sized from its options),
     and only its own corpus or, for a model of token sequences, a data source (an object)."""
-    rules = builtin_options_rules()
-    for rule, model in zip(rules, BUILTIN_MODELS.values()):
-        data: list[dict[str, object]] = [{"type": "null"}, {"const": model.corpus}]
+    rules: list[JsonDict] = []
+    for name, model in BUILTIN_MODELS.items():
+        data: list[JsonValue] = [{"type": "null"}, {"const": model.corpus}]
         if model.seq_len_option is not None:
             data.append({"type": "object"})
-        then = rule["then"]
-        assert isinstance(then, dict)
-        then["properties"] |= {"model_parameters": {"type": "null"}, "data": {"anyOf": data}}
+        properties: JsonDict = {
+            "model_options": model.options_schema(),
+            "model_parameters": {"type": "null"},
+            "data": {"anyOf": data},
+        }
+        rules.append(_options_rule("model", name, properties))
     return rules
 
 
-def strategy_rules() -> list[dict[str, object]]:
+def strategy_rules() -> list[JsonDict]:
     """JSON Schema rules of a JobSpec's parallel fields under each strategy: the degrees it must split (≥ 2), those it
     may not (= 1), and whether parallel.shard may be 'hybrid'. ddp's rule also holds when strategy is absent (its
     default)."""
-    rules: list[dict[str, object]] = []
+    rules: list[JsonDict] = []
     for name in STRATEGY_NAMES:
         entry = STRATEGIES.get(name)  # None: auto, which splits nothing until the planner resolves it
         splits, requires = (entry.splits, entry.requires) if entry else (frozenset(), frozenset())
-        degrees: dict[str, object] = {
+        properties: JsonDict = {
             degree: {"minimum": 2} if degree in requires else {"const": 1}
             for degree in ("tp", "pp")
             if degree in requires or degree not in splits
         }
-        parallel: dict[str, object] = {"properties": dict(degrees)}
         if not (entry and entry.shards):
-            parallel["properties"] |= {"shard": {"not": {"const": "hybrid"}}}
+            properties["shard"] = {"not": {"const": "hybrid"}}
+        parallel: JsonDict = {"properties": properties}
         if requires:
-            parallel["required"] = sorted(requires)
-        condition: dict[str, object] = {"properties": {"strategy": {"const": name}}}
+            parallel["required"] = [*sorted(requires)]  # a list[JsonValue]: list is invariant
+        condition: JsonDict = {"properties": {"strategy": {"const": name}}}
         if name != "ddp":
             condition["required"] = ["strategy"]
-        then: dict[str, object] = {"properties": {"parallel": parallel}}
+        then: JsonDict = {"properties": {"parallel": parallel}}
         if requires:
             then["required"] = ["parallel"]
         rules.append({"if": condition, "then": then})

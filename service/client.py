@@ -77,6 +77,11 @@ class RingmasterClient:
             else response.text
         )
 
+    def _object(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """_call to an endpoint that answers a JSON object (every one but the logs)."""
+        answer: dict[str, Any] = self._call(method, path, **kwargs)
+        return answer
+
     def healthy(self) -> bool:
         try:
             return self._http.get("/healthz").status_code == 200
@@ -94,7 +99,7 @@ class RingmasterClient:
         """Submit a YAML (or JSON) spec; with `code`, that directory is packed and uploaded first and the spec names
         it."""
         if code is None:
-            return self._call("POST", "/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
+            return self._object("POST", "/v1/jobs", content=text, headers={"Content-Type": "application/yaml"})
         spec = yaml.safe_load(text)
         if not isinstance(spec, dict):
             raise ValueError("a job spec must be a mapping of fields")
@@ -109,18 +114,18 @@ class RingmasterClient:
                     f"the spec names its code already ({spec['code']}); leave out either that field or the directory"
                 )
             spec = {**spec, "code": self.upload_code(code)["code"]}
-        return self._call("POST", "/v1/jobs", json=spec)
+        return self._object("POST", "/v1/jobs", json=spec)
 
     def upload_code(self, directory: Path) -> dict[str, Any]:
         """Pack a directory (service.code_packing) and store it for this token's tenant, unless it is stored already;
         the answer's `code` is what a spec names it by. Raises CodeTooLarge, CodeDirectoryError or ApiError."""
         packed = pack_directory(Path(directory), self.max_code_bytes)
         try:
-            return self._call("GET", f"/v1/code/{packed.ref}")
+            return self._object("GET", f"/v1/code/{packed.ref}")
         except ApiError as error:
             if error.status != 404:
                 raise
-        return self._call(
+        return self._object(
             "POST",
             "/v1/code",
             content=packed.content,
@@ -129,7 +134,7 @@ class RingmasterClient:
         )
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+        return self._object("GET", f"/v1/jobs/{job_id}")
 
     def jobs(
         self, state: str | None = None, limit: int = 50, offset: int = 0, id_prefix: str | None = None
@@ -139,30 +144,31 @@ class RingmasterClient:
             params["state"] = state
         if id_prefix:
             params["id_prefix"] = id_prefix
-        return self._call("GET", "/v1/jobs", params=params)
+        return self._object("GET", "/v1/jobs", params=params)
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+        return self._object("POST", f"/v1/jobs/{job_id}/cancel")
 
     def events(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}/events")
+        return self._object("GET", f"/v1/jobs/{job_id}/events")
 
     def metrics(self, job_id: str, limit: int = 1000, offset: int = 0) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params={"limit": limit, "offset": offset})
+        return self._object("GET", f"/v1/jobs/{job_id}/metrics", params={"limit": limit, "offset": offset})
 
     def checkpoints(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
+        return self._object("GET", f"/v1/jobs/{job_id}/checkpoints")
 
     def me(self) -> dict[str, Any]:
         """GET /v1/me: the token's tenant (quotas and usage) and whether it is an admin's."""
-        return self._call("GET", "/v1/me")
+        return self._object("GET", "/v1/me")
 
     def plan(self, request: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/plan: the options table and the recommendation for a model on a cluster."""
-        return self._call("POST", "/v1/plan", json=request)
+        return self._object("POST", "/v1/plan", json=request)
 
     def logs(self, job_id: str) -> str:
-        return self._call("GET", f"/v1/jobs/{job_id}/logs")
+        text: str = self._call("GET", f"/v1/jobs/{job_id}/logs")  # answered as text/plain
+        return text
 
     def follow(self, job_id: str, interval_s: float = 0.5) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Yield (job, new metric rows) until the job reaches a terminal state."""

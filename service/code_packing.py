@@ -48,7 +48,7 @@ def files_to_pack(root: Path) -> list[tuple[str, Path]]:
     if not root.is_dir():
         raise CodeDirectoryError(f"{root} is not a directory")
     root = root.resolve()
-    rules: dict[str, pathspec.PathSpec] = {}  # directory (relative, '' for the root) -> its ignore files' patterns
+    rules: dict[str, pathspec.GitIgnoreSpec] = {}  # directory (relative, '' for the root) -> its ignore files' patterns
     kept: list[tuple[str, Path]] = []
     for directory, subdirectories, names in os.walk(root):
         relative = Path(directory).relative_to(root).as_posix()
@@ -78,7 +78,7 @@ def _join(directory: str, name: str) -> str:
     return f"{directory}/{name}" if directory else name
 
 
-def _ignored(rules: dict[str, pathspec.PathSpec], path: str, directory: bool) -> bool:
+def _ignored(rules: dict[str, pathspec.GitIgnoreSpec], path: str, directory: bool) -> bool:
     """Whether an ignore file in one of the path's parent directories matches it (relative to that directory)."""
     for base, spec in rules.items():
         if base == "" or path.startswith(base + "/"):

@@ -43,9 +43,10 @@ def make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_pre_ping=True, **_POOL)
-    file_path = parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:")
+    database = parsed.database or ""
+    file_path = database not in ("", ":memory:") and not database.startswith("file:")
     if file_path:
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
     # No pool_pre_ping: a SQLite connection is a file handle, which nothing on the other end can drop; the ping was a
     # query on every checkout. An in-memory database keeps SQLAlchemy's own pool, which takes no size.
     engine = create_engine(parsed, connect_args={"check_same_thread": False}, **(_POOL if file_path else {}))

@@ -18,7 +18,7 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -92,13 +92,10 @@ class Dispatcher:
         self._warm_pool_due = time.monotonic() + _WARM_POOL_INTERVAL_S
         try:
             with self.sessions() as session:
-                active = set(
-                    session.scalars(
-                        select(Job.submission_id).where(
-                            Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None)
-                        )
-                    )
+                submissions = select(Job.submission_id).where(
+                    Job.state.in_([s.value for s in ACTIVE]), Job.submission_id.is_not(None)
                 )
+                active = cast(set[str], set(session.scalars(submissions)))  # no None: the query leaves them out
                 runtime_envs = self._warm_pool_envs(session)
             self.cluster.keep_warm(self.settings.warm_workers_per_node, active, runtime_envs)
         except ClusterUnreachable as error:

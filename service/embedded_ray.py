@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,7 +59,8 @@ class RayHead:
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]  # an IPv4 socket's name is (host, port)
+        return port
 
 
 def _dashboard_ready(url: str) -> bool:
@@ -93,7 +95,7 @@ def start_head(
     *,
     num_cpus: int | None = None,
     resources: dict[str, float] | None = None,
-    system_config: dict | None = None,
+    system_config: dict[str, Any] | None = None,
     timeout_s: float = 60.0,
     ray_client_server: bool = False,
     attempts: int = 2,
@@ -149,7 +151,7 @@ def _start_once(
     log_path: Path,
     num_cpus: int | None,
     resources: dict[str, float] | None,
-    system_config: dict | None,
+    system_config: dict[str, Any] | None,
     timeout_s: float,
     ray_client_server: bool,
     port: int | None,
@@ -290,9 +292,12 @@ def _ray_start(argv: list[str]) -> None:
 
     if argv[:1] == ["--no-client-server"]:
         argv = argv[1:]
-        scripts.get_ray_client_dependency_error = lambda: ImportError("no Ray client server on ringmaster's head")
+        # Replaced where `ray start` looks it up: the name scripts imported (no re-export mypy would accept).
+        scripts.get_ray_client_dependency_error = lambda: ImportError(  # type: ignore[attr-defined]
+            "no Ray client server on ringmaster's head"
+        )
     sys.argv = ["ray", *argv]
-    scripts.main()
+    scripts.main()  # type: ignore[no-untyped-call]  # Ray leaves its click entry point unannotated
 
 
 if __name__ == "__main__":

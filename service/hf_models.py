@@ -9,6 +9,7 @@ import ast
 import functools
 import importlib.util
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def _context_length(config: ast.ClassDef | None) -> tuple[str | None, int | None
     if config is None:
         return None, None
     assigned = _class_assignments(config)
-    field = CONTEXT_LENGTH
+    field: object = CONTEXT_LENGTH  # an alias is whatever constant the map holds; one that is no string names no field
     aliases = assigned.get("attribute_map")
     if isinstance(aliases, ast.Dict):
         for key, value in zip(aliases.keys, aliases.values):
@@ -121,12 +122,12 @@ def _context_length(config: ast.ClassDef | None) -> tuple[str | None, int | None
         keywords = init.args.args[len(init.args.args) - len(init.args.defaults) :] + init.args.kwonlyargs
         values = list(init.args.defaults) + list(init.args.kw_defaults)
         defaults.update((argument.arg, value) for argument, value in zip(keywords, values))
-    if field not in defaults:
+    if not isinstance(field, str) or field not in defaults:
         return None, None
     return field, _integer(defaults[field])
 
 
-_ARITHMETIC = {
+_ARITHMETIC: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.Add: int.__add__,
     ast.Sub: int.__sub__,
     ast.Mult: int.__mul__,

@@ -201,8 +201,8 @@ def _resolve_auto(
             if model is None
             else "workers.gpu_memory_gb is not given"
         )
-        reasons = (f"{unknown}, so nothing rules DDP out; it is the cheapest",)
-        return _resolved(_with_fields(spec, {"strategy": "ddp", "parallel": {"tp": 1, "pp": 1}}), None, reasons)
+        ddp = _with_fields(spec, {"strategy": "ddp", "parallel": {"tp": 1, "pp": 1}})
+        return _resolved(ddp, None, (f"{unknown}, so nothing rules DDP out; it is the cheapest",))
     plan = planner.plan(model, cluster, workload)
     reasons, skipped = list(plan.reasons), []
     for option in plan.options:
@@ -253,7 +253,7 @@ def _does_not_fit(
     spec: JobSpec, model: planner.ModelSize, cluster: planner.Cluster, workload: planner.Workload, needs: str
 ) -> InvalidSpec:
     """The 422 for a strategy that cannot fit: what it needs, and what would fit instead."""
-    alternatives = []
+    alternatives: list[str] = []
     for option in planner.options(model, cluster, workload):
         if option.fits and len(alternatives) < 3:
             try:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
-from sqlalchemy import ColumnElement, Insert, Select, func, insert, or_, select
+from sqlalchemy import ColumnElement, Insert, Select, Table, func, insert, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, make_transient_to_detached
 
@@ -33,7 +34,12 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 # The metric columns a report fills in: MetricPoint's values (its step and attempt name the row).
 _METRIC_VALUES = tuple(name for name in MetricPoint.model_fields if name not in ("step", "attempt"))
-_DIALECT_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+_DIALECT_INSERTS: dict[str, Callable[[Table], sqlite.Insert | postgresql.Insert]] = {
+    "sqlite": sqlite.insert,
+    "postgresql": postgresql.insert,
+}
+# Declarative maps each model to a Table, which SQLAlchemy's types leave as any FromClause.
+_JOBS, _JOB_EVENTS, _METRICS = (cast(Table, model.__table__) for model in (Job, JobEvent, Metric))
 
 
 @dataclass(frozen=True)
@@ -149,9 +155,9 @@ def submit_job(
     # Plain INSERTs, the job before the events that refer to it: the unit of work made this transaction a quarter
     # slower.
     connection = session.connection()
-    connection.execute(insert(Job.__table__), row)
+    connection.execute(insert(_JOBS), row)
     connection.execute(
-        insert(JobEvent.__table__),
+        insert(_JOB_EVENTS),
         {
             "job_id": row["id"],
             "at": now,
@@ -163,7 +169,7 @@ def submit_job(
     )
     if planned.message is not None:
         connection.execute(
-            insert(JobEvent.__table__),
+            insert(_JOB_EVENTS),
             {"job_id": row["id"], "at": now, "kind": "plan", "message": planned.message, "data": planned.data},
         )
     job = Job(**row)
@@ -303,16 +309,16 @@ def job_progress(session: Session, job: Job) -> Progress:
         .order_by(Metric.attempt.desc(), Metric.step.desc())
         .limit(1)
     ).first()
-    validation = {"val_loss": validated.val_loss, "val_step": validated.step} if validated else {}
+    val_loss, val_step = (validated.val_loss, validated.step) if validated else (None, None)
     if not newest:
-        return replace(Progress.not_started(total), recoveries=recoveries, **validation)
+        return replace(Progress.not_started(total), recoveries=recoveries, val_loss=val_loss, val_step=val_step)
     latest, oldest = newest[0], newest[-1]
     eta = None
     if JobState(job.state) in ACTIVE and latest.wall_time and oldest.wall_time and latest.step > oldest.step:
         seconds_per_step = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
         eta = max(0.0, (total - latest.step) * seconds_per_step)
     return Progress(
-        latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta, **validation
+        latest.step, total, latest.loss, latest.world_size, latest.samples_per_s, recoveries, eta, val_loss, val_step
     )
 
 
@@ -425,7 +431,7 @@ def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
 def _metric_upsert(dialect: str) -> Insert:
     """The metric rows' INSERT … ON CONFLICT DO UPDATE in this dialect, built once: building it for every report cost
     half as much again as running it for a second's points."""
-    table = Metric.__table__
+    table = _METRICS
     statement = _DIALECT_INSERTS[dialect](table)
     return statement.on_conflict_do_update(
         index_elements=[table.c.job_id, table.c.attempt, table.c.step],

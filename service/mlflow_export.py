@@ -105,7 +105,7 @@ class MlflowExporter:
             ).one_or_none()
             if row is None:
                 return  # another replica is exporting it now
-            job = session.get(Job, job_id)
+            job = session.get_one(Job, job_id)  # there is one: the mlflow_runs row references it
             if row.run_id is None:
                 run = self.client.create_run(
                     self._experiment(),

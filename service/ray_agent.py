@@ -23,7 +23,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any, NoReturn, Protocol, cast
 
 from ringmaster.service.naming import NAMESPACE
 
@@ -70,8 +70,8 @@ class RayAgent:
         self.command = command
         self.join_timeout_s = join_timeout_s
         self.starts = 0  # agents started so far: more than one means the cluster connection was replaced
-        self._process: subprocess.Popen | None = None
-        self._replies: queue.Queue[dict | None] = queue.Queue()
+        self._process: subprocess.Popen[str] | None = None
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._stderr_pump: threading.Thread | None = None
         self._next_id = 0
@@ -79,15 +79,15 @@ class RayAgent:
 
     def call(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> Any:
         with self._lock:
-            self._ensure_started()
+            process = self._ensure_started()
             self._next_id += 1
             request = {"id": self._next_id, "op": op, "args": args}
             try:
-                self._process.stdin.write(json.dumps(request) + "\n")
-                self._process.stdin.flush()
+                _stdin(process).write(json.dumps(request) + "\n")
+                _stdin(process).flush()
             except (BrokenPipeError, OSError, ValueError) as error:
                 self._lose(f"its stdin is closed ({error})")
-            reply = self._reply(timeout_s, f"answer {op}")
+            reply = self._reply(process, timeout_s, f"answer {op}")
             if reply.get("id") != request["id"]:
                 self._lose(f"it answered request {reply.get('id')} to request {request['id']}")
             if "error" in reply:
@@ -107,40 +107,43 @@ class RayAgent:
         with self._lock:
             self._end(graceful=True)
 
-    def _ensure_started(self) -> None:
-        if self.running:
-            return
+    def _ensure_started(self) -> subprocess.Popen[str]:
+        """The agent's process: the running one, else a new one that has joined the cluster."""
+        if self._process is not None and self._process.poll() is None:  # self.running, spelled out for mypy
+            return self._process
         self._end(graceful=False)
         self._replies = queue.Queue()
         self._stderr.clear()
-        self._process = subprocess.Popen(
+        self._process = process = subprocess.Popen(
             self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
         )
         self.starts += 1
         threading.Thread(
-            target=_pump, args=(self._process.stdout, self._replies.put, True), daemon=True, name="ray-agent-replies"
+            target=_pump, args=(process.stdout, self._replies.put, True), daemon=True, name="ray-agent-replies"
         ).start()
         self._stderr_pump = threading.Thread(
-            target=_pump, args=(self._process.stderr, self._log_stderr), daemon=True, name="ray-agent-stderr"
+            target=_pump, args=(process.stderr, self._log_stderr), daemon=True, name="ray-agent-stderr"
         )
         self._stderr_pump.start()
-        ready = self._reply(self.join_timeout_s, "join the cluster")
+        ready = self._reply(process, self.join_timeout_s, "join the cluster")
         if "error" in ready:
             self._lose(ready["error"])
-        log.info("Ray agent %d (pid %d) joined the cluster", self.starts, self._process.pid)
+        log.info("Ray agent %d (pid %d) joined the cluster", self.starts, process.pid)
+        return process
 
-    def _reply(self, timeout_s: float, doing: str) -> dict:
+    def _reply(self, process: subprocess.Popen[str], timeout_s: float, doing: str) -> dict[str, Any]:
         try:
             reply = self._replies.get(timeout=timeout_s)
         except queue.Empty:
             self._lose(f"it did not {doing} within {timeout_s:.0f} s")
         if reply is None:
-            code = self._process.wait(timeout=10)
-            self._stderr_pump.join(timeout=2)  # its last words, for the message
+            code = process.wait(timeout=10)
+            if self._stderr_pump is not None:  # started with the process
+                self._stderr_pump.join(timeout=2)  # its last words, for the message
             self._lose(f"it exited with code {code}")
         return reply
 
-    def _lose(self, why: str) -> None:
+    def _lose(self, why: str) -> NoReturn:
         """End this agent and raise: the next call starts another."""
         tail = " | ".join(self._stderr)
         self._end(graceful=False)
@@ -152,7 +155,7 @@ class RayAgent:
             return
         if process.poll() is None:
             try:
-                process.stdin.close()  # the agent's cue to leave the cluster and exit
+                _stdin(process).close()  # the agent's cue to leave the cluster and exit
             except OSError:
                 pass
             try:
@@ -165,6 +168,11 @@ class RayAgent:
         if line:
             self._stderr.append(line.rstrip())
             log.warning("Ray agent: %s", line.rstrip())
+
+
+def _stdin(process: subprocess.Popen[str]) -> IO[str]:
+    """The agent's stdin, never None: it is started with stdin=PIPE."""
+    return cast(IO[str], process.stdin)
 
 
 def _pump(stream: IO[str], put: Callable[[Any], None], parse: bool = False) -> None:
@@ -234,12 +242,13 @@ class AgentOps:
         """Each live node's total CPUs and GPUs, whatever runs there now."""
         return [
             {"CPU": node["Resources"].get("CPU", 0.0), "GPU": node["Resources"].get("GPU", 0.0)}
-            for node in self._ray.nodes()
+            for node in self._ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves nodes() unannotated
             if node["Alive"]
         ]
 
     def ping(self) -> str:
-        return self._ray.get_runtime_context().gcs_address
+        address: str = self._ray.get_runtime_context().gcs_address  # Ray's property is unannotated
+        return address
 
     def shutdown(self) -> None:
         self._ray.shutdown()
@@ -252,7 +261,7 @@ def serve(address: str, warm_pool_factory: WarmPoolFactory | None = None) -> Non
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     requests = sys.stdin
 
-    def answer(message: dict) -> None:
+    def answer(message: dict[str, Any]) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 

@@ -14,9 +14,12 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, RayAgent, agent_command
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient  # imported where first used: importing Ray takes seconds
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,8 @@ POOL_PACKAGE_RECHECK_S = 300.0
 class ClusterBackend(Protocol):
     """What the dispatcher needs from a cluster; tests substitute a fake."""
 
-    gcs_address: str | None
+    @property
+    def gcs_address(self) -> str | None: ...
 
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
     def release(self, name: str) -> None: ...
@@ -63,7 +67,7 @@ class RayCluster:
         self.driver_resources = dict(driver_resources or {})
         self.dashboard_url = dashboard_url.rstrip("/")
         self.agent = RayAgent(agent or agent_command("ringmaster.service.ray_agent", address))
-        self._jobs = None
+        self._jobs: JobSubmissionClient | None = None
         self._lock = threading.Lock()
         self._pool_envs: dict[
             str, tuple[str, float, dict[str, Any]]
@@ -83,7 +87,7 @@ class RayCluster:
         except RuntimeError as error:
             log.warning("the Ray cluster at %s is not reachable yet (tried again on use): %s", self.address, error)
 
-    def _jobs_api(self):
+    def _jobs_api(self) -> _JobsApi:
         from ray.job_submission import JobSubmissionClient
 
         with self._lock:
@@ -202,7 +206,8 @@ class RayCluster:
 
     def logs(self, submission_id: str) -> str:
         jobs = self._jobs_api()
-        return jobs.get_job_logs(submission_id)
+        logs: str = jobs.get_job_logs(submission_id)  # _JobsApi passes the client's calls on untyped
+        return logs
 
 
 def _unreachable(address: str) -> str | None:

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import typing
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
@@ -357,8 +357,17 @@ def _data_form(value: Any) -> str | None:
     return kind if kind in _DATA_SOURCE_KINDS else None  # anything else: the custom error below
 
 
+# The catalogue's names as Literals, which pydantic validates and the schema states; mypy reads no Literal built from a
+# tuple, so to it they are strings.
+if TYPE_CHECKING:
+    _CorpusName = str
+    _StrategyName = str
+else:
+    _CorpusName = Literal[(USER_DATA, *CORPORA)]
+    _StrategyName = Literal[STRATEGY_NAMES]
+
 _DataField = Annotated[
-    Annotated[Literal[(USER_DATA, *CORPORA)], Tag("corpus")]
+    Annotated[_CorpusName, Tag("corpus")]
     | Annotated[TokensData, Tag("tokens")]
     | Annotated[HFDatasetData, Tag("hf_dataset")],
     Discriminator(
@@ -463,7 +472,7 @@ class JobSpec(_Strict):
         description="Parameter count of a user model, for the planner "
         "(strategy auto, the fit check against workers.gpu_memory_gb); built-ins are sized from model_options.",
     )
-    strategy: Literal[STRATEGY_NAMES] = "ddp"  # type: ignore[valid-type] — the catalogue's names
+    strategy: _StrategyName = "ddp"
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     workers: WorkersSpec = Field(default_factory=WorkersSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
@@ -590,7 +599,8 @@ class JobSpec(_Strict):
                 )
             model_seq_len = builtin.option(builtin.seq_len_option, self.model_options)
             if data.seq_len is None:
-                data.seq_len = model_seq_len
+                # An option that is no integer stays as given here: planning the job refuses it (builtin_model_size).
+                data.seq_len = cast(int, model_seq_len)
             elif isinstance(model_seq_len, int) and data.seq_len > model_seq_len:
                 raise conflict(
                     "data.seq_len",
@@ -654,10 +664,12 @@ class JobSpec(_Strict):
             return  # not a length: the config refuses it on the cluster, naming it
         if context is None:
             return
-        if isinstance(self.data, str):
+        data = self.data
+        if isinstance(data, str):
             where, window = "model_options.seq_len", self.model_options.get("seq_len", CORPUS_SEQ_LEN)
         else:
-            where, window = "data.seq_len", self.data.seq_len
+            assert data is not None  # _consistent gave it its default before this check
+            where, window = "data.seq_len", data.seq_len
         if isinstance(window, int) and window > context:
             source = f"model_options.{field}" if given is not None else f"{facts.config_class}'s default {field}"
             raise conflict(

@@ -8,6 +8,7 @@ client that reconnects with Last-Event-ID resumes exactly where it left off.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +95,8 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
     # In the order things happened (a checkpoint's event among the steps around it), each kind still in its own order;
     # each item's cursor is what was sent up to it, events and metric rows counted apart.
     items: list[StreamItem] = []
-    for row in heapq.merge(events, metrics, key=_happened):
+    happened: Iterator[JobEvent | Metric] = heapq.merge(events, metrics, key=_happened)
+    for row in happened:
         if isinstance(row, JobEvent):
             cursor = Cursor(row.id, cursor.attempt, cursor.step)
             data = {
