@@ -76,7 +76,7 @@ def _invalid(message: str, loc: Sequence[str | int] = (), kind: str = "spec_inva
     return InvalidSpec([{"type": kind, "loc": list(loc), "msg": message}])
 
 
-class _BoundedLoader(yaml.SafeLoader):
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no stubs: its SafeLoader is Any here
     """PyYAML's safe loader with a nesting limit (its composer recurses) and without merge keys (which copy).
 
     It also reads 1e-3 as a float, as YAML 1.2 does (PyYAML's YAML 1.1 wants a dot: 1.0e-3): a job spec's number is

@@ -31,30 +31,32 @@ class ControlPlane:
 
     def __init__(self, settings: Settings) -> None:
         self.head: RayHead | None = None
-        if settings.ray_address is None:
+        # The cluster's addresses, as the settings hold them once filled in below.
+        address, dashboard_url = settings.ray_address, settings.ray_dashboard_url
+        if address is None:
             self.head = start_head(
                 settings.data_dir, ray_client_server=settings.ray_client_server, timeout_s=settings.ray_start_timeout_s
             )
+            address, dashboard_url = self.head.gcs_address, self.head.dashboard_url
             settings = settings.model_copy(
                 update={
-                    "ray_address": self.head.gcs_address,
-                    "ray_dashboard_url": self.head.dashboard_url,
+                    "ray_address": address,
+                    "ray_dashboard_url": dashboard_url,
                     # The embedded head runs drivers on this machine: use this very interpreter.
                     "driver_python": sys.executable,
                     "code_path": settings.code_path or os.getcwd(),
                 }
             )
-        elif settings.ray_dashboard_url is None:
-            host = urlsplit(
-                settings.ray_address if "://" in settings.ray_address else f"//{settings.ray_address}"
-            ).hostname
-            settings = settings.model_copy(update={"ray_dashboard_url": f"http://{host}:8265"})
+        elif dashboard_url is None:
+            host = urlsplit(address if "://" in address else f"//{address}").hostname
+            dashboard_url = f"http://{host}:8265"
+            settings = settings.model_copy(update={"ray_dashboard_url": dashboard_url})
         self.settings = settings
         # The Ray agent with the warm pool: the control plane's Ray connection, in a process that can be replaced.
         self.cluster = RayCluster(
-            settings.ray_address,
-            settings.ray_dashboard_url,
-            agent=agent_command("ringmaster.api.ray_agent", settings.ray_address),
+            address,
+            dashboard_url,
+            agent=agent_command("ringmaster.api.ray_agent", address),
             driver_resources=settings.driver_resources,
         )
         self.cluster.connect()
