@@ -1,4 +1,6 @@
-"""Response bodies of the REST API, kept apart from the tables; each converts from its row explicitly."""
+"""Response bodies of the REST API, kept apart from the tables. One whose fields are its row's attributes under the
+same names validates from the row itself (from_attributes: ``MetricOut.model_validate(row)``); the others convert
+explicitly, field by field."""
 
 from __future__ import annotations
 
@@ -7,13 +9,14 @@ from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.config import JsonDict
 
 from ringmaster.api.limits import check_document
 from ringmaster.service import code_store, jobs, planner, tenants
 from ringmaster.service.catalogue import BUILTIN_MODELS, builtin_options_rules
 from ringmaster.service.errors import InvalidSpec
 from ringmaster.service.json_types import JsonTyped
-from ringmaster.service.models import ApiToken, Checkpoint, CodeArchive, Job, JobEvent, Metric, Tenant
+from ringmaster.service.models import CodeArchive, Job, Metric, Tenant
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import conflict
 from ringmaster.service.states import JobState
@@ -51,7 +54,8 @@ class JobOut(BaseModel):
 
     @staticmethod
     def _fields(job: Job, settings: Settings) -> dict[str, Any]:
-        """The row's values under the model's field names (shared with JobDetailOut, which adds memory)."""
+        """The row's values under the model's field names (shared with JobDetailOut, which adds memory). Explicit, not
+        from_attributes: ray_job_id is submission_id renamed, and waiting_reason and dashboard_url are computed."""
         dashboard_url = None
         if settings.ray_dashboard_url and job.submission_id:
             dashboard_url = f"{settings.ray_dashboard_url.rstrip('/')}/#/jobs/{job.submission_id}"
@@ -98,6 +102,7 @@ class RankMemoryOut(BaseModel):
 
     @classmethod
     def from_comparison(cls, comparison: jobs.RankMemoryComparison) -> RankMemoryOut:
+        # Explicit: measured and predicted regroup the row's bytes and the planner's (rounded) under other names.
         row, predicted = comparison.measurement, comparison.predicted
         measured = StateBytesOut(
             parameters_bytes=row.parameters_bytes,
@@ -127,6 +132,8 @@ class RankMemoryOut(BaseModel):
 
 
 class ProgressOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a jobs.Progress
+
     step: int = Field(description="The newest completed training step (0 before the first).")
     total_steps: int = Field(description="train.steps of the spec.")
     loss: float | None = Field(description="The newest step's training loss.")
@@ -155,11 +162,13 @@ class JobDetailOut(JobOut):
         return cls(
             **cls._fields(job, settings),
             memory=[RankMemoryOut.from_comparison(m) for m in memory],
-            progress=ProgressOut(**vars(progress)),
+            progress=ProgressOut.model_validate(progress),
         )
 
 
 class EventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a JobEvent row
+
     id: int
     job_id: str
     at: datetime
@@ -169,21 +178,10 @@ class EventOut(BaseModel):
     message: str | None
     data: dict[str, Any] | None
 
-    @classmethod
-    def from_row(cls, event: JobEvent) -> EventOut:
-        return cls(
-            id=event.id,
-            job_id=event.job_id,
-            at=event.at,
-            kind=event.kind,
-            from_state=JobState(event.from_state) if event.from_state else None,
-            to_state=JobState(event.to_state) if event.to_state else None,
-            message=event.message,
-            data=event.data,
-        )
-
 
 class MetricOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a Metric row
+
     attempt: int
     step: int
     loss: float | None
@@ -196,25 +194,11 @@ class MetricOut(BaseModel):
     world_size: int | None
     recorded_at: datetime
 
-    @classmethod
-    def from_row(cls, metric: Metric) -> MetricOut:
-        return cls(
-            attempt=metric.attempt,
-            step=metric.step,
-            loss=metric.loss,
-            val_loss=metric.val_loss,
-            samples_per_s=metric.samples_per_s,
-            step_time_s=metric.step_time_s,
-            wall_time=metric.wall_time,
-            lr=metric.lr,
-            grad_norm=metric.grad_norm,
-            world_size=metric.world_size,
-            recorded_at=metric.recorded_at,
-        )
-
 
 class CheckpointOut(BaseModel):
     """A checkpoint on storage now (retention's deletions remove theirs)."""
+
+    model_config = ConfigDict(from_attributes=True)  # from a Checkpoint row
 
     attempt: int
     step: int
@@ -225,20 +209,6 @@ class CheckpointOut(BaseModel):
     metric: str | None = Field(description="checkpoint.keep_best's metric; null when the job keeps no best.")
     metric_value: float | None = Field(description="This checkpoint's value of that metric.")
     best: bool = Field(description="Retention keeps this one as the best by the metric.")
-
-    @classmethod
-    def from_row(cls, checkpoint: Checkpoint) -> CheckpointOut:
-        return cls(
-            attempt=checkpoint.attempt,
-            step=checkpoint.step,
-            uri=checkpoint.uri,
-            world_size=checkpoint.world_size,
-            final=checkpoint.final,
-            created_at=checkpoint.created_at,
-            metric=checkpoint.metric,
-            metric_value=checkpoint.metric_value,
-            best=checkpoint.best,
-        )
 
 
 class CodeArchiveOut(BaseModel):
@@ -252,6 +222,7 @@ class CodeArchiveOut(BaseModel):
 
     @classmethod
     def from_row(cls, row: CodeArchive) -> CodeArchiveOut:
+        # Explicit: code is computed from the row's sha256.
         return cls(
             code=code_store.ref_of(row.sha256),
             size_bytes=row.size_bytes,
@@ -280,7 +251,7 @@ class MetricsPage(Page[MetricOut]):
     @classmethod
     def build(cls, page: jobs.Page[Metric], memory: list[jobs.RankMemoryComparison]) -> MetricsPage:
         return cls(
-            items=[MetricOut.from_row(row) for row in page.items],
+            items=[MetricOut.model_validate(row) for row in page.items],
             total=page.total,
             limit=page.limit,
             offset=page.offset,
@@ -301,7 +272,7 @@ class Health(BaseModel):
 
 
 _SHAPE = ("layers", "hidden", "heads", "seq_len")
-_NULL = {"type": "null"}
+_NULL: JsonDict = {"type": "null"}
 
 
 class PlanRequest(JsonTyped):
@@ -329,7 +300,7 @@ class PlanRequest(JsonTyped):
                     },
                 },
             ],
-            "allOf": builtin_options_rules(),
+            "allOf": [*builtin_options_rules()],  # a list[JsonValue]: list is invariant
         },
     )
 
@@ -548,6 +519,8 @@ class QuotaOut(BaseModel):
 
 
 class UsageOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a tenants.Usage
+
     gpus: int
     cpus: float
     jobs: int
@@ -563,10 +536,11 @@ class TenantOut(BaseModel):
 
     @classmethod
     def from_row(cls, tenant: Tenant, usage: tenants.Usage) -> TenantOut:
+        # Explicit: quota gathers the row's quota_* columns, and usage comes from elsewhere.
         return cls(
             name=tenant.name,
             quota=QuotaOut(gpus=tenant.quota_gpus, cpus=tenant.quota_cpus, jobs=tenant.quota_jobs),
-            usage=UsageOut(gpus=usage.gpus, cpus=usage.cpus, jobs=usage.jobs),
+            usage=UsageOut.model_validate(usage),
             created_at=tenant.created_at,
         )
 
@@ -588,23 +562,14 @@ class TokenIn(JsonTyped):
 
 
 class TokenOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from an ApiToken row
+
     id: int
     tenant: str
     admin: bool
     description: str | None
     created_at: datetime
     revoked_at: datetime | None
-
-    @classmethod
-    def from_row(cls, token: ApiToken) -> TokenOut:
-        return cls(
-            id=token.id,
-            tenant=token.tenant,
-            admin=token.admin,
-            description=token.description,
-            created_at=token.created_at,
-            revoked_at=token.revoked_at,
-        )
 
 
 class TokenCreatedOut(TokenOut):

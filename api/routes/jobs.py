@@ -33,7 +33,7 @@ Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:
     # The context stays: a rule between fields carries the field it names there (api.errors.readable_errors).
-    errors = [dict(error) for error in exc.errors(include_url=False)]
+    errors: list[dict[str, Any]] = [dict(error) for error in exc.errors(include_url=False)]
     for error in errors:
         if error["type"] == "extra_forbidden" and (meant := field_meant(JobSpec, tuple(error["loc"]))) is not None:
             error["msg"] = f"{error['msg']}: did you mean {meant!r}?"
@@ -154,7 +154,9 @@ def _wake_dispatcher(request: Request) -> None:
 def events(
     job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0
 ) -> Page[EventOut]:
-    return Page[EventOut].convert(jobs.list_events(session, job_id, limit, offset, principal.scope), EventOut.from_row)
+    return Page[EventOut].convert(
+        jobs.list_events(session, job_id, limit, offset, principal.scope), EventOut.model_validate
+    )
 
 
 @router.get("/{job_id}/metrics")
@@ -172,7 +174,7 @@ def checkpoints(
     job_id: str, principal: CurrentPrincipal, session: SessionDep, limit: ListLimit = 1000, offset: Offset = 0
 ) -> Page[CheckpointOut]:
     page = jobs.list_checkpoints(session, job_id, limit, offset, principal.scope)
-    return Page[CheckpointOut].convert(page, CheckpointOut.from_row)
+    return Page[CheckpointOut].convert(page, CheckpointOut.model_validate)
 
 
 _LOGS_DOC = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(409, 503)}

@@ -54,7 +54,7 @@ def create_token(body: TokenIn, _admin: AdminPrincipal, session: SessionDep) -> 
     """A new token (its tenant created without quotas when missing); the secret is in this answer only."""
     issued = auth.create_token(session, body.tenant, admin=body.admin, description=body.description)
     return TokenCreatedOut(
-        **TokenOut.from_row(issued.row).model_dump(), token=issued.secret, tenant_created=issued.tenant_created
+        **TokenOut.model_validate(issued.row).model_dump(), token=issued.secret, tenant_created=issued.tenant_created
     )
 
 
@@ -65,10 +65,10 @@ def list_tokens(
     tenant: Annotated[str | None, Query(pattern=tenants.NAME_PATTERN, max_length=64)] = None,
 ) -> list[TokenOut]:
     """Every token (never its secret), optionally of one tenant."""
-    return [TokenOut.from_row(token) for token in auth.list_tokens(session, tenant)]
+    return [TokenOut.model_validate(token) for token in auth.list_tokens(session, tenant)]
 
 
 @router.post("/tokens/{token_id}/revoke", responses=error_responses(404, 409))
 def revoke_token(token_id: TokenId, admin: AdminPrincipal, session: SessionDep) -> TokenOut:
     """Refuse the token from the next request on; 409 for the token of this very request."""
-    return TokenOut.from_row(auth.revoke_token(session, token_id, by=admin))
+    return TokenOut.model_validate(auth.revoke_token(session, token_id, by=admin))
