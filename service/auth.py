@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -138,9 +138,13 @@ def _authenticate_hash(session: Session, token_hash: str) -> Principal:
 class TokenCache:
     """Token hash -> principal for ttl_s after a successful lookup; unknown and revoked tokens are never cached."""
 
-    def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S, max_entries: int = 10_000) -> None:
+    def __init__(
+        self, ttl_s: float = TOKEN_CACHE_TTL_S, max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`clock`: seconds from any fixed point (tests pass their own, to expire entries without waiting)."""
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self._clock = clock
         self._entries: dict[str, tuple[Principal, float]] = {}
         self._generation = 0  # bumped by every revocation: a lookup that raced one does not cache what it read
         self._lock = threading.Lock()
@@ -148,12 +152,12 @@ class TokenCache:
     def get(self, secret: str) -> Principal | None:
         """The principal cached for secret while it is fresh; None means ask load()."""
         cached = self._entries.get(hash_secret(secret))
-        return cached[0] if cached is not None and cached[1] > time.monotonic() else None
+        return cached[0] if cached is not None and cached[1] > self._clock() else None
 
     def load(self, sessions: sessionmaker[Session], secret: str) -> Principal:
         """The principal from the database (a short transaction of its own), cached when the token is valid."""
         token_hash = hash_secret(secret)
-        started = time.monotonic()
+        started = self._clock()
         generation = self._generation
         with session_scope(sessions) as session:
             principal = _authenticate_hash(session, token_hash)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,16 @@ from ringmaster.api.app import create_app
 from ringmaster.service import auth
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.settings import Settings
+
+
+class _Clock:
+    """An injected clock: the test moves time, nothing waits for it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture
@@ -54,11 +63,13 @@ def test_the_api_queries_a_token_once_per_ttl(db_url: str, tmp_path: Path) -> No
 def test_a_revocation_on_another_replica_takes_effect_within_the_ttl(
     db: Database, db_url: str, issued: auth.IssuedToken
 ) -> None:
-    cache = auth.TokenCache(ttl_s=0.5)
+    clock = _Clock()
+    cache = auth.TokenCache(ttl_s=30.0, clock=clock)
     assert cache.load(db.sessions, issued.secret) == auth.Principal("team-a", False, issued.row.id)
     _revoke_from_another_replica(db_url, issued.row.id)
+    clock.now += 29.9
     assert cache.get(issued.secret) is not None, "this replica has not heard of it yet"
-    time.sleep(0.6)
+    clock.now += 0.2
     assert cache.get(issued.secret) is None
     with pytest.raises(auth.Unauthorized, match="was revoked"):
         cache.load(db.sessions, issued.secret)
@@ -93,10 +104,11 @@ def test_a_lookup_that_races_a_revocation_caches_nothing(db: Database, issued: a
 def test_the_cache_drops_expired_entries_when_full(db: Database) -> None:
     with session_scope(db.sessions) as session:
         secrets = [auth.create_token(session, "team-a").secret for _ in range(3)]
-    cache = auth.TokenCache(ttl_s=0.2, max_entries=2)
+    clock = _Clock()
+    cache = auth.TokenCache(ttl_s=30.0, max_entries=2, clock=clock)
     cache.load(db.sessions, secrets[0])
     cache.load(db.sessions, secrets[1])
-    time.sleep(0.3)
+    clock.now += 31.0
     cache.load(db.sessions, secrets[2])
     assert len(cache._entries) == 1 and cache.get(secrets[2]) is not None
 
