@@ -154,7 +154,8 @@ def checkpoint_metrics(checkpoint: CommittedCheckpoint) -> list[dict[str, Any]]:
     if METRICS_NAME not in checkpoint.manifest.get("files", {}):
         return []
     storage, location = storage_for(checkpoint.path)
-    return json.loads(storage.read_bytes(storage.join(location, METRICS_NAME)) or b"[]")
+    points: list[dict[str, Any]] = json.loads(storage.read_bytes(storage.join(location, METRICS_NAME)) or b"[]")
+    return points
 
 
 def find_resume_point(
@@ -186,8 +187,8 @@ class PendingSave:
     manifest: dict[str, Any]
     keep: int
     keep_best: KeepBestSpec | None = None
-    future: Future | None = None  # None: written synchronously
-    staged: Future | None = None  # done once the state is copied: only then may training change it
+    future: Future[None] | None = None  # None: written synchronously
+    staged: Future[None] | None = None  # done once the state is copied: only then may training change it
     metrics: list[dict[str, Any]] = field(default_factory=list)  # rank 0's points not yet stored by the control plane
 
     def done(self) -> bool:
@@ -360,7 +361,7 @@ def load_state_template(saved_keys: Any, model_parts: list[nn.Module], optimizer
     model_state, optimizer_state = _merged_state(model_parts, optimizers)
     # A rank that did not exist when the checkpoint was written keeps its freshly seeded RNG.
     rng_state = {name: value for name, value in _rng_state().items() if f"rng.rank{rank}.{name}" in saved_keys}
-    state = {
+    state: dict[str, Any] = {
         "model": model_state,
         "optimizer": optimizer_state,
         "progress": {"step": 0, "epoch": 0, "samples_in_epoch": 0},

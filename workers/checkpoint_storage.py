@@ -13,7 +13,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import fsspec
@@ -119,10 +119,11 @@ class FsspecStorage(CheckpointStorage):
     def join(self, location: str, name: str) -> str:
         return f"{location.rstrip('/')}/{name}"
 
-    def _listing(self, location: str) -> list[dict]:
+    def _listing(self, location: str) -> list[dict[str, Any]]:
         self.fs.invalidate_cache(location)
         try:
-            return self.fs.ls(location, detail=True)
+            listing: list[dict[str, Any]] = self.fs.ls(location, detail=True)
+            return listing
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -139,7 +140,8 @@ class FsspecStorage(CheckpointStorage):
     def read_bytes(self, location: str) -> bytes | None:
         CheckpointStorage.reads += 1
         try:
-            return self.fs.cat_file(location)
+            content: bytes = self.fs.cat_file(location)
+            return content
         except (OSError, ValueError):
             return None
 

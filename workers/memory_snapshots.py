@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,16 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
@@ -160,7 +169,7 @@ class SnapshotStore:
         return content
 
     def read_object(self, location: str, name: str) -> Any:
-        return pickle.loads(self.read(location, name).numpy())
+        return pickle.loads(self.read(location, name).numpy().data)
 
     def write(self, location: str, name: str, content: torch.Tensor | _LiveFile | bytes) -> None:
         tensor = _to_tensor(content) if isinstance(content, bytes) else content
@@ -343,7 +352,14 @@ class _FileBuffers:
 
 
 def _slot_view(content: torch.Tensor, slot: RawSlot) -> torch.Tensor:
-    return content[slot.offset : slot.offset + slot.length].view(slot.dtype).view(slot.shape)
+    # Only a tensor item's slot is viewed, and _file_slots gives it a dtype and a shape.
+    dtype, shape = cast(torch.dtype, slot.dtype), cast(tuple[int, ...], slot.shape)
+    return content[slot.offset : slot.offset + slot.length].view(dtype).view(shape)
+
+
+def _resolved_tensor(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor:
+    """A tensor item's data, detached (resolve_data gives a tensor for every item but a byte item)."""
+    return cast(torch.Tensor, planner.resolve_data(item)).detach()
 
 
 def _shard_file(
@@ -353,7 +369,7 @@ def _shard_file(
     optimizer hyperparameter, the progress, an RNG state: DCP's own resolve_data runs torch.save for each, and a
     model's optimizer has hundreds), then the table's length."""
     tensors = {
-        key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO
+        key: _resolved_tensor(planner, item) for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO
     }
     slots, tensor_bytes = _file_slots(items, tensors, name)
     content = _new_file(
@@ -374,7 +390,7 @@ def _shard_file(
 
 def _open_shard_file(content: torch.Tensor) -> tuple[torch.Tensor, dict[int, Any]]:
     size = int.from_bytes(content[-8:].numpy().tobytes(), "little")
-    return content[: -8 - size], pickle.loads(content[-8 - size : -8].numpy())
+    return content[: -8 - size], pickle.loads(content[-8 - size : -8].numpy().data)
 
 
 class SnapshotWriter(StorageWriter):
@@ -427,7 +443,9 @@ class SnapshotWriter(StorageWriter):
             for rank, plan in enumerate(plans)
         ]
 
-    def write_data(self, plan: SavePlan, planner: DefaultSavePlanner) -> torch.futures.Future[list[WriteResult]]:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        # The snapshots' dcp.save takes DCP's default planner (it names none); _shard_file reads its byte items.
+        default_planner = cast(DefaultSavePlanner, planner)
         rank, local = dist.get_rank(), {item.index: item for item in self._local_items}
         self.files = [
             (_shard_name(rank, COPIED), [local[index] for index in plan.storage_data.copied]),
@@ -435,7 +453,7 @@ class SnapshotWriter(StorageWriter):
         ]
         results = []
         for name, items in self.files:
-            content, written = _shard_file(items, planner, name)
+            content, written = _shard_file(items, default_planner, name)
             self._store.write(self._location, name, content)
             results += written
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -470,7 +488,8 @@ class SnapshotReader(StorageReader):
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._store.read_object(self._location, METADATA_NAME)
+        metadata: Metadata = self._store.read_object(self._location, METADATA_NAME)
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._slots = metadata.storage_data
@@ -481,7 +500,9 @@ class SnapshotReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: DefaultLoadPlanner) -> torch.futures.Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        # load_training_state's dcp.load takes DCP's default planner (it names none); _load_value sets its state.
+        default_planner = cast(DefaultLoadPlanner, planner)
         files: dict[str, tuple[torch.Tensor, dict[int, Any]]] = {}
         held = self._store.names(self._location)
         for item in plan.items:
@@ -491,7 +512,7 @@ class SnapshotReader(StorageReader):
                 files[slot.relative_path] = _open_shard_file(self._store.read(self._location, slot.relative_path))
             tensors, values = files[slot.relative_path]
             if item.type == LoadItemType.BYTE_IO:
-                _load_value(planner, item, values[slot.key])
+                _load_value(default_planner, item, values[cast(int, slot.key)])  # a byte item's slot has a key
                 continue
             stored = _slot_view(tensors, slot)
             target = planner.resolve_tensor(item).detach()
@@ -705,7 +726,7 @@ def _file_layout(
     param_group_sources: dict[str, tuple[int, int, str]],
 ) -> _FileLayout:
     tensors = {
-        key: planner.resolve_data(item).detach() for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO
+        key: _resolved_tensor(planner, item) for key, item in enumerate(items) if item.type != WriteItemType.BYTE_IO
     }
     slots, tensor_bytes = _file_slots(items, tensors, name)
     live, at_boundary, fresh, param_groups, reusable = {}, set(), [], {}, True
@@ -800,7 +821,7 @@ class PeerSnapshots:
         self._shifts = sorted({(copy * shift) % self._world_size for copy in range(1, replicas + 1)} - {0})
         self._stager = checkpoint_stager(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
-        self._in_flight: Future | None = None
+        self._in_flight: Future[None] | None = None
         self._layout: _Layout | None = None
         self._buffers = _FileBuffers()
         self._gather = _FileGather(self.group)
@@ -852,7 +873,7 @@ class PeerSnapshots:
                 self._write_new_layout, ref, staged, state, fingerprint, fresh_fingerprint, storages, sources
             )
             return
-        values, layout = self._step_values(step, position, metrics), self._layout
+        values, layout = self._step_values(step, position, metrics), self._agreed_layout
         location, contents = snapshot_location(self._job_id, ref), []
         for file in layout.files:
             content = self._file_of_step(file, values, self._buffers.allocator(location, file.name))
@@ -868,13 +889,13 @@ class PeerSnapshots:
         self.wait()
         self._sealed, self._matched_since_update = None, None
         if not changed_anywhere:
-            values = self._step_values(step, position, metrics)
-            own = self._layout.files[COPIED]
+            values, layout = self._step_values(step, position, metrics), self._agreed_layout
+            own = layout.files[COPIED]
             location = snapshot_location(self._job_id, SnapshotRef(self._generation, step))
             gathered = self._gather(self._file_of_step(own, values))
             for rank, content in enumerate(gathered):
                 self._store.write(location, _shard_name(rank, COPIED), content)
-            self._store.write(location, METADATA_NAME, self._layout.metadata)
+            self._store.write(location, METADATA_NAME, layout.metadata)
             self._store.retain(self._job_id)
             self._sealed = (step, values)
             # The newest whole snapshot is the last step's (reported with what its seal sent), while the live state
@@ -894,8 +915,8 @@ class PeerSnapshots:
         sealed, self._sealed = self._sealed, None
         if sealed is None or sealed[0] != step or self.structure_changed():
             return
-        self._matched_since_update = self._layout
-        kept = self._layout.files[KEPT_HERE]
+        self._matched_since_update = layout = self._agreed_layout
+        kept = layout.files[KEPT_HERE]
         table, tensors = _items_of_step(kept, sealed[1], self._local_optimizers)
         self._store.write(
             snapshot_location(self._job_id, SnapshotRef(self._generation, step)),
@@ -903,6 +924,12 @@ class PeerSnapshots:
             _LiveFile(self, step, kept, table, tensors),
         )
         self.live_step = step
+
+    @property
+    def _agreed_layout(self) -> _Layout:
+        """The group's layout, where this rank found the state's structure unchanged (or the group voted so): a rank
+        without a layout finds a change (structure_changed), and _step_values raises without one."""
+        return cast(_Layout, self._layout)
 
     def _step_values(self, step: int, position: DataPosition, metrics: str | None) -> DefaultSavePlanner:
         """The step's own values (progress, RNG states, metric points), flattened as DCP does the whole state; they
@@ -975,8 +1002,9 @@ class PeerSnapshots:
         dcp.save(state, storage_writer=writer, process_group=self.group)
         metadata = [self._store.read(location, METADATA_NAME).numpy().tobytes() if self._rank == 0 else None]
         dist.broadcast_object_list(metadata, src=0, group=self.group)
+        metadata_bytes = cast(bytes, metadata[0])  # every rank's, after the broadcast
         layout = _make_layout(
-            fingerprint, fresh_fingerprint, writer.files, metadata[0], live_state, storages, param_group_sources
+            fingerprint, fresh_fingerprint, writer.files, metadata_bytes, live_state, storages, param_group_sources
         )
         if self.live_state and (layout.files[COPIED].live or layout.files[COPIED].param_groups):
             raise RuntimeError(
@@ -985,7 +1013,7 @@ class PeerSnapshots:
             )
         self._layout = layout
         self.layouts_made += 1
-        self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata[0])
+        self._share(location, [self._store.read(location, name) for name, _ in writer.files], metadata_bytes)
 
     def _write_reusing(self, location: str, layout: _Layout, contents: list[torch.Tensor]) -> None:
         for file, content in zip(layout.files, contents, strict=True):
@@ -1107,10 +1135,14 @@ class _FileGather:
 def _default_group_timeout(device: torch.device) -> timedelta | None:
     """The default group's collective timeout (the worker sets it when the group forms); None where its backend does
     not say."""
+    world = dist.group.WORLD
+    if world is None:  # no default group
+        return None
     try:
-        return dist.group.WORLD._get_backend(device).options._timeout
+        timeout: timedelta = world._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
+    return timeout
 
 
 def restore_from_peers(
@@ -1130,11 +1162,12 @@ def restore_from_peers(
     held: list[Any] = [None] * world_size
     dist.all_gather_object(held, sorted(store.names(location)), group=group)
     source = min(member for member, names in enumerate(held) if METADATA_NAME in names)
-    metadata_bytes = [store.read(location, METADATA_NAME).numpy().tobytes() if rank == source else None]
-    dist.broadcast_object_list(metadata_bytes, src=source, group=group)
+    broadcast = [store.read(location, METADATA_NAME).numpy().tobytes() if rank == source else None]
+    dist.broadcast_object_list(broadcast, src=source, group=group)
+    metadata_bytes = cast(bytes, broadcast[0])  # every rank's, after the broadcast
     if METADATA_NAME not in held[rank]:
-        store.write(location, METADATA_NAME, metadata_bytes[0])
-    metadata: Metadata = pickle.loads(metadata_bytes[0])
+        store.write(location, METADATA_NAME, metadata_bytes)
+    metadata: Metadata = pickle.loads(metadata_bytes)
     state = load_state_template(metadata.state_dict_metadata, model_parts, optimizers)
     # Of an item's copies, one this rank holds; else the first some member holds (the reader takes what is here).
     everywhere = set().union(*held)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -209,7 +209,8 @@ class Checkpointer:
     def _restore_group(self) -> dist.ProcessGroup:
         """A gloo group for the restore's collectives of CPU objects, before training begins: the default group where
         it is gloo, else the asynchronous saves' (made here then, on every rank)."""
-        return dist.group.WORLD if dist.get_backend() == "gloo" else self._save_group()
+        # Training runs in the default group: WORLD is set.
+        return cast(dist.ProcessGroup, dist.group.WORLD) if dist.get_backend() == "gloo" else self._save_group()
 
     def _commit(self, pending: PendingSave, final: bool) -> None:
         """Rank 0: make a written save visible, then report it with what retention did."""
@@ -242,7 +243,8 @@ class Checkpointer:
                 corrupt += corrupt_there
             choice = [(latest, corrupt)]
         dist.broadcast_object_list(choice, src=0, group=self._restore_group())
-        return choice[0]
+        agreed: tuple[CommittedCheckpoint | None, list[tuple[CommittedCheckpoint, str]]] = choice[0]
+        return agreed
 
 
 def _stored(kept: list[CommittedCheckpoint], committed_path: str) -> list[StoredCheckpoint] | None:
