@@ -31,7 +31,11 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 
 log = logging.getLogger("ringmaster.rank_process")
 
@@ -47,12 +51,13 @@ class RankProcess:
     """The actor's side: starts the training process and calls methods of its `Rank`."""
 
     def __init__(self, *, pooled: bool) -> None:
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, Future[list[Any]]] = {}  # call id -> the reply after its id
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
-        self._connection: Connection | None = None
-        self._process: subprocess.Popen | None = None
-        started: Future = Future()
+        # Both set by the thread below before `started` resolves: this constructor returns only once they are.
+        self._connection: Connection
+        self._process: subprocess.Popen[bytes]
+        started: Future[None] = Future()
         # The process's parent-death signal follows the thread that starts it: this one lives as long as the actor.
         threading.Thread(
             target=self._start_and_receive, args=(pooled, started), name="rank-process", daemon=True
@@ -66,7 +71,7 @@ class RankProcess:
     def call(self, method: str, *args: Any) -> Any:
         """Run `Rank.<method>(*args)` in the training process and return its result, or raise its exception, with
         the training process's traceback as a note (which Ray's account of the failed call prints after it)."""
-        future: Future = Future()
+        future: Future[list[Any]] = Future()
         with self._send_lock:
             call_id = next(self._ids)
             self._pending[call_id] = future
@@ -76,7 +81,7 @@ class RankProcess:
             return pickle.loads(payload)
         raise raised_error(payload, text, where)
 
-    def _start_and_receive(self, pooled: bool, started: Future) -> None:
+    def _start_and_receive(self, pooled: bool, started: Future[None]) -> None:
         try:
             ours, theirs = socket.socketpair()
             # The actor's import path names the job's code (Ray's working_dir and py_modules): the process imports
@@ -126,6 +131,7 @@ def raised_error(payload: bytes, text: str, where: str) -> BaseException:
     """The exception the training process raised (`payload`, pickled) with its traceback `text` and `where` it ran
     as a note; one that cannot be rebuilt here (not pickled, or its class not rebuildable from its arguments) becomes
     a RuntimeError of the traceback's last line."""
+    error: BaseException
     try:
         error = pickle.loads(payload)
     except Exception:
@@ -168,7 +174,8 @@ class Rank:
         if self._rendezvous is not None:
             self._rendezvous.close()
         self._rendezvous = listening
-        return listening.getsockname()[1]
+        port: int = listening.getsockname()[1]
+        return port
 
     def resume_step(self, storage_root: str, resume_from_root: str | None) -> int:
         from ringmaster.workers.checkpoint import find_resume_point
@@ -214,7 +221,8 @@ class Rank:
                 os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
             timeout = timedelta(seconds=timeout_s)
             if rank == 0:  # the store serves on the socket rendezvous_port opened, and owns it from now on
-                listening, self._rendezvous = self._rendezvous, None
+                # The driver asks rank 0 for rendezvous_port before join.
+                listening, self._rendezvous = cast(socket.socket, self._rendezvous), None
                 store = dist.TCPStore(
                     master_addr,
                     master_port,
@@ -301,10 +309,10 @@ class RankOutbox:
         self._acknowledged = 0
         self._stop = threading.Event()
 
-    def metric(self, point) -> None:
+    def metric(self, point: MetricPoint) -> None:
         self._put("metrics", point.model_dump(exclude_none=True))
 
-    def checkpoint(self, record) -> None:
+    def checkpoint(self, record: CheckpointRecord) -> None:
         """A commit's record. Its list of what storage kept supersedes those of the commits still waiting here, which
         are dropped: with checkpoint.keep in the hundreds and a commit every step, a drain holding every record's list
         would outgrow the report the API reads."""
@@ -314,7 +322,7 @@ class RankOutbox:
                 waiting["kept"] = None
             self._drained["checkpoints"].append(dumped)
 
-    def memory(self, measured) -> None:
+    def memory(self, measured: RankMemory) -> None:
         self._put("memory", measured.model_dump())
 
     def event(self, message: str, details: dict[str, Any]) -> None:
@@ -379,7 +387,7 @@ def _import_training_stack_in_background() -> None:
 
 
 def _serve(
-    rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str, args: tuple
+    rank: Rank, connection: Connection, send_lock: threading.Lock, call_id: int, method: str, args: tuple[Any, ...]
 ) -> None:
     """Run one call and send its reply: (id, True, the pickled result, "", "") or (id, False, the pickled exception or
     b"" where it cannot be pickled, its traceback from the called method on, where it ran: this process's rank in
@@ -393,7 +401,8 @@ def _serve(
             pickled = pickle.dumps(error)
         except Exception:
             pickled = b""
-        lines = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
+        # A caught exception has a traceback, whose first entry is this frame.
+        lines = traceback.format_exception(type(error), error, cast(TracebackType, error.__traceback__).tb_next)
         text = "".join(line for line in lines if not line.startswith("Traceback (most recent"))
         reply = (call_id, False, pickled, text, rank.whereabouts())
     with send_lock:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -52,8 +52,9 @@ class Reporter:
         """Queue a report; returns its sequence number (compare with `handled_seq`)."""
         with self._lock:
             self._seq += 1
+            seq = self._seq
             report = DriverReport(
-                seq=self._seq,
+                seq=seq,
                 state=state,
                 message=message,
                 details=details or {},
@@ -63,7 +64,7 @@ class Reporter:
             )
             self._pending.append(report)
         self._wake.set()
-        return report.seq
+        return seq
 
     def _flush_loop(self) -> None:
         while not self._closed:
@@ -94,7 +95,7 @@ class Reporter:
                 self._read_ack(response)
             with self._lock:
                 self._pending.popleft()
-                self.handled_seq = report.seq
+                self.handled_seq = cast(int, report.seq)  # report() numbers every report it queues
 
     def _read_ack(self, response: httpx.Response) -> None:
         try:

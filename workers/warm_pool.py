@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -33,6 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ringmaster.service.spec import SHARED_POOL
 from ringmaster.workers.worker import TrainWorker
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 log = logging.getLogger("ringmaster.warm_pool")
 
@@ -153,7 +156,8 @@ class WarmPoolKeeper:
         statuses = pool_statuses([name for nodes in pools.values() for names in nodes.values() for name in names])
         self._kill_orphans(statuses, active_claimants)
         busy = _nodes_with_placement_groups()
-        live = [node for node in ray.nodes() if node["Alive"] and node.get("Resources", {}).get("CPU", 0) >= 1]
+        cluster_nodes = ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
+        live = [node for node in cluster_nodes if node["Alive"] and node.get("Resources", {}).get("CPU", 0) >= 1]
         for pool in sorted(set(pools) | set(wanted)):
             for node in live:
                 names = pools.get(pool, {}).get(node["NodeID"], [])
@@ -171,13 +175,14 @@ class WarmPoolKeeper:
     def _start(self, pool: str, runtime_env: dict[str, Any], node_id: str, names: list[str], count: int) -> None:
         taken = set(names)
         index = 0
+        actor_class = cast("ActorClass[TrainWorker]", TrainWorker)  # ray.remote made it one; mypy keeps the class
         for _ in range(max(0, count)):
             while pool_name(pool, node_id, index) in taken:
                 index += 1
             name = pool_name(pool, node_id, index)
             taken.add(name)
             try:
-                TrainWorker.options(
+                actor_class.options(
                     name=name,
                     lifetime="detached",
                     num_cpus=0,

@@ -34,7 +34,8 @@ _OWNER_SILENCE_S = 1.0
 log = logging.getLogger("ringmaster.worker")
 
 
-@ray.remote(max_concurrency=_CONCURRENT_CALLS, concurrency_groups={"control": _CONTROL_CALLS})
+# Ray's typed overloads of ray.remote leave out the actor options max_concurrency and concurrency_groups.
+@ray.remote(max_concurrency=_CONCURRENT_CALLS, concurrency_groups={"control": _CONTROL_CALLS})  # type: ignore[call-overload]
 class TrainWorker:
     def __init__(self, cpus: float, uses_gpu: bool, pooled: bool = False) -> None:
         """`pooled`: a worker of the cluster's warm pool (`workers/warm_pool.py`), idle until a job claims it."""
@@ -75,7 +76,7 @@ class TrainWorker:
         """Exit once the claiming driver's Ray job is dead. Ray ends the workers a driver created along with it; a pool
         worker is detached, and would otherwise go on training the attempt and committing its checkpoints beside the
         attempt that replaces it. Asks the cluster only after a silence: a live driver heartbeats every half second."""
-        gcs = ray._private.worker.global_worker.gcs_client
+        gcs = ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]  # set by ray.init, undeclared
         while True:
             time.sleep(_OWNER_SILENCE_S / 2)
             if time.monotonic() - self._last_heartbeat < _OWNER_SILENCE_S:
@@ -103,7 +104,7 @@ class TrainWorker:
         context = ray.get_runtime_context()
         return {
             "node_id": context.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
+            "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
             "pid": os.getpid(),
             "training_pid": self._rank.pid,
             "actor_id": context.get_actor_id(),
@@ -113,15 +114,19 @@ class TrainWorker:
     def rendezvous_port(self) -> int:
         """Open a listening socket for the rendezvous store of the group this worker will lead as rank 0, and return
         its port (Rank.rendezvous_port)."""
-        return self._rank.call("rendezvous_port", ray.util.get_node_ip_address())
+        ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
+        port: int = self._rank.call("rendezvous_port", ip)
+        return port
 
     def resume_step(self, storage_root: str, resume_from_root: str | None) -> int:
         """The step training will resume from (0: from scratch), chosen as training chooses it."""
-        return self._rank.call("resume_step", storage_root, resume_from_root)
+        step: int = self._rank.call("resume_step", storage_root, resume_from_root)
+        return step
 
     def snapshot_inventory(self, job_id: str) -> list[dict[str, Any]]:
         """What this worker holds of the job's in-memory snapshots ([] for a new worker)."""
-        return self._rank.call("snapshot_inventory", job_id)
+        inventory: list[dict[str, Any]] = self._rank.call("snapshot_inventory", job_id)
+        return inventory
 
     def warm_up(self) -> None:
         """Returns once the training stack is imported: a standby is ready to join a group at once."""
@@ -172,7 +177,7 @@ class TrainWorker:
         memory_resume: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         """`memory_resume`: {"generation", "step"} of the in-memory snapshot the driver chose (None: from storage)."""
-        return self._rank.call(
+        result: dict[str, Any] = self._rank.call(
             "train",
             self._uses_gpu,
             generation,
@@ -184,13 +189,15 @@ class TrainWorker:
             attempt,
             memory_resume,
         )
+        return result
 
     @ray.method(enable_task_events=False)
     def drain(self, metrics_acknowledged: int | None = None) -> dict[str, list[dict[str, Any]]]:
         """Hand over what this rank recorded since the last drain (metrics, checkpoints and events come from rank 0
         only, memory from every rank). `metrics_acknowledged`: how many of this training call's metric points the
         control plane has stored by now (workers/metric_ledger.py)."""
-        return self._rank.call("drain", metrics_acknowledged)
+        drained: dict[str, list[dict[str, Any]]] = self._rank.call("drain", metrics_acknowledged)
+        return drained
 
     def request_stop(self) -> None:
         """Stop after the current step with a checkpoint: the boundary at which the group regrows."""

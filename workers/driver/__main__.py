@@ -113,7 +113,7 @@ def _outlive_one_metrics_export() -> None:
     step) reach the metrics endpoint only if the driver lives through one more export. The job's state is reported
     and its placement groups are released by now: waiting holds nothing but this process."""
     try:
-        from ray._raylet import Config  # the interval the cluster was started with
+        from ray._raylet import Config  # type: ignore[attr-defined]  # the cluster's interval; Ray's stub omits it
 
         interval_s = Config.metrics_report_interval_ms() / 1000
     except Exception:

@@ -36,7 +36,8 @@ def slot_nodes(slots: list[Slot]) -> list[str | None]:
 
 def placed_slots(slots: list[Slot], excluded_nodes: set[str]) -> list[Slot]:
     """The slots whose bundle sits on a live node now (not one known to be lost)."""
-    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - excluded_nodes
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
+    alive = {node["NodeID"] for node in nodes if node["Alive"]} - excluded_nodes
     return [slot for slot, node in zip(slots, slot_nodes(slots), strict=True) if node in alive]
 
 
@@ -62,7 +63,7 @@ class Bundles:
 
     def spare_capacity(self) -> int:
         """How many more workers unreserved resources could hold now."""
-        available = ray.available_resources()
+        available = ray.available_resources()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
         if self._workers.gpus_per_worker:
             return int(available.get("GPU", 0) // self._workers.gpus_per_worker)
         return int(available.get("CPU", 0) // self._workers.cpus_per_worker)

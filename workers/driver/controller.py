@@ -21,6 +21,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -313,26 +314,30 @@ class Controller:
 
     def _regroup(self, state: Recovering | Resizing) -> State:
         """Keep the survivors and take the standbys it needs; Placing then adds new workers and forms the group."""
-        recovering = isinstance(state, Recovering)
-        again = recovering and state.again_from is not None
+        recovering = state if isinstance(state, Recovering) else None
+        again_from = recovering.again_from if recovering is not None else None
         placing = Placing(
-            reason=state.reason if recovering else "capacity returned",
-            recovering=recovering,
-            world_size_before=state.again_from if again else self.group.world_size,
+            reason=recovering.reason if recovering is not None else "capacity returned",
+            recovering=recovering is not None,
+            world_size_before=again_from if again_from is not None else self.group.world_size,
         )
-        if recovering:
+        if recovering is not None:
             # A node's death reaches the driver one actor at a time: the others it took can still look alive. Asked
             # now, they fail a heartbeat at once (Ray knows the node is gone); live ones answer in milliseconds.
-            lost_nodes = {worker.node_id for worker in state.lost}
+            lost_nodes = {worker.node_id for worker in recovering.lost}
             suspects = [
-                worker for worker in self.group.workers if worker.node_id in lost_nodes and worker not in state.lost
+                worker
+                for worker in self.group.workers
+                if worker.node_id in lost_nodes and worker not in recovering.lost
             ]
-            lost = state.lost + (self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S, suspects) if suspects else [])
+            lost = recovering.lost + (
+                self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S, suspects) if suspects else []
+            )
             # A worker whose process alone died (its node lives) leaves a bundle a replacement can take at once.
             self.bundles.lost_nodes |= {worker.node_id for worker in lost if not died_on_a_live_node(worker)}
             self._report(
-                state=None if again else "RECOVERING",
-                message=f"{state.reason}; re-forming the group",
+                state=None if again_from is not None else "RECOVERING",
+                message=f"{recovering.reason}; re-forming the group",
                 details={
                     "lost_ranks": sorted(worker.rank for worker in lost),
                     "lost_nodes": sorted({worker.node_id for worker in lost}),
@@ -431,7 +436,7 @@ class Controller:
         message: str | None = None,
         metrics: list[MetricPoint] | None = None,
         checkpoints: list[CheckpointRecord] | None = None,
-        **rest,
+        **rest: Any,
     ) -> int:
         """Report to the control plane, and say it in the driver's log (what the Ray dashboard shows of the job)."""
         if metrics:

@@ -12,6 +12,7 @@ it. Pure: unit-tested against a fake worker group (tests/test_driver_policies.py
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,7 +59,7 @@ class LostWorker(Protocol):
 
 
 class FailurePolicy:
-    def decide(self, lost: list[LostWorker], errors: list[RayTaskError]) -> Recover | FailJob:
+    def decide(self, lost: Sequence[LostWorker], errors: list[RayTaskError]) -> Recover | FailJob:
         if lost:
             nodes = sorted({worker.node_id[:12] for worker in lost})
             return Recover(f"lost rank(s) {sorted(worker.rank for worker in lost)} on node(s) {nodes}")

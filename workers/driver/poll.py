@@ -124,8 +124,8 @@ class GroupPoll:
         elif result.lost:
             log.info("lost %d worker(s): actor death or a missed heartbeat", len(result.lost))
         if result.lost:  # the survivors whose call the loss broke, seen ending before the loss was
-            for worker, error in zip(errored, result.errors):
-                _log_ended(worker, error)
+            for worker, task_error in zip(errored, result.errors):
+                _log_ended(worker, task_error)
         finished = not self._pending and not result.broken
         if finished or time.monotonic() >= self._next_drain:
             result.drained = self.drain(metrics_acknowledged)

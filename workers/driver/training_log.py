@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 
@@ -203,7 +204,7 @@ class TensorBoardEvents:
         if self._remote and time.monotonic() - self._uploaded_at >= _UPLOAD_EVERY_S:
             self._upload()
 
-    def _write(self, event) -> None:
+    def _write(self, event: Any) -> None:  # an event_pb2.Event (tensorboard ships no types)
         data = event.SerializeToString()
         length = struct.pack("<Q", len(data))
         self._file.write(length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data)))
@@ -229,5 +230,5 @@ class TensorBoardEvents:
 
 def _masked_crc(data: bytes) -> int:
     """TFRecord's checksum: CRC-32C, rotated and offset (a CRC of data that holds CRCs is weak otherwise)."""
-    crc = google_crc32c.value(data)
+    crc: int = google_crc32c.value(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF

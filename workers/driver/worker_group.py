@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 import ray._private.state  # the GCS's record of an actor's death (no public API gives its cause's reason)
-from ray.core.generated.common_pb2 import ActorDiedErrorContext
+from ray.core.generated.common_pb2 import ActorDiedErrorContext  # type: ignore[attr-defined]  # made at import
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -21,6 +21,9 @@ from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Slot, slot_nodes
 from ringmaster.workers.warm_pool import claim_workers
 from ringmaster.workers.worker import TrainWorker
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 _JOIN_GIVE_UP_MARGIN_S = 5.0  # past its rendezvous timeout, a join still waiting has raised and let go of its lock
 
@@ -73,7 +76,8 @@ def died_on_a_live_node(worker: RankedWorker) -> bool:
     cause = actor.get("DeathCause")
     if actor.get("State") != "DEAD" or cause is None or cause.WhichOneof("context") != "actor_died_error_context":
         return False
-    return cause.actor_died_error_context.reason == ActorDiedErrorContext.Reason.WORKER_DIED
+    died_itself: bool = cause.actor_died_error_context.reason == ActorDiedErrorContext.Reason.WORKER_DIED
+    return died_itself
 
 
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
@@ -135,7 +139,8 @@ class WorkerGroup:
     def _new_actor(self, slot: Slot) -> Any:
         resources = self.spec.workers
         self._started += 1
-        return TrainWorker.options(
+        actor_class = cast("ActorClass[TrainWorker]", TrainWorker)  # ray.remote made it one; mypy keeps the class
+        return actor_class.options(
             name=f"{self.label}-w{self._started}",  # the Ray dashboard lists the job's actors by these names
             num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
             num_gpus=resources.gpus_per_worker,
