@@ -19,7 +19,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,6 +29,9 @@ from ringmaster.workers.checkpoint import MANIFEST_NAME, checkpoint_at, verify_c
 from ringmaster.workers.checkpoint_storage import storage_for
 from ringmaster.workers.models.hf import DATA_OPTIONS, PRETRAINED_OPTION, model_class_and_config
 from ringmaster.workers.models.registry import EntrypointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -110,7 +113,7 @@ def _umask() -> int:
     return mask
 
 
-def _hf_config(hf_class: str, model_options: dict[str, Any]):
+def _hf_config(hf_class: str, model_options: dict[str, Any]) -> PreTrainedConfig:
     """The transformers config an `hf:` job built its model from, naming the class so Auto* classes find it."""
     fields = {name: value for name, value in model_options.items() if name not in (PRETRAINED_OPTION, *DATA_OPTIONS)}
     try:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 class SampleAudit:
@@ -26,7 +28,7 @@ class SampleAudit:
         self._file.close()
 
 
-def _records(storage_root: str | Path):
+def _records(storage_root: str | Path) -> Iterator[dict[str, Any]]:
     for path in sorted(Path(storage_root, "sample-ids").glob("*.jsonl")):
         for line in path.read_text().splitlines():
             yield json.loads(line)

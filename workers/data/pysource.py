@@ -26,7 +26,7 @@ _SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-
 def stdlib_source_files() -> list[str]:
     """Relative paths of the stdlib's .py files outside test and third-party folders, sorted."""
     root = sysconfig.get_paths()["stdlib"]
-    found = []
+    found: list[str] = []
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = [name for name in subfolders if name not in _SKIPPED_DIRS]
         relative_folder = os.path.relpath(folder, root)
@@ -68,7 +68,7 @@ def stdlib_corpus(max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES) -> tuple[tor
     return train, validation
 
 
-class ByteWindows(Dataset):
+class ByteWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Sample i is (tokens[i·L : i·L+L], tokens[i·L+1 : i·L+L+1]): windows of L+1 bytes that share
     only their boundary byte, so every byte is a target once and a sample id names fixed text."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.utils.data import Dataset
 
 from ringmaster.service.spec import DataSourceSpec, HFDatasetData, TokensData
@@ -10,7 +12,7 @@ from ringmaster.workers.data.node_cache import node_local_file
 from ringmaster.workers.data.tokens import token_file_splits
 
 
-def data_source_splits(data: DataSourceSpec, vocab_size: int | None = None) -> tuple[Dataset, Dataset | None]:
+def data_source_splits(data: DataSourceSpec, vocab_size: int | None = None) -> tuple[Dataset[Any], Dataset[Any] | None]:
     """Train and validation (None: no validation split) windows of (inputs, targets); ``vocab_size`` bounds every
     token id read (a clear error instead of an embedding's index error)."""
     assert data.seq_len is not None  # JobSpec sets it from the model or asks for it

@@ -8,9 +8,9 @@ used once — none skipped, none repeated.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_map
@@ -25,6 +25,12 @@ class DataPosition:
 
     epoch: int = 0
     samples_in_epoch: int = 0
+
+
+def dataset_len(dataset: Dataset[Any]) -> int:
+    """The length of a map-style dataset, as every dataset a job trains or validates on is (torch's Dataset declares
+    no __len__)."""
+    return len(cast(Sized, dataset))
 
 
 def epoch_order(dataset_size: int, seed: int, epoch: int) -> torch.Tensor:
@@ -46,7 +52,7 @@ class GlobalBatchStream:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         *,
         micro_batch_size: int,
         dp_rank: int,
@@ -63,10 +69,11 @@ class GlobalBatchStream:
         self.samples_per_micro_step = micro_batch_size * dp_size
         self.seed = seed
         self.pin_memory = pin_memory
-        self.samples_per_epoch = len(dataset) // global_batch_size * global_batch_size
+        size = dataset_len(dataset)
+        self.samples_per_epoch = size // global_batch_size * global_batch_size
         if self.samples_per_epoch == 0:
             raise JobInputError(
-                f"training set of {len(dataset)} samples is smaller than one global batch of {global_batch_size}"
+                f"training set of {size} samples is smaller than one global batch of {global_batch_size}"
             )
         if position.samples_in_epoch % self.samples_per_micro_step:
             raise ValueError(
@@ -74,7 +81,7 @@ class GlobalBatchStream:
                 f"{self.samples_per_micro_step}"
             )
         self.position = DataPosition(position.epoch, position.samples_in_epoch)
-        self._order = epoch_order(len(dataset), seed, self.position.epoch)
+        self._order = epoch_order(size, seed, self.position.epoch)
         self.last_sample_ids: list[int] = []
         self._loaded: Iterator[tuple[list[int], Any]] | None = None
         if num_workers:
@@ -93,7 +100,7 @@ class GlobalBatchStream:
                 batch_size=None,
                 sampler=_UpcomingIds(ahead),
                 num_workers=num_workers,
-                collate_fn=_as_fetched,
+                collate_fn=_as_fetched,  # type: ignore[arg-type]  # batch_size=None: it gets one item, not a list
                 pin_memory=pin_memory,
             )
             self._loaded = iter(loader)
@@ -123,18 +130,18 @@ class GlobalBatchStream:
     def _next_ids(self) -> list[int]:
         if self.position.samples_in_epoch + self.samples_per_micro_step > self.samples_per_epoch:
             self.position = DataPosition(self.position.epoch + 1, 0)
-            self._order = epoch_order(len(self.dataset), self.seed, self.position.epoch)
+            self._order = epoch_order(dataset_len(self.dataset), self.seed, self.position.epoch)
         start = self.position.samples_in_epoch + self.dp_rank * self.micro_batch_size
         ids = self._order[start : start + self.micro_batch_size].tolist()
         self.position.samples_in_epoch += self.samples_per_micro_step
         return ids
 
 
-def _collated(dataset: Dataset, ids: list[int]) -> Any:
+def _collated(dataset: Dataset[Any], ids: list[int]) -> Any:
     return default_collate([dataset[index] for index in ids])
 
 
-class _UpcomingIds(Sampler):
+class _UpcomingIds(Sampler[list[int]]):
     """The ids of every micro-batch from the stream's position on, endlessly (epoch after epoch)."""
 
     def __init__(self, stream: GlobalBatchStream) -> None:
@@ -145,11 +152,11 @@ class _UpcomingIds(Sampler):
             yield self._stream._next_ids()
 
 
-class _MicroBatches(Dataset):
+class _MicroBatches(Dataset[tuple[list[int], Any]]):
     """Indexed by a micro-batch's list of ids: a worker reads and collates the whole micro-batch, and hands back
     the ids with it so the stream can check that what arrives is what its order names."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset[Any]) -> None:
         self.dataset = dataset
 
     def __getitem__(self, ids: list[int]) -> tuple[list[int], Any]:

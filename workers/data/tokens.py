@@ -8,6 +8,7 @@ A dataset pickles as its file's path (a DataLoader worker maps the file itself i
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ def count_tokens(path: Path, dtype: str, name: str) -> int:
     return size // itemsize
 
 
-class TokenWindows(Dataset):
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Windows ``first .. first + count`` of a token file; ``vocab_size`` (when set) bounds every id read."""
 
     def __init__(
@@ -78,7 +79,7 @@ class TokenWindows(Dataset):
             )
         return window[:-1], window[1:]
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}
 
 

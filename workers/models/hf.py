@@ -9,22 +9,37 @@ import copy
 import fnmatch
 import inspect
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import Dataset
 
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import EntrypointError, ModelBundle, logits_loss, model_logits, next_token_loss
 from ringmaster.workers.strategies.blocks import block_container, repeated_blocks
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
 # model_options of an hf: model that are not fields of its config
 PRETRAINED_OPTION = "pretrained"
 DATA_OPTIONS = ("seq_len", "max_corpus_bytes")  # the built-in corpus's, when the job trains on one
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+class _TransformersModel(Protocol):
+    """What this module reads of a transformers model beyond nn.Module's own (whose __getattr__ types any other
+    attribute as a tensor or a module)."""
+
+    @property
+    def base_model(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
 
 
 def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
@@ -45,7 +60,9 @@ def build(model_class: str, corpus: bool = True, **options: Any) -> ModelBundle:
     return hf_bundle(model, train, validation)
 
 
-def model_class_and_config(model_class: str, config_options: dict[str, Any]) -> tuple[type, Any]:
+def model_class_and_config(
+    model_class: str, config_options: dict[str, Any]
+) -> tuple[type[PreTrainedModel], PreTrainedConfig]:
     """``hf:<model_class>``'s transformers class, and its config from the model_options that are config fields (those
     without ``pretrained`` and the data options)."""
     import transformers
@@ -55,16 +72,18 @@ def model_class_and_config(model_class: str, config_options: dict[str, Any]) -> 
         raise EntrypointError(
             f"model 'hf:{model_class}': transformers {transformers.__version__} has no model class {model_class!r}"
         )
-    accepted = set(inspect.signature(cls.config_class.__init__).parameters) - {"self", "kwargs"}
+    # A transformers model class names its config class (the PreTrainedModel base itself names none).
+    config_class = cast("type[PreTrainedConfig]", cls.config_class)
+    accepted = set(inspect.signature(config_class.__init__).parameters) - {"self", "kwargs"}
     unknown = sorted(set(config_options) - accepted)
     if unknown:
         raise EntrypointError(
-            f"model 'hf:{model_class}': model_options {unknown} are not fields of {cls.config_class.__name__}"
+            f"model 'hf:{model_class}': model_options {unknown} are not fields of {config_class.__name__}"
         )
-    return cls, cls.config_class(**config_options)
+    return cls, config_class(**config_options)
 
 
-def hf_bundle(model: nn.Module, train_dataset, val_dataset) -> ModelBundle:
+def hf_bundle(model: nn.Module, train_dataset: Dataset[Any] | None, val_dataset: Dataset[Any] | None) -> ModelBundle:
     """A transformers causal LM with the hooks every strategy needs."""
     without_generation_cache(model)
     return ModelBundle(
@@ -86,7 +105,7 @@ def without_generation_cache(model: nn.Module) -> None:
     """Training never reads the key/value cache a transformers model fills for generation by default: building it in
     every forward costs about 5% of a small GPT-2's step."""
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None):
+    if config is not None and getattr(config, "use_cache", None):
         config.use_cache = False
 
 
@@ -111,8 +130,9 @@ def load_safetensors(model: nn.Module, location: str) -> None:
             f"model_options.pretrained {location!r} does not fit the model: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}"
         )
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    tie_weights = getattr(model, "tie_weights", None)
+    if tie_weights is not None:
+        tie_weights()
 
 
 def config_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -138,7 +158,7 @@ def config_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 f"ringmaster applies {sorted(_STYLES)}"
             )
         styles[pattern] = _STYLES[style]()
-    base = model.base_model
+    base = cast(_TransformersModel, model).base_model
     names = [name for name, _ in base.named_modules()]
     parallelize_module(
         base, tp_mesh, {name: style for pattern, style in styles.items() for name in fnmatch.filter(names, pattern)}
@@ -164,7 +184,7 @@ class _StageForward:
     The first stage takes token ids; later ones take the hidden states as inputs_embeds (their input embeddings gone,
     position embeddings adding zero); the last ends in the norm and head, the others skip them."""
 
-    def __init__(self, forward, first: bool) -> None:
+    def __init__(self, forward: Callable[..., Any], first: bool) -> None:
         self._forward, self._first = forward, first
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -184,19 +204,20 @@ def pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> nn.Mo
     for key in keys[:start] + keys[stop:]:
         container._modules[key] = _PassThrough()  # parameter-free, and the kept blocks keep their names ("h.3")
     parent = stage.get_submodule(container_name.rpartition(".")[0]) if "." in container_name else stage
-    children = list(parent._modules)
+    modules = cast(dict[str, nn.Module], parent._modules)  # a transformers model registers no None child
+    children = list(modules)
     position = children.index(container_name.rpartition(".")[2])
     for name in children[:position] if stage_index > 0 else ():
-        if isinstance(parent._modules[name], nn.Embedding):
-            parent._modules[name] = _Zeros()
-        elif isinstance(parent._modules[name], nn.Dropout):
-            parent._modules[name] = nn.Identity()
+        if isinstance(modules[name], nn.Embedding):
+            modules[name] = _Zeros()
+        elif isinstance(modules[name], nn.Dropout):
+            modules[name] = nn.Identity()
     last = stage_index == num_stages - 1
     for name in children[position + 1 :] if not last else ():
-        if any(True for _ in parent._modules[name].parameters()):
-            parent._modules[name] = nn.Identity()
+        if any(True for _ in modules[name].parameters()):
+            modules[name] = nn.Identity()
     if not last:
-        _replace(stage, stage.get_output_embeddings(), nn.Identity())
+        _replace(stage, cast(_TransformersModel, stage).get_output_embeddings(), nn.Identity())
     stage.forward = _StageForward(stage.forward, first=stage_index == 0)
     return stage
 

@@ -22,7 +22,8 @@ class MLPRegressor(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.hidden_layers:
             x = F.gelu(layer(x))
-        return self.output(x)
+        out: torch.Tensor = self.output(x)
+        return out
 
 
 def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ OutputLossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 # A user model may train on a built-in corpus (spec.data, one of the catalogue's); built from the model_options it
 # names.
-BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset, Dataset]]] = {
+BUILTIN_CORPORA: dict[str, Callable[..., tuple[Dataset[Any], Dataset[Any]]]] = {
     "pysource": pysource_splits,
     "synthetic": synthetic_regression_splits,
 }
@@ -63,8 +63,8 @@ class ModelBundle:
     and 3d with pp > 1 need both, and there a batch must be ``(inputs, targets)`` split along dim 0."""
 
     model: nn.Module
-    train_dataset: Dataset | None
-    val_dataset: Dataset | None
+    train_dataset: Dataset[Any] | None
+    val_dataset: Dataset[Any] | None
     loss_fn: LossFn
     tensor_parallel: TensorParallelPlan | None = None
     pipeline_stage: PipelineStageFn | None = None
@@ -75,6 +75,7 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
     """Resolve ``spec.model``, call its builder with ``spec.model_options``, and check the result."""
     builtin = BUILTIN_MODELS.get(spec.model)
     entrypoint = builtin.entrypoint if builtin else spec.model
+    builder: Callable[..., Any]
     if spec.model.startswith(HF_PREFIX):
         from ringmaster.workers.models import hf
 
@@ -89,13 +90,16 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
         raise EntrypointError(
             f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}"
         ) from None
+    # Where the data is not token windows, it is a corpus's name or 'user' (JobSpec always sets it).
     token_windows = isinstance(spec.data, DataSourceSpec) or spec.data == "pysource"
-    bundle = _as_bundle(builder(**spec.model_options), entrypoint, spec.data if not token_windows else None)
+    bundle = _as_bundle(builder(**spec.model_options), entrypoint, None if token_windows else cast(str, spec.data))
     _with_hf_hooks(bundle)
     config = getattr(bundle.model, "config", None)  # a transformers model's
     if isinstance(spec.data, DataSourceSpec):
+        vocab_size: int | None
         if builtin and builtin.vocab_option:
-            vocab_size = builtin.option(builtin.vocab_option, spec.model_options)
+            # A size option, which JobSpec's schema makes an integer.
+            vocab_size = cast(int, builtin.option(builtin.vocab_option, spec.model_options))
         else:
             vocab_size = getattr(config, "vocab_size", None)
         context = getattr(config, "max_position_embeddings", None)
@@ -106,7 +110,7 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
             )
         bundle.train_dataset, bundle.val_dataset = data_source_splits(spec.data, vocab_size)
     elif spec.data != USER_DATA and builtin is None:
-        corpus = BUILTIN_CORPORA[spec.data]
+        corpus = BUILTIN_CORPORA[cast(str, spec.data)]  # JobSpec names a corpus where it names no data source
         accepted = inspect.signature(corpus).parameters
         bundle.train_dataset, bundle.val_dataset = corpus(
             **{k: v for k, v in spec.model_options.items() if k in accepted}
@@ -137,7 +141,7 @@ def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
             f"model entrypoint {entrypoint!r}: cannot import module {module_name!r}: "
             f"{type(error).__name__}: {error}{_where_raised(error)}{hint}"
         ) from error
-    builder = getattr(module, attribute, None)
+    builder: object = getattr(module, attribute, None)
     if builder is None:
         raise EntrypointError(f"model entrypoint {entrypoint!r}: module {module_name!r} has no attribute {attribute!r}")
     if not callable(builder):
@@ -180,7 +184,7 @@ def _with_hf_hooks(bundle: ModelBundle) -> None:
         hf.without_generation_cache(bundle.model)
         bundle.tensor_parallel = bundle.tensor_parallel or hf.config_tensor_parallel
         bundle.pipeline_stage = bundle.pipeline_stage or hf.pipeline_stage
-        bundle.output_loss_fn = bundle.output_loss_fn or hf.logits_loss
+        bundle.output_loss_fn = bundle.output_loss_fn or logits_loss
 
 
 def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) -> ModelBundle:

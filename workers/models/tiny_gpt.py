@@ -8,6 +8,7 @@ shard them column-/row-wise; embeddings and head may be ``None`` on a pipeline s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch import nn
 
 from ringmaster.workers.data.pysource import DEFAULT_MAX_CORPUS_BYTES, pysource_splits
 from ringmaster.workers.job_input import JobInputError
-from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.models.registry import ModelBundle, PipelineStageFn, TensorParallelPlan
 from ringmaster.workers.models.tiny_gpt_parallelize import apply_tensor_parallel, pipeline_stage
 
 
@@ -49,7 +50,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return projected
 
 
 class FeedForward(nn.Module):
@@ -59,7 +61,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.mlp_ratio * config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
+        out: torch.Tensor = self.w2(F.gelu(self.w1(x)))
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -72,7 +75,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        out: torch.Tensor = x + self.feed_forward(self.ffn_norm(x))
+        return out
 
 
 class TinyGPT(nn.Module):
@@ -91,8 +95,9 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = tokens
         if self.tok_embeddings is not None:
-            # Slicing the position table avoids allocating an index tensor (or a buffer DDP would broadcast).
-            h = self.tok_embeddings(tokens) + self.pos_embeddings.weight[: tokens.shape[1]]
+            # Slicing the position table avoids allocating an index tensor (or a buffer DDP would broadcast). A
+            # pipeline stage keeps both embeddings or neither.
+            h = self.tok_embeddings(tokens) + cast(nn.Embedding, self.pos_embeddings).weight[: tokens.shape[1]]
         for layer in self.layers.values():
             h = layer(h)
         if self.norm is not None:
@@ -137,7 +142,8 @@ def build(
         train_dataset,
         val_dataset,
         next_token_loss,
-        tensor_parallel=apply_tensor_parallel,
-        pipeline_stage=pipeline_stage,
+        # The hooks are given this bundle's model, a TinyGPT.
+        tensor_parallel=cast(TensorParallelPlan, apply_tensor_parallel),
+        pipeline_stage=cast(PipelineStageFn, pipeline_stage),
         output_loss_fn=logits_loss,
     )

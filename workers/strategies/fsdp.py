@@ -30,7 +30,7 @@ def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
     )
 
 
-def apply_replicate(module: nn.Module, setup: ParallelSetup) -> nn.Module:
+def apply_replicate(module: nn.Module, setup: ParallelSetup) -> FSDPModule:
     """Replicas over dp with a mesh-aware all-reduce of gradients."""
     return replicate(module, mesh=setup.mesh["dp"], mp_policy=mixed_precision(setup, root=True))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from torch.optim import Optimizer
 
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from ringmaster.workers.strategies.pipeline import TiedAcrossStages
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class OptimizerConfig:
         return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[self.name]
 
     @property
-    def options(self) -> dict:
+    def options(self) -> dict[str, Any]:
         """Keyword arguments of optimizer_class besides the parameters."""
         if self.name == "sgd":
             return {"lr": self.lr, "weight_decay": self.weight_decay}
@@ -68,12 +72,12 @@ class ParallelModel:
     # Whether this rank's losses count (once) in the global mean: last pipeline stage, first tp rank.
     holds_loss: bool
     # Backward inside this context only accumulates gradients locally (no data-parallel sync).
-    accumulate_locally: Callable[[], AbstractContextManager] = nullcontext
+    accumulate_locally: Callable[[], AbstractContextManager[Any]] = nullcontext
     # Pipeline only: the schedule that runs forward and backward over micro-batches, and this rank's stages.
     schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
     stages: list[PipelineStage] = field(default_factory=list)
     # Pipeline only: parameters the unsplit model shares between stages (tied embeddings), a copy on each holder.
-    tied: list = field(default_factory=list)  # of pipeline.TiedAcrossStages
+    tied: list[TiedAcrossStages] = field(default_factory=list)
     # Every rank holds the whole model and optimizer state, and the optimizer step runs no collective (ddp): a rank's
     # live state is a copy of every peer's, which in-memory snapshots need not copy again (PeerSnapshots.live_state).
     state_replicated: bool = False

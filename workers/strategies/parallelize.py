@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import Any, cast
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ringmaster.service.catalogue import STRATEGIES, StrategyEntry
 from ringmaster.workers.models.registry import ModelBundle
@@ -23,7 +25,7 @@ from ringmaster.workers.strategies.tensor import apply_tensor_parallel
 from ringmaster.workers.strategies.zero1 import sharded_optimizer
 
 # A wrapped module -> the context in which its backward only accumulates gradients locally (no sync).
-LocalAccumulation = Callable[[nn.Module], Callable[[], AbstractContextManager]]
+LocalAccumulation = Callable[[nn.Module], Callable[[], AbstractContextManager[Any]]]
 
 
 def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
@@ -84,4 +86,7 @@ def _data_parallel(
     if entry.data_parallel == "ddp":
         return partial(wrap_ddp, setup=setup), (lambda module: module.no_sync)
     apply = apply_fsdp if entry.data_parallel == "fsdp" else apply_replicate
-    return partial(apply, setup=setup), (lambda module: partial(without_gradient_sync, module))
+    # fully_shard and replicate hand back the module itself, its class made a subclass of FSDPModule as well.
+    return cast(Callable[[nn.Module], nn.Module], partial(apply, setup=setup)), (
+        lambda module: partial(without_gradient_sync, cast(FSDPModule, module))
+    )

@@ -5,11 +5,12 @@ checkpointing and FSDP stay outside the compiled code, around it."""
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 # selective: recompute what is cheap to recompute, element-wise ops and norms, whose outputs hold much of a block's
 # activation memory, and keep everything else (matrix multiplications, attention, views). Listing what to recompute
@@ -48,7 +49,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
             checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_cheap_ops))
 
 
-def _recompute_cheap_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _recompute_cheap_ops(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE if op in _RECOMPUTED_OPS else CheckpointPolicy.MUST_SAVE
 
 

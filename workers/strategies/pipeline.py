@@ -4,6 +4,7 @@ mesh, driven by a GPipe, 1F1B or interleaved 1F1B schedule over micro-batches.""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,6 @@ def tied_across_stages(
     return tied
 
 
-def _named_parameters(part: nn.Module):
+def _named_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     module = part.module if isinstance(part, DistributedDataParallel) else part
     return module.named_parameters(remove_duplicate=False)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import TrainSpec
@@ -54,7 +55,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], pipeline_group: dist.Pr
     counts once. Pipeline stages hold different parameters, so their squared norms are summed over
     ``pipeline_group``."""
     plain: list[torch.Tensor] = []
-    by_layout: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    by_layout: dict[tuple[DeviceMesh, tuple[Placement, ...]], list[torch.Tensor]] = defaultdict(list)
     for parameter in parameters:
         grad = parameter.grad
         if isinstance(grad, DTensor):

@@ -13,12 +13,13 @@ import math
 import random
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import Dataset
 
 from ringmaster.service.reports import MetricPoint
 from ringmaster.service.spec import DataSourceSpec, JobSpec
@@ -141,7 +142,7 @@ class Trainer:
             ctx.snapshot_store.drop(ctx.job_id)
         self.step = restored.step
         self._stream = GlobalBatchStream(
-            self._bundle.train_dataset,
+            cast(Dataset[Any], self._bundle.train_dataset),  # build_bundle raised without one
             micro_batch_size=self._batch_size,
             dp_rank=self._dp_rank,
             dp_size=self._dims.dp,
@@ -176,8 +177,9 @@ class Trainer:
         while self.step < spec.train.steps and not stopped:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
-            if self._snapshot_due():
-                self._snapshots.take(
+            snapshots = self._snapshots
+            if snapshots is not None and self._snapshot_due():
+                snapshots.take(
                     self.step,
                     self._stream.position,
                     metrics=self._metrics_for_snapshot(),
@@ -239,7 +241,7 @@ class Trainer:
             lr = self._update(self.step)
             reduction.wait()
         elif self._snapshots.live_state:
-            return self._update_into_live_snapshot(started, sample_ids)
+            return self._update_into_live_snapshot(self._snapshots, started, sample_ids)
         else:
             # The snapshot after this step needs the group's vote on whether the state left its structure, which the
             # optimizer step settles: the step's one all-reduce carries the vote, after the step.
@@ -248,22 +250,22 @@ class Trainer:
             dist.all_reduce(self._step_stats)
         return self._close_step(started, lr, sample_ids)
 
-    def _update_into_live_snapshot(self, started: float, sample_ids: list[int]) -> bool:
+    def _update_into_live_snapshot(self, snapshots: PeerSnapshots, started: float, sample_ids: list[int]) -> bool:
         """The step's end when snapshots take the live state (PeerSnapshots.live_state): the step's all-reduce comes
         before the update, with the vote on the state's structure as the last update left it, so rank 0's metric
         point of this step is in what `seal` sends every rank; the update then makes the live state the rest of
         this step's snapshot. The step time of the point so ends before the update."""
-        self._step_stats[2] = float(self._snapshots.structure_changed())
+        self._step_stats[2] = float(snapshots.structure_changed())
         dist.all_reduce(self._step_stats)
         stop = self._close_step(started, self._optimizer.lr(self.step), sample_ids)
-        self._snapshots.seal(
+        snapshots.seal(
             self.step,
             self._stream.position,
             self._metrics_for_snapshot(),
             changed_anywhere=self._snapshot_structure_changed,
         )
         self._update(self.step - 1)
-        self._snapshots.after_update(self.step)
+        snapshots.after_update(self.step)
         return stop
 
     def _close_step(self, started: float, lr: float, sample_ids: list[int]) -> bool:
@@ -294,7 +296,7 @@ class Trainer:
                     step_time_s=step_time,
                     wall_time=time.time(),
                     lr=lr,
-                    grad_norm=self._optimizer.grad_norm.item(),
+                    grad_norm=cast(torch.Tensor, self._optimizer.grad_norm).item(),  # clip() took it this step
                     world_size=self.ctx.world_size,
                 ),
                 hold=True,
@@ -345,7 +347,8 @@ class Trainer:
 
     def _validate(self) -> float:
         """Collective: the validation loss now (reused if this step was validated); rank 0 reports a new one."""
-        value, evaluated = self._validator.loss_at(self.step)
+        # Called only with a validator: __init__ raised where keep_best needs one and there is none.
+        value, evaluated = cast(Validator, self._validator).loss_at(self.step)
         if evaluated and self.ctx.rank == 0:
             self._metrics.record(MetricPoint(step=self.step, val_loss=value, world_size=self.ctx.world_size))
         return value
@@ -387,7 +390,7 @@ def _forward_backward(
         loss = loss_fn(parallel.parts[0], batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise JobInputError(_not_a_loss(loss))
-    (loss / accumulation).backward()
+    (loss / accumulation).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
     return loss.detach() if parallel.holds_loss else None
 
 

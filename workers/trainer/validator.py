@@ -3,10 +3,13 @@ most."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
+from ringmaster.workers.data.stream import dataset_len
 from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.strategies import ParallelModel
@@ -20,7 +23,7 @@ class Validator:
         self,
         parallel: ParallelModel,
         loss_fn: LossFn,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         device: torch.device,
         autocast: torch.autocast,
         *,
@@ -55,11 +58,12 @@ class Validator:
         resize changes): each data-parallel rank takes every dp-th sample, and every rank runs the same number of
         batches (sharded strategies gather in each forward), those past its own samples counting for nothing."""
         parallel, dataset = self._parallel, self._dataset
-        if len(dataset) == 0:
+        if dataset_len(dataset) == 0:
             raise JobInputError("the validation set holds no samples")
-        pipelined = parallel.schedule is not None
+        schedule = parallel.schedule
+        pipelined = schedule is not None
         batches = validation_batches(
-            len(dataset),
+            dataset_len(dataset),
             self._dp,
             self._dp_rank,
             self._pipeline_batch_size if pipelined else VALIDATION_BATCH_SIZE,
@@ -79,10 +83,10 @@ class Validator:
         for batch, (_, counted) in zip(loader, batches):
             batch = to_device(batch, self._device)
             with self._autocast:
-                if pipelined:
+                if schedule is not None:  # pipelined
                     inputs, targets = batch
                     losses: list[torch.Tensor] = []
-                    parallel.schedule.eval(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
+                    schedule.eval(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
                 else:
                     losses = [self._loss_fn(parallel.parts[0], batch)]
             if parallel.holds_loss:
@@ -92,7 +96,8 @@ class Validator:
             part.train()
         dist.all_reduce(totals)
         summed, samples = totals.tolist()
-        return summed / samples
+        mean: float = summed / samples
+        return mean
 
 
 def validation_batches(
