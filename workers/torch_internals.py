@@ -70,4 +70,4 @@ def default_group_timeout(device: torch.device) -> timedelta | None:
 # Python call per tensor.
 foreach_copy_: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_
 foreach_mul_: Callable[[list[torch.Tensor], torch.Tensor], None] = torch._foreach_mul_
-foreach_norm: Callable[[list[torch.Tensor], float], list[torch.Tensor]] = torch._foreach_norm
+foreach_norm: Callable[[list[torch.Tensor], float], tuple[torch.Tensor, ...]] = torch._foreach_norm
