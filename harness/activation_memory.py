@@ -4,12 +4,12 @@ MemTracker counts it (device-agnostic, so it measures on CPU too). Shared by tes
 from __future__ import annotations
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.strategies.per_block import apply_activation_checkpointing
+from ringmaster.workers.torch_internals import MemTracker
 
 
 def peak_activation_bytes(spec: JobSpec, mode: str, batch_size: int = 8) -> int:

@@ -147,3 +147,38 @@ def test_foreach_kernels_match_one_tensor_at_a_time() -> None:
 def test_tree_map_maps_tensors_inside_containers() -> None:
     mapped = torch_internals.tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, ([torch.ones(1)], "x"))
     assert torch.equal(mapped[0][0], torch.full((1,), 2.0)) and mapped[1] == "x"
+
+
+def test_the_default_group_timeout_can_be_changed_after_formation(one_rank_group: timedelta) -> None:
+    torch_internals.set_default_group_timeout(timedelta(seconds=45))
+    assert torch_internals.default_group_timeout(torch.device("cpu")) == timedelta(seconds=45)
+
+
+def test_groups_made_counts_each_group_and_can_be_taken_back() -> None:
+    before = torch_internals.groups_made()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert torch_internals.groups_made() == before + 1
+        dist.new_group([0])
+        assert torch_internals.groups_made() == before + 2
+        torch_internals.set_groups_made(before + 1)
+        assert torch_internals.groups_made() == before + 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_import_dynamo_loads_it() -> None:
+    import sys
+
+    torch_internals.import_dynamo()
+    assert "torch._dynamo" in sys.modules
+
+
+def test_mem_tracker_sees_a_module_s_parameters() -> None:
+    model = nn.Linear(256, 256)
+    tracker = torch_internals.MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(torch.randn(4, 256)).sum().backward()
+    peak = max(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values())
+    assert peak >= 256 * 256 * 4  # at least the weight's bytes

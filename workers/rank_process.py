@@ -178,7 +178,7 @@ class Rank:
         return port
 
     def resume_step(self, storage_root: str, resume_from_root: str | None) -> int:
-        from ringmaster.workers.checkpoint import find_resume_point
+        from ringmaster.workers.checkpoint.durable import find_resume_point
 
         latest = find_resume_point(storage_root)[0]
         if latest is None and resume_from_root is not None:
@@ -262,7 +262,7 @@ class Rank:
         # The group formed while the warm-up thread imported the rest; training needs all of it.
         self._warm.join()
         from ringmaster.service.spec import JobSpec
-        from ringmaster.workers.memory_snapshots import SnapshotRef, SnapshotStore
+        from ringmaster.workers.checkpoint.snapshots.peer_snapshots import SnapshotRef, SnapshotStore
         from ringmaster.workers.trainer import TrainContext, run_training
 
         if self._snapshots is None:
@@ -356,24 +356,25 @@ def form_default_group(
     """Initialise the default process group, waiting at most `rendezvous` for the other members (gloo connects its
     full mesh during the init, under the group's timeout), then give its collectives the `collectives` timeout."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from ringmaster.workers import torch_internals
 
     # A group's name, under which its members meet in the store, counts the groups this process made: an init that
     # failed counted one, and the next would then wait where its peers never look.
-    groups_made = distributed_c10d._world.group_count
+    groups_made = torch_internals.groups_made()
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous)
     except BaseException:
-        distributed_c10d._world.group_count = groups_made
+        torch_internals.set_groups_made(groups_made)
         raise
     if rendezvous != collectives:
-        _set_pg_timeout(collectives)
+        torch_internals.set_default_group_timeout(collectives)
 
 
 def _import_training_stack() -> None:
-    import torch._dynamo  # noqa: F401 — DistributedDataParallel imports it on construction
+    from ringmaster.workers import torch_internals
 
+    torch_internals.import_dynamo()  # DistributedDataParallel imports it on construction
     import ringmaster.workers.trainer  # noqa: F401
 
 

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -28,14 +30,19 @@ __all__ = [
     "TESTED_TORCH",
     "FsspecReader",
     "FsspecWriter",
+    "MemTracker",
     "composable_checkpoint",
     "default_group_timeout",
     "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
+    "groups_made",
+    "import_dynamo",
     "narrow_to_chunk",
     "planner_set_value",
     "replicate",
+    "set_default_group_timeout",
+    "set_groups_made",
     "tree_map",
 ]
 
@@ -64,6 +71,28 @@ def default_group_timeout(device: torch.device) -> timedelta | None:
         return timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Give the default process group's collectives `timeout` from now on (it was formed with another)."""
+    distributed_c10d._set_pg_timeout(timeout)
+
+
+def groups_made() -> int:
+    """How many process groups this process has made: a new group's name, under which its members meet in the
+    store, counts them."""
+    count: int = distributed_c10d._world.group_count
+    return count
+
+
+def set_groups_made(count: int) -> None:
+    """Take back the count of an init that failed, so the next one meets its peers under the name they use."""
+    distributed_c10d._world.group_count = count
+
+
+def import_dynamo() -> None:
+    """Import torch._dynamo, which DistributedDataParallel imports on construction (seconds, on a cold process)."""
+    import torch._dynamo  # noqa: F401
 
 
 # The foreach kernels torch's own optimizers and get_total_norm call: one kernel over a list of tensors, without a

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ringmaster.workers.job_input import JobInputError
+from ringmaster.workers.torch_internals import tree_map
 
 
 @dataclass

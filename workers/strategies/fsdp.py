@@ -9,11 +9,11 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.strategies.parallel_model import ParallelSetup
+from ringmaster.workers.torch_internals import replicate
 
 
 def apply_fsdp(module: nn.Module, setup: ParallelSetup) -> FSDPModule:

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
+
+from ringmaster.workers.torch_internals import composable_checkpoint
 
 # selective: recompute what is cheap to recompute, element-wise ops and norms, whose outputs hold much of a block's
 # activation memory, and keep everything else (matrix multiplications, attention, views). Listing what to recompute
@@ -44,9 +45,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
         return
     for block in blocks:
         if mode == "full":
-            checkpoint(block)
+            composable_checkpoint(block)
         else:
-            checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_cheap_ops))
+            composable_checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_cheap_ops))
 
 
 def _recompute_cheap_ops(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import TrainSpec
+from ringmaster.workers.torch_internals import foreach_mul_, foreach_norm
 
 
 def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
@@ -66,7 +67,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], pipeline_group: dist.Pr
     if plain:
         # One foreach kernel and one stack: get_total_norm adds a Python call per gradient (moving its norm to the
         # first one's device), which with the grouping doubled the cost of this, every step, on a small model's CPU.
-        norms.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(plain, 2.0)), dtype=torch.float32))
+        norms.append(torch.linalg.vector_norm(torch.stack(foreach_norm(plain, 2.0)), dtype=torch.float32))
     for members in by_layout.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
@@ -91,7 +92,7 @@ def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float, total_no
         if parameter.grad is not None
     ]
     if local:
-        torch._foreach_mul_(local, coefficient.to(local[0].device))
+        foreach_mul_(local, coefficient.to(local[0].device))
 
 
 class OptimizerStep:
