@@ -52,7 +52,8 @@ class WarmPool(Protocol):
 
     per_node: int
 
-    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]]) -> None: ...
+    # Returns what it started and killed (for tests); the agent does not read it.
+    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]]) -> object: ...
 
 
 # per_node -> a pool keeper; the composition root supplies it (it lives with the workers).

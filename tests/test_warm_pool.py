@@ -19,7 +19,7 @@ import ray
 
 from ringmaster.service.naming import NAMESPACE
 from ringmaster.service.spec import SHARED_POOL
-from ringmaster.workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_statuses
+from ringmaster.workers.warm_pool import WarmPoolKeeper, claim_workers, pool_by_node, pool_name, pool_statuses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,11 +112,10 @@ def a_node_holding_a_placement_group_is_not_refilled(node: str) -> None:
     busy = placement_group([{"CPU": 1}])
     ray.get(busy.ready())
     keeper = WarmPoolKeeper(per_node=1)
-    keeper.tick(active_claimants=set())
-    time.sleep(1.0)
+    assert keeper.tick(active_claimants=set()).started == [], "a worker started on a node that is training"
     assert not pool_by_node().get(node), "a worker started on a node that is training"
     remove_placement_group(busy)
-    keeper.tick(active_claimants=set())
+    assert keeper.tick(active_claimants=set()).started == [pool_name(SHARED_POOL, node, 0)], "the idle node not filled"
     _wait_for(lambda: pool_by_node().get(node), "a worker started once the node is idle", timeout_s=30)
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())
 
@@ -149,7 +148,13 @@ def a_claimed_worker_ends_with_its_driver(node: str) -> None:
     try:
         assert driver.stdout.readline().strip() == "claimed [0]"
         assert sorted(status["claimant"] for status in _pool(node).values()) == ["attempt-d", "attempt-e"]
-        time.sleep(3.0)  # no heartbeats from either driver: silence alone is no reason to end
+        # No heartbeats from either driver: after the silence each worker asks the cluster whether its driver lives;
+        # silence alone is no reason to end. Both asked twice, found their drivers alive, and are still there.
+        _wait_for(
+            lambda: [status["owner_checks"] >= 2 for status in _pool(node).values()] == [True, True],
+            "both claimed workers asking twice about their live drivers",
+            timeout_s=30,
+        )
         assert len(_pool(node)) == 2, "a claimed worker ended while its driver lived"
     finally:
         os.kill(driver.pid, signal.SIGKILL)
@@ -185,9 +190,13 @@ def each_runtime_env_has_a_pool_of_its_own(node: str) -> None:
 
     # Only the shared pool is wanted now: the project's pool starts nothing more; its claimed worker stays with its
     # attempt.
-    keeper.tick(active_claimants={"attempt-f", "attempt-g"}, runtime_envs={SHARED_POOL: {}})
-    time.sleep(1.0)
-    assert list(_pool(node, "env-project").values()) == [{"claimant": "attempt-g", "warm": True}]
+    tick = keeper.tick(active_claimants={"attempt-f", "attempt-g"}, runtime_envs={SHARED_POOL: {}})
+    project = pool_name("env-project", node, 0)
+    assert [name for name in tick.started if name.split(":")[1] == "env-project"] == [], "an unwanted pool grew"
+    assert tick.killed == [], "a claimed worker was killed while its attempt is active"
+    assert [(name, status["claimant"], status["warm"]) for name, status in _pool(node, "env-project").items()] == [
+        (project, "attempt-g", True)
+    ]
     for actor in (shared, own):
         ray.kill(actor, no_restart=True)
     WarmPoolKeeper(per_node=0).tick(active_claimants=set())

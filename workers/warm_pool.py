@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
@@ -138,6 +139,15 @@ def _nodes_with_placement_groups() -> set[str]:
     }
 
 
+@dataclass
+class TickResult:
+    """What one tick decided, by pool worker name: the workers it started and those it killed (outgrown pools and
+    workers of ended attempts). Actors start and die asynchronously: this is the decision, not the cluster's state."""
+
+    started: list[str] = field(default_factory=list)
+    killed: list[str] = field(default_factory=list)
+
+
 class WarmPoolKeeper:
     """Keeps `per_node` idle workers of each wanted pool on every live node with CPUs, refilling a node once no
     placement group holds any of it (between jobs); called by the dispatcher every few seconds."""
@@ -147,14 +157,14 @@ class WarmPoolKeeper:
         self.orphan_grace_s = orphan_grace_s
         self._orphans_seen: dict[str, float] = {}  # pool worker name -> when first seen claimed by an inactive attempt
 
-    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]] | None = None) -> None:
+    def tick(self, active_claimants: set[str], runtime_envs: dict[str, dict[str, Any]] | None = None) -> TickResult:
         """`runtime_envs`: pool -> the Ray runtime_env its workers start in (URIs only: Ray refuses local paths for an
         actor); pools not named here are emptied of idle workers. Default: the shared pool alone, in this process's
-        env."""
+        env. Returns the workers it started and killed."""
         wanted = {SHARED_POOL: {}} if runtime_envs is None else runtime_envs
         pools = pools_by_node()
         statuses = pool_statuses([name for nodes in pools.values() for names in nodes.values() for name in names])
-        self._kill_orphans(statuses, active_claimants)
+        result = TickResult(killed=self._kill_orphans(statuses, active_claimants))
         busy = _nodes_with_placement_groups()
         cluster_nodes = ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
         live = [node for node in cluster_nodes if node["Alive"] and node.get("Resources", {}).get("CPU", 0) >= 1]
@@ -167,13 +177,17 @@ class WarmPoolKeeper:
                 if node["NodeID"] not in busy and pool in wanted:
                     # Only on a node nothing runs on: starting a worker takes seconds of CPU, taken from training
                     # otherwise.
-                    self._start(pool, wanted[pool], node["NodeID"], names, target - len(idle))
+                    result.started += self._start(pool, wanted[pool], node["NodeID"], names, target - len(idle))
                 for name in idle[target:]:  # the pool was made smaller, turned off, or is no longer wanted
                     if name in statuses:
                         ray.kill(statuses[name][0], no_restart=True)
+                        result.killed.append(name)
+        return result
 
-    def _start(self, pool: str, runtime_env: dict[str, Any], node_id: str, names: list[str], count: int) -> None:
+    def _start(self, pool: str, runtime_env: dict[str, Any], node_id: str, names: list[str], count: int) -> list[str]:
+        """Start `count` workers of `pool` on the node; the names of those started."""
         taken = set(names)
+        started: list[str] = []
         index = 0
         actor_class = cast("ActorClass[TrainWorker]", TrainWorker)  # ray.remote made it one; mypy keeps the class
         for _ in range(max(0, count)):
@@ -192,8 +206,11 @@ class WarmPoolKeeper:
             except ValueError:
                 continue  # another dispatcher started it first
             log.info("warm pool: started %s", name)
+            started.append(name)
+        return started
 
-    def _kill_orphans(self, statuses: dict[str, tuple[Any, dict[str, Any]]], active_claimants: set[str]) -> None:
+    def _kill_orphans(self, statuses: dict[str, tuple[Any, dict[str, Any]]], active_claimants: set[str]) -> list[str]:
+        """Kill the claimed workers whose attempt has not been active for orphan_grace_s; their names."""
         now = time.monotonic()
         orphans = {
             name
@@ -201,8 +218,11 @@ class WarmPoolKeeper:
             if status["claimant"] is not None and status["claimant"] not in active_claimants
         }
         self._orphans_seen = {name: self._orphans_seen.get(name, now) for name in orphans}
+        killed: list[str] = []
         for name in orphans:
             if now - self._orphans_seen[name] >= self.orphan_grace_s:
                 log.warning("warm pool: %s outlived attempt %s; killing it", name, statuses[name][1]["claimant"])
                 ray.kill(statuses[name][0], no_restart=True)
                 del self._orphans_seen[name]
+                killed.append(name)
+        return killed

@@ -42,6 +42,7 @@ class TrainWorker:
         self._cpus = cpus
         self._uses_gpu = uses_gpu
         self._claimant: str | None = None
+        self._owner_checks = 0  # times a claimed pool worker asked the cluster and found its driver alive
         self._last_heartbeat = time.monotonic()
         self._lock = threading.Lock()
         self._rank = RankProcess(pooled=pooled)
@@ -55,10 +56,10 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control", enable_task_events=False)
     def pool_status(self) -> dict[str, Any]:
-        """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, and whether it is
-        warm."""
+        """A pool worker's state: the job attempt (Ray submission id) that claimed it, if any, whether it is warm, and
+        how many times (once claimed) it asked the cluster about its driver after a silence and found it alive."""
         with self._lock:
-            return {"claimant": self._claimant, "warm": self._warm.is_set()}
+            return {"claimant": self._claimant, "warm": self._warm.is_set(), "owner_checks": self._owner_checks}
 
     @ray.method(concurrency_group="control")
     def claim(self, claimant: str, cpus: float, owner_job_id: str) -> bool:
@@ -98,6 +99,8 @@ class TrainWorker:
                     self._claimant,
                 )
                 os._exit(1)
+            with self._lock:
+                self._owner_checks += 1
 
     def placement(self) -> dict[str, Any]:
         """Where this actor landed: its node id (the rank-ordering key), IP, process and training process."""
