@@ -89,8 +89,8 @@ def _spec(args: argparse.Namespace, steps: int):
 def _rank(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
-    import ringmaster.workers.checkpoint as checkpoint_module
-    import ringmaster.workers.trainer.checkpointer as training
+    import ringmaster.workers.checkpoint.checkpointer as training
+    import ringmaster.workers.checkpoint.durable as checkpoint_module
     from harness.sinks import CallbackSink
     from ringmaster.workers.trainer import TrainContext, run_training
 
@@ -217,7 +217,7 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     from harness.sinks import CallbackSink
-    from ringmaster.workers.memory_snapshots import SnapshotRef, SnapshotStore
+    from ringmaster.workers.checkpoint.snapshots.peer_snapshots import SnapshotRef, SnapshotStore
     from ringmaster.workers.trainer import TrainContext, run_training
 
     store = SnapshotStore()

@@ -289,7 +289,7 @@ def export(
         _fail(
             f"job {job['id']} has no checkpoint at step {step}; it has steps {', '.join(map(str, sorted(checkpoints)))}"
         )
-    command = [sys.executable, "-m", "ringmaster.workers.export", chosen["uri"], str(out)]
+    command = [sys.executable, "-m", "ringmaster.workers.checkpoint.export", chosen["uri"], str(out)]
     model = job["spec"]["model"]
     if model.startswith("hf:"):
         command += [

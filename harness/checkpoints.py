@@ -1,5 +1,5 @@
 """Reading and writing checkpoints the way tests check them: synchronous saves, the newest usable checkpoint, its
-model weights alone. The product's own paths (workers/checkpoint.py) are asynchronous and go through the trainer."""
+model weights alone. The product's own paths (workers/checkpoint/) are asynchronous and go through the trainer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import (
+from ringmaster.workers.checkpoint.durable import (
     CommittedCheckpoint,
     begin_save,
     commit_save,
@@ -19,7 +19,7 @@ from ringmaster.workers.checkpoint import (
     find_resume_point,
     verify_checkpoint,
 )
-from ringmaster.workers.checkpoint_storage import storage_for
+from ringmaster.workers.checkpoint.storage import storage_for
 from ringmaster.workers.data.stream import DataPosition
 
 

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import ringmaster.workers.checkpoint as checkpoint_module
+import ringmaster.workers.checkpoint.durable as checkpoint_module
 from harness.checkpoints import latest_committed, load_model_weights, save_checkpoint, usable_checkpoints
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import (
+from ringmaster.workers.checkpoint.durable import (
     MANIFEST_NAME,
     TrainingProgress,
     apply_retention,
@@ -351,7 +351,7 @@ def test_async_save_does_not_block_training(tmp_path: Path) -> None:
 def _background_saves_and_a_two_step_run(rank: int, world_size: int, root: str) -> None:
     """Runs on each rank: 6 steps with saves after steps 2 and 4 staged in the background (made slow) while training
     goes on, and a run of 2 steps whose final save is synchronous."""
-    import ringmaster.workers.trainer.checkpointer as training
+    import ringmaster.workers.checkpoint.checkpointer as training
 
     make_stager = training.checkpoint_stager
 

@@ -30,7 +30,7 @@ from ringmaster.service.jobs import (
 from ringmaster.service.reports import CheckpointRecord, DriverReport, StoredCheckpoint
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import checkpoint_dir, committed_checkpoints
+from ringmaster.workers.checkpoint.durable import checkpoint_dir, committed_checkpoints
 from ringmaster.workers.models import ModelBundle, build_bundle
 from ringmaster.workers.rank_process import RankOutbox
 from ringmaster.workers.trainer import TrainContext, run_training

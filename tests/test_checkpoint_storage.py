@@ -21,7 +21,7 @@ from harness.process_group import run_on_ranks
 from harness.ray_cluster import running_control_plane, wait_for_state
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec, KeepBestSpec
-from ringmaster.workers.checkpoint import (
+from ringmaster.workers.checkpoint.durable import (
     begin_save,
     checkpoint_dir,
     checkpoint_metrics,
@@ -30,7 +30,7 @@ from ringmaster.workers.checkpoint import (
     find_resume_point,
     load_checkpoint,
 )
-from ringmaster.workers.checkpoint_storage import FsspecStorage, LocalStorage, storage_for
+from ringmaster.workers.checkpoint.storage import FsspecStorage, LocalStorage, storage_for
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training

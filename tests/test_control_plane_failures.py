@@ -39,7 +39,7 @@ from ringmaster.service.client import ApiError, RingmasterClient
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.models import DEFAULT_TENANT
-from ringmaster.workers.checkpoint import committed_checkpoints
+from ringmaster.workers.checkpoint.durable import committed_checkpoints
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from harness.checkpoints import latest_committed, load_model_weights
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.export import CONFIG_NAME, WEIGHTS_NAME, ExportError, export_checkpoint
+from ringmaster.workers.checkpoint.export import CONFIG_NAME, WEIGHTS_NAME, ExportError, export_checkpoint
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
 

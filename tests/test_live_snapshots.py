@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ringmaster.workers.memory_snapshots as memory_snapshots
+import ringmaster.workers.checkpoint.snapshots.peer_snapshots as peer_snapshots_module
 from harness.ports import free_port
 from harness.process_group import run_on_ranks
-from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.driver.snapshot_choice import choose_snapshot
-from ringmaster.workers.memory_snapshots import (
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
     PeerSnapshots,
     SnapshotRef,
     SnapshotStore,
     restore_from_peers,
     snapshot_location,
 )
+from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
+from ringmaster.workers.data.stream import DataPosition
 
 JOB, SPLIT_AT, DEAD = "live", 4, 2
 
@@ -182,7 +182,7 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
         _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
     snapshots.wait()
     if rank == DEAD:
-        memory_snapshots._FileGather.__call__ = lambda gather, content: os._exit(0)
+        peer_snapshots_module._FileGather.__call__ = lambda gather, content: os._exit(0)
     try:
         _update(snapshots, optimizer, SPLIT_AT, _seal(snapshots, model, SPLIT_AT, rank, world_size))
         outcome = "completed"

@@ -23,8 +23,8 @@ from harness.ports import free_port
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.driver.snapshot_choice import choose_snapshot
-from ringmaster.workers.memory_snapshots import KEPT, SnapshotRef, SnapshotStore
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import KEPT, SnapshotRef, SnapshotStore
+from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
 

@@ -20,7 +20,7 @@ from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import InvalidSpec
 from ringmaster.service.jobs import submit_job
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import committed_checkpoints
+from ringmaster.workers.checkpoint.durable import committed_checkpoints
 from ringmaster.workers.trainer import TrainContext, run_training
 
 STOP_AFTER = 4

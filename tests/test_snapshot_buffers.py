@@ -1,4 +1,4 @@
-"""Snapshot files are written into the memory of snapshots a rank has let go (memory_snapshots._FileBuffers): the
+"""Snapshot files are written into the memory of snapshots a rank has let go (peer_snapshots._FileBuffers): the
 snapshots it still holds keep exactly what they held when they were taken, while later steps reuse older buffers
 (two local gloo ranks, each taken for a node, with state of its own that goes to the buddy and state both hold)."""
 
@@ -11,8 +11,14 @@ import torch
 from torch import nn
 
 from harness.process_group import run_on_ranks
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
+    KEPT,
+    PeerSnapshots,
+    SnapshotRef,
+    SnapshotStore,
+    snapshot_location,
+)
 from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.memory_snapshots import KEPT, PeerSnapshots, SnapshotRef, SnapshotStore, snapshot_location
 
 JOB, STEPS = "reused-buffers", 7
 

@@ -17,11 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ringmaster.workers.memory_snapshots as memory_snapshots
+import ringmaster.workers.checkpoint.snapshots.peer_snapshots as peer_snapshots_module
 from harness.process_group import run_on_ranks
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
+    PeerSnapshots,
+    SnapshotRef,
+    SnapshotStore,
+    snapshot_location,
+)
+from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
 from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.driver.snapshot_choice import choose_snapshot
-from ringmaster.workers.memory_snapshots import PeerSnapshots, SnapshotRef, SnapshotStore, snapshot_location
 
 WORLD_SIZE, DYING = 3, 2
 WIDTH = 2048  # two square layers and their AdamW state: ~100 MB of shard per rank
@@ -77,7 +82,7 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     }
     Path(root, f"sent-{rank}.json").write_text(json.dumps(sent))
     if rank == DYING:
-        memory_snapshots._exchange = _die_mid_copy
+        peer_snapshots_module._exchange = _die_mid_copy
     try:
         step(3)
         snapshots.wait()

@@ -13,14 +13,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from harness.process_group import run_on_ranks
-from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.memory_snapshots import (
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
     PeerSnapshots,
     SnapshotReader,
     SnapshotRef,
     SnapshotStore,
     snapshot_location,
 )
+from ringmaster.workers.data.stream import DataPosition
 
 JOB, STEPS, MOVED_AT = "votes", 5, 3
 

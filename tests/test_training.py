@@ -17,7 +17,7 @@ from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, StoredCheckpoint
 from ringmaster.service.spec import JobSpec, parse_spec_text
-from ringmaster.workers.checkpoint import checkpoint_metrics, committed_checkpoints
+from ringmaster.workers.checkpoint.durable import checkpoint_metrics, committed_checkpoints
 from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models import ModelBundle
 from ringmaster.workers.trainer import TrainContext, run_training

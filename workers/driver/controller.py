@@ -29,10 +29,10 @@ from ray.exceptions import RayActorError
 from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
 from ringmaster.workers.driver.bundles import Bundles, Slot
 from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
 from ringmaster.workers.driver.poll import GroupPoll, PollResult
-from ringmaster.workers.driver.snapshot_choice import choose_snapshot
 from ringmaster.workers.driver.standby import StandbyPool
 from ringmaster.workers.driver.training_log import TrainingLog
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup, died_on_a_live_node

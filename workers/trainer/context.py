@@ -66,7 +66,7 @@ class TrainContext:
     resume_from_root: str | None = None
     # The job attempt this run serves: the metric points a checkpoint keeps name it.
     attempt: int = 1
-    # This process's in-memory snapshots (workers/memory_snapshots.py), kept across the groups it joins; None: none.
+    # This process's in-memory snapshots (workers/checkpoint/snapshots/), kept across the groups it joins; None: none.
     snapshot_store: Any = None
     # The snapshot the driver chose to resume from (a SnapshotRef the members hold between them); None: from storage.
     memory_resume: Any = None

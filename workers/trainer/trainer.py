@@ -23,11 +23,12 @@ from torch.utils.data import Dataset
 
 from ringmaster.service.reports import MetricPoint
 from ringmaster.service.spec import DataSourceSpec, JobSpec
-from ringmaster.workers.checkpoint_storage import LocalStorage, storage_for
+from ringmaster.workers.checkpoint.checkpointer import Checkpointer
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
+from ringmaster.workers.checkpoint.storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
 from ringmaster.workers.job_input import JobInputError
-from ringmaster.workers.memory_snapshots import PeerSnapshots
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.models.registry import LossFn
@@ -35,7 +36,6 @@ from ringmaster.workers.parallel_dims import ParallelDims
 from ringmaster.workers.state_memory import measure_rank_memory
 from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
-from ringmaster.workers.trainer.checkpointer import Checkpointer
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
 from ringmaster.workers.trainer.optimizer_step import OptimizerStep, lr_schedule
 from ringmaster.workers.trainer.validator import Validator

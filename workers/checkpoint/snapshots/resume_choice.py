@@ -1,4 +1,4 @@
-"""Which in-memory snapshot a re-formed group resumes from (workers/memory_snapshots.py), chosen by the driver from
+"""Which in-memory snapshot a re-formed group resumes from (this package), chosen by the driver from
 what each member says it holds: the newest one whose every file some member holds. Plain data, no torch."""
 
 from __future__ import annotations

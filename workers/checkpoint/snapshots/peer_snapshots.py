@@ -31,7 +31,7 @@ completes the step then holds the whole snapshot of its new state, and one that 
 holds the one before, so the group continues from the newer step and redoes none.
 
 After a failure the driver asks every member of the new group what it holds (`SnapshotStore.inventory`) and names
-the newest snapshot they cover between them (workers/driver/snapshot_choice.py); `restore_from_peers` then moves to
+the newest snapshot they cover between them (resume_choice.py); `restore_from_peers` then moves to
 each rank, over the new group, the shard files its part of the state needs (DCP's own load planner says which), and
 DCP loads and reshards them to the new world size. Durable checkpoints are untouched; they serve only when memory
 cannot cover a snapshot.
@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
-from ringmaster.workers.checkpoint import (
+from ringmaster.workers.checkpoint.durable import (
     TrainingProgress,
     checkpoint_stager,
     load_state_template,

@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from ringmaster.service.reports import CheckpointRecord, StoredCheckpoint
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint import (
+from ringmaster.workers.checkpoint.durable import (
     CommittedCheckpoint,
     PendingSave,
     begin_save,
@@ -28,12 +28,15 @@ from ringmaster.workers.checkpoint import (
     find_resume_point,
     load_checkpoint,
 )
-from ringmaster.workers.checkpoint_storage import CheckpointStorage
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import restore_from_peers
+from ringmaster.workers.checkpoint.storage import CheckpointStorage
 from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.memory_snapshots import restore_from_peers
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.strategies import ParallelModel
-from ringmaster.workers.trainer.context import TrainContext
+
+if TYPE_CHECKING:
+    # Only named here: the trainer imports this module, and importing the trainer's package from it would be a cycle.
+    from ringmaster.workers.trainer.context import TrainContext
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A committed checkpoint's model weights as a safetensors file that any PyTorch or transformers code loads, with no
 ringmaster, no process group and no optimizer state: what `ringmaster export` writes.
 
-    python -m ringmaster.workers.export CHECKPOINT OUT_DIR [--hf-class GPT2LMHeadModel --model-options JSON]
+    python -m ringmaster.workers.checkpoint.export CHECKPOINT OUT_DIR [--hf-class GPT2LMHeadModel --model-options JSON]
 
 CHECKPOINT is a step folder (a local path or an fsspec URI, as `GET /v1/jobs/{id}/checkpoints` lists it); its files
 are checked against its manifest first. OUT_DIR gets `model.safetensors`, keyed by the unsplit model's parameter
@@ -25,8 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ringmaster.workers.checkpoint import MANIFEST_NAME, checkpoint_at, verify_checkpoint
-from ringmaster.workers.checkpoint_storage import storage_for
+from ringmaster.workers.checkpoint.durable import MANIFEST_NAME, checkpoint_at, verify_checkpoint
+from ringmaster.workers.checkpoint.storage import storage_for
 from ringmaster.workers.models.hf import DATA_OPTIONS, PRETRAINED_OPTION, model_class_and_config
 from ringmaster.workers.models.registry import EntrypointError
 

@@ -3,7 +3,7 @@
 A checkpoint is ``{storage_root}/step-{step:08d}/``: DCP shards, ``metrics.json`` (rank 0's metric points the
 control plane had not confirmed storing, replayed by an attempt that resumes from it) and ``manifest.json``,
 which rank 0 writes last, after every rank's shards are written. The storage root is a local directory or any
-fsspec URI (workers/checkpoint_storage.py). A directory without a valid manifest is an interrupted
+fsspec URI (storage.py). A directory without a valid manifest is an interrupted
 save and is never resumed from. The manifest lists every file of the checkpoint with its size (and
 the sha256 of DCP's small ``.metadata``); a checkpoint whose files no longer match is corrupt and
 skipped in favour of the next older one that verifies.
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import JobSpec, KeepBestSpec
-from ringmaster.workers.checkpoint_storage import CheckpointStorage, storage_for
+from ringmaster.workers.checkpoint.storage import CheckpointStorage, storage_for
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.strategies.zero1 import local_optimizer
 

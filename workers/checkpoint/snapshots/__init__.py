@@ -1,0 +1,1 @@
+"""In-memory snapshots (placeholder docstring, replaced when the module is split)."""
