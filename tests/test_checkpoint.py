@@ -20,13 +20,13 @@ from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint.durable import (
     MANIFEST_NAME,
-    TrainingProgress,
     apply_retention,
     checkpoint_dir,
     committed_checkpoints,
     find_resume_point,
     load_checkpoint,
 )
+from ringmaster.workers.checkpoint.training_state import TrainingProgress
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training

@@ -3,6 +3,7 @@ component over both (`Checkpointer`: where a run resumes from, the save in fligh
 
 - checkpointer.py: the trainer-facing component.
 - durable.py: sharded DCP checkpoints in storage, committed atomically (a manifest written last), verified, retained.
+- training_state.py: what a checkpoint, durable or in memory, holds of a rank, and how it is staged and loaded.
 - storage.py: where durable checkpoints live (a local directory or any fsspec URI).
 - export.py: a committed checkpoint's weights as safetensors (`python -m ringmaster.workers.checkpoint.export`).
 - snapshots/: every step's state in peers' host memory, and which snapshot a re-formed group resumes from.

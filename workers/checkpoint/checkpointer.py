@@ -23,13 +23,13 @@ from ringmaster.workers.checkpoint.durable import (
     begin_save,
     checkpoint_dir,
     checkpoint_metrics,
-    checkpoint_stager,
     commit_save,
     find_resume_point,
     load_checkpoint,
 )
 from ringmaster.workers.checkpoint.snapshots.peer_snapshots import restore_from_peers
 from ringmaster.workers.checkpoint.storage import CheckpointStorage
+from ringmaster.workers.checkpoint.training_state import checkpoint_stager
 from ringmaster.workers.data.stream import DataPosition
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.strategies import ParallelModel

@@ -14,10 +14,8 @@ on; ``commit_save`` (rank 0, once the save's future is done) writes the manifest
 retention: the newest ``checkpoint.keep``, plus the best by ``checkpoint.keep_best``'s metric, whose
 value each manifest records.
 
-Every key is the unsplit model's FQN (optimizer state flattened per parameter), whatever the strategy:
-each rank saves only what it holds (FSDP/TP shards, its pipeline stages, ZeRO-1's owned state), so a
-checkpoint can be loaded at another world size or by another strategy. The learning rate is a function
-of the step, so no scheduler state is kept.
+Each rank saves only what it holds (FSDP/TP shards, its pipeline stages, ZeRO-1's owned state), keyed as
+training_state.py says, so a checkpoint can be loaded at another world size or by another strategy.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import random
 import re
 import time
 from concurrent.futures import Future
@@ -33,29 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import StorageReader, StorageWriter
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import JobSpec, KeepBestSpec
 from ringmaster.workers.checkpoint.storage import CheckpointStorage, storage_for
+from ringmaster.workers.checkpoint.training_state import TrainingProgress, load_training_state, training_state
 from ringmaster.workers.data.stream import DataPosition
-from ringmaster.workers.strategies.zero1 import local_optimizer
 
 MANIFEST_NAME = "manifest.json"
 METRICS_NAME = "metrics.json"
 DCP_METADATA_NAME = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# A rank's parts each load their own keys out of the merged state of all its parts.
-_LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -63,14 +54,6 @@ class CommittedCheckpoint:
     step: int
     path: str  # a local path or a URI, as the storage root was given
     manifest: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class TrainingProgress:
-    """What a resumed run continues from besides tensors: the step and the data stream's position."""
-
-    step: int
-    position: DataPosition
 
 
 @dataclass(frozen=True)
@@ -204,21 +187,6 @@ class PendingSave:
             self.future.result()  # re-raises a failed write
 
 
-def checkpoint_stager(device: torch.device) -> AsyncStager:
-    """Stages asynchronous saves in a background thread, into host buffers kept from one save to the next (DCP's
-    default stager allocates and first-touches a fresh copy of the whole state at every save, on the training
-    thread). The copy overlaps the next step's forward and backward; `PendingSave.wait_staged` before the optimizer
-    step. Close it when done."""
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=device.type == "cuda",
-            use_shared_memory=False,
-            use_async_staging=True,
-            use_non_blocking_copy=False,
-        )
-    )
-
-
 def begin_save(
     storage_root: str | Path,
     spec: JobSpec,
@@ -290,97 +258,11 @@ def commit_save(pending: PendingSave) -> CommittedSave:
     return CommittedSave(pending.path, apply_retention(pending.storage_root, pending.keep, pending.keep_best))
 
 
-def training_state(
-    step: int,
-    position: DataPosition,
-    model_parts: list[nn.Module],
-    optimizers: list[Optimizer],
-    metrics: str | None = None,
-) -> dict[str, Any]:
-    """What a checkpoint (durable or in memory) holds of this rank: its model and optimizer shards, the step, the data
-    position and its RNG states; `metrics` (rank 0): the metric points it keeps for a resumed run to replay, as a
-    JSON array (RankMetrics.for_checkpoint_json)."""
-    model_state, optimizer_state = _merged_state(model_parts, optimizers)
-    return {"model": model_state, "optimizer": optimizer_state, **step_state(step, position, metrics)}
-
-
-def step_state(step: int, position: DataPosition, metrics: str | None = None) -> dict[str, Any]:
-    """The part of ``training_state`` that is not the model's or optimizer's: progress, RNG states, metric points."""
-    state = {
-        "progress": {"step": step, "epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch},
-        "rng": {f"rank{dist.get_rank()}": _rng_state()},
-    }
-    if metrics is not None:
-        state["metrics"] = metrics
-    return state
-
-
 def load_checkpoint(path: str | Path, *, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> TrainingProgress:
     """Collective: restore this rank's model parts, their optimizers and its RNG states from ``path``."""
     storage, location = storage_for(path)
     progress, _ = load_training_state(storage.reader(location), model_parts=model_parts, optimizers=optimizers)
     return progress
-
-
-def load_training_state(
-    reader: StorageReader,
-    *,
-    model_parts: list[nn.Module],
-    optimizers: list[Optimizer],
-    plan_locally: bool = False,
-    state: dict[str, Any] | None = None,
-) -> tuple[TrainingProgress, list[dict[str, Any]]]:
-    """Collective: restore ``training_state`` from a DCP reader (resharded to this group by DCP's planner); returns the
-    progress and the metric points it kept ([] when it kept none). `plan_locally`: each rank plans its own reads,
-    with none of DCP's collectives (whose gathering of every rank's pickled plan is most of a small model's restore
-    time): for a reader that has every file this rank needs at hand. `state`: the ``load_state_template`` already
-    made for this reader's metadata, if any."""
-    if state is None:
-        state = load_state_template(reader.read_metadata().state_dict_metadata, model_parts, optimizers)
-    dcp.load(state, storage_reader=reader, no_dist=plan_locally)
-    for part, optimizer in zip(model_parts, optimizers, strict=True):
-        set_state_dict(
-            part,
-            local_optimizer(optimizer),
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=_LOAD_OPTIONS,
-        )
-    _restore_rng_state(state["rng"][f"rank{dist.get_rank()}"])
-    progress = state["progress"]
-    return (
-        TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"])),
-        json.loads(state["metrics"]) if "metrics" in state else [],
-    )
-
-
-def load_state_template(saved_keys: Any, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:
-    """The state dict DCP loads into: this rank's live tensors, and placeholders for what a checkpoint with
-    `saved_keys` (its metadata's state_dict_metadata) holds besides."""
-    rank = dist.get_rank()
-    model_state, optimizer_state = _merged_state(model_parts, optimizers)
-    # A rank that did not exist when the checkpoint was written keeps its freshly seeded RNG.
-    rng_state = {name: value for name, value in _rng_state().items() if f"rng.rank{rank}.{name}" in saved_keys}
-    state: dict[str, Any] = {
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "progress": {"step": 0, "epoch": 0, "samples_in_epoch": 0},
-        "rng": {f"rank{rank}": rng_state},
-    }
-    if "metrics" in saved_keys:
-        state["metrics"] = ""
-    return state
-
-
-def _merged_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Model and flattened optimizer state of all this rank's parts, keyed by the unsplit model's FQNs."""
-    model_state: dict[str, Any] = {}
-    optimizer_state: dict[str, Any] = {}
-    for part, optimizer in zip(model_parts, optimizers, strict=True):
-        part_model, part_optimizer = get_state_dict(part, local_optimizer(optimizer), options=_OPTIONS)
-        model_state.update(part_model)
-        optimizer_state.update(part_optimizer)
-    return model_state, optimizer_state
 
 
 def best_checkpoint(
@@ -447,21 +329,3 @@ def _read_manifest(storage: CheckpointStorage, location: str) -> dict[str, Any] 
 
 def _sha256(content: bytes | None) -> str | None:
     return None if content is None else hashlib.sha256(content).hexdigest()
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _restore_rng_state(state: dict[str, Any]) -> None:
-    if "python" in state:
-        random.setstate(state["python"])
-    if "numpy" in state:
-        np.random.set_state(state["numpy"])
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])

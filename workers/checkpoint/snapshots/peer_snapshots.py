@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.optim import Optimizer
 
-from ringmaster.workers.checkpoint.durable import (
+from ringmaster.workers.checkpoint.training_state import (
     TrainingProgress,
     checkpoint_stager,
     load_state_template,
