@@ -56,7 +56,7 @@ class ControlPlane:
         self.cluster = RayCluster(
             address,
             dashboard_url,
-            agent=agent_command("ringmaster.api.ray_agent", address),
+            agent=agent_command("ringmaster.api.warm_pool_agent", address),
             driver_resources=settings.driver_resources,
         )
         self.cluster.connect()

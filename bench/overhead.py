@@ -77,8 +77,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.bare_torchrun import HF_GPT2_OPTIONS, SEQ_LEN  # noqa: E402
 from bench.cpu_time import BusySampler, Cpu  # noqa: E402
+from harness.local_control_plane import CLUSTER_CPUS, running_control_plane, stop_test_head, wait_for_state  # noqa: E402
 from harness.ports import free_port  # noqa: E402
-from harness.ray_cluster import CLUSTER_CPUS, running_control_plane, stop_test_head, wait_for_state  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.service.embedded_ray import RayHead, start_head  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402

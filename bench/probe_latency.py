@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 
 from bench.overhead import wait_for_warm_pool  # noqa: E402
-from harness.ray_cluster import watch_cluster  # noqa: E402
+from harness.local_control_plane import watch_cluster  # noqa: E402
 from harness.simulated_cluster import SimulatedCluster, control_plane_on  # noqa: E402
 from ringmaster.workers.driver.controller import PROBE_GRACE_S  # noqa: E402
 from ringmaster.workers.warm_pool import pool_statuses, pools_by_node  # noqa: E402

@@ -46,7 +46,7 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from bench.overhead import wait_for_warm_pool  # noqa: E402
 from bench.raytrain_recovery import measure_ray_train  # noqa: E402
-from harness.ray_cluster import watch_cluster  # noqa: E402
+from harness.local_control_plane import watch_cluster  # noqa: E402
 from harness.simulated_cluster import SimulatedCluster, control_plane_on, wait_for_step  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.workers.data.audit import read_effective_samples  # noqa: E402

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.cpu_time import process_stat  # noqa: E402
 from bench.overhead import job_spec, production_head, wait_for_warm_pool  # noqa: E402
-from harness.ray_cluster import running_control_plane, wait_for_state  # noqa: E402
+from harness.local_control_plane import running_control_plane, wait_for_state  # noqa: E402
 
 # (what the command line holds, the kind reported), first match wins; Ray names its actors' processes ray::<Class>.
 _KINDS = [

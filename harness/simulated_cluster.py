@@ -25,8 +25,8 @@ from pathlib import Path
 from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
+from harness.local_control_plane import REPO_ROOT, leave_ray
 from harness.ports import free_port
-from harness.ray_cluster import REPO_ROOT, leave_ray
 from ringmaster.api.server import BackgroundServer
 from ringmaster.service.embedded_ray import CLUSTER_SYSTEM_CONFIG
 from ringmaster.service.settings import Settings

@@ -74,8 +74,8 @@ def db(db_url: str) -> Iterator[Database]:
 @pytest.fixture(scope="session")
 def shared_ray_head(tmp_path_factory: pytest.TempPathFactory):
     """One Ray head for the session's control planes (starting one takes ~13 s); each control plane leaves it as it
-    found it (harness.ray_cluster.clear_head). Modules that kill nodes or heads build clusters of their own."""
-    from harness.ray_cluster import start_test_head, stop_test_head
+    found it (harness.local_control_plane.clear_head). Modules that kill nodes or heads build clusters of their own."""
+    from harness.local_control_plane import start_test_head, stop_test_head
 
     head = start_test_head(tmp_path_factory.mktemp("shared-ray"))
     yield head
@@ -86,7 +86,7 @@ def shared_ray_head(tmp_path_factory: pytest.TempPathFactory):
 def ray_server(tmp_path_factory: pytest.TempPathFactory, shared_ray_head):
     """A control plane on the shared Ray head for a module's tests that run jobs on Ray. One per module, torn down
     at its end, so no module finds this process connected to another module's control plane."""
-    from harness.ray_cluster import running_control_plane
+    from harness.local_control_plane import running_control_plane
 
     yield from running_control_plane(tmp_path_factory.mktemp("ringmaster"), head=shared_ray_head)
 
@@ -109,7 +109,7 @@ def _no_ray_connection_outlives_its_module() -> Iterator[None]:
     fixtures disconnect first; this also ends a connection a test made and left)."""
     yield
     if "ray" in sys.modules:
-        from harness.ray_cluster import leave_ray
+        from harness.local_control_plane import leave_ray
 
         leave_ray()
 

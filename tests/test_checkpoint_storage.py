@@ -17,8 +17,8 @@ from moto.server import ThreadedMotoServer
 from test_checkpoint import SPEC, STEPS
 
 from harness.checkpoints import load_model_weights
+from harness.local_control_plane import running_control_plane, wait_for_state
 from harness.process_group import run_on_ranks
-from harness.ray_cluster import running_control_plane, wait_for_state
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec, KeepBestSpec
 from ringmaster.workers.checkpoint.durable import (

@@ -32,8 +32,8 @@ from ray.job_submission import JobSubmissionClient
 from sqlalchemy import Engine, text
 
 from harness.fault_tolerant_cluster import DRIVER_RESOURCE, FaultTolerantCluster, redis_server_path
+from harness.local_control_plane import CLUSTER_CPUS, REPO_ROOT
 from harness.ports import free_port
-from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
 from ringmaster.service import auth
 from ringmaster.service.client import ApiError, RingmasterClient
 from ringmaster.service.db import Database, session_scope, upgrade_schema

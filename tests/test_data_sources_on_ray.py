@@ -11,7 +11,7 @@ import datasets
 import numpy as np
 import pytest
 
-from harness.ray_cluster import wait_for_state
+from harness.local_control_plane import wait_for_state
 from ringmaster.service.client import RingmasterClient
 
 pytestmark = pytest.mark.integration

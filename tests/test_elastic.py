@@ -11,7 +11,7 @@ import pytest
 from paced_model import read_tagged_steps
 from ray.util.state import list_actors
 
-from harness.ray_cluster import wait_for_state
+from harness.local_control_plane import wait_for_state
 from harness.simulated_cluster import SimulatedCluster, served_cluster, wait_for_step
 from ringmaster.service.client import RingmasterClient
 from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation

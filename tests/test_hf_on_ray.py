@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_hf_models import hf_spec
 
-from harness.ray_cluster import wait_for_state
+from harness.local_control_plane import wait_for_state
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.trainer import TrainContext, run_training

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness.ray_cluster import REPO_ROOT, running_control_plane, wait_for_state
+from harness.local_control_plane import REPO_ROOT, running_control_plane, wait_for_state
 from ringmaster.service.spec import SHARED_POOL, JobSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

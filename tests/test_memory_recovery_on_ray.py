@@ -24,7 +24,7 @@ from ray.util.state import list_actors
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
 from harness.checkpoints import load_model_weights
-from harness.ray_cluster import wait_for_state
+from harness.local_control_plane import wait_for_state
 from harness.simulated_cluster import newest_recorded_step, served_cluster, wait_for_recorded_step
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
+from datetime import timedelta
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,14 @@ from api_tokens import authorize, mint
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 from test_dispatcher import FakeCluster
 
 from ringmaster.api.app import create_app
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.jobs import apply_driver_report, get_job, mark_admitted, transition
-from ringmaster.service.models import DEFAULT_TENANT
+from ringmaster.service.models import DEFAULT_TENANT, JobEvent, utcnow
 from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.states import JobState
@@ -210,17 +212,33 @@ def test_rolled_back_transitions_count_nothing(client: TestClient) -> None:
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "QUEUED"
 
 
+def _queued_ago(client: TestClient, job_id: str, seconds: float) -> None:
+    """Make the job's last entry into QUEUED (its latest QUEUED event, and its creation) `seconds` ago: dispatch latency
+    is counted from it, so the next admission's is known without waiting."""
+    with session_scope(_db(client).sessions) as session:
+        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.to_state == JobState.QUEUED)
+        latest = session.scalars(query.order_by(JobEvent.id.desc()).limit(1)).one()
+        latest.at = utcnow() - timedelta(seconds=seconds)
+        job = get_job(session, job_id)
+        job.created_at = min(job.created_at, latest.at)
+
+
 def test_requeued_job_dispatch_latency_counts_from_its_requeue(client: TestClient) -> None:
     job_id = _submit(client)
+    _queued_ago(client, job_id, 1000)  # submitted 1000 s ago
     _admit(client, job_id)
     with session_scope(_db(client).sessions) as session:
         transition(session, get_job(session, job_id), JobState.QUEUED, "lost")
-    time.sleep(0.2)
+    _queued_ago(client, job_id, 40)  # requeued 40 s ago
     _admit(client, job_id, number=2)
     samples = _samples(client)
     assert _value(samples, "ringmaster_dispatch_latency_seconds_count") == 2
     assert _value(samples, "ringmaster_job_transitions_total", to_state="QUEUED") == 1
-    assert _value(samples, "ringmaster_dispatch_latency_seconds_bucket", le="0.1") == 1  # the first admission, at once
+    bucket = lambda le: _value(samples, "ringmaster_dispatch_latency_seconds_bucket", le=le)  # noqa: E731
+    # The second admission waited 40 s, from its requeue (from the submission it would be over 1000 s); the first
+    # 1000 s, from its submission. The buckets either side leave tens of seconds for the test's own run.
+    assert [bucket("30"), bucket("60"), bucket("600"), bucket("1800")] == [0, 1, 1, 2]
+    assert _value(samples, "ringmaster_dispatch_latency_seconds_sum") >= 1040
 
 
 def test_apps_keep_their_own_registries(db_url: str, tmp_path: Path) -> None:
@@ -245,40 +263,71 @@ def _parse_sse(text: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _drive(client: TestClient, job_id: str) -> None:
-    time.sleep(0.2)
+class _Delivered:
+    """The stream's messages as the test receives them. The driver writes each row once the stream has delivered the
+    one before: the stream is seen sending while the job runs, not replaying it all once it ended."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.missed: list[str] = []
+        self._changed = threading.Condition()
+
+    def add(self, message: dict[str, Any]) -> None:
+        with self._changed:
+            self.messages.append(message)
+            self._changed.notify_all()
+
+    def wait_for(self, event: str, key: str, value: Any) -> None:
+        """Until a message of this kind with data[key] == value came; on a timeout it notes the miss and returns, so
+        the job still ends and with it the stream."""
+        came = lambda: any(m["event"] == event and m["data"].get(key) == value for m in self.messages)  # noqa: E731
+        with self._changed:
+            if not self._changed.wait_for(came, timeout=60):
+                self.missed.append(f"{event} with {key}={value}")
+
+
+def _drive(client: TestClient, job_id: str, delivered: _Delivered) -> None:
+    delivered.wait_for("state", "to_state", "QUEUED")  # the stream is open and sent what was there
     _admit(client, job_id)
-    time.sleep(0.1)
+    delivered.wait_for("state", "to_state", "ADMITTED")
     _report(client, job_id, state="RUNNING", metrics=[{"step": 1, "loss": 2.0}])
-    time.sleep(0.1)
+    delivered.wait_for("metric", "step", 1)
     _report(
         client,
         job_id,
         metrics=[{"step": 2, "loss": 1.0}],
         checkpoints=[{"step": 2, "uri": "file:///c/2", "world_size": 2}],
     )
-    time.sleep(0.1)
+    delivered.wait_for("event", "kind", "checkpoint")
     _report(client, job_id, state="SUCCEEDED", metrics=[{"step": 3, "loss": 0.5}])
 
 
 def test_stream_sends_states_metrics_and_events_until_the_job_ends(client: TestClient) -> None:
     job_id = _submit(client)
-    driver = threading.Thread(target=_drive, args=(client, job_id))
+    delivered = _Delivered()
+    driver = threading.Thread(target=_drive, args=(client, job_id, delivered))
     driver.start()
-    started = time.monotonic()
     with client.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        text = response.read().decode()
+        block: list[str] = []
+        for line in chain(response.iter_lines(), [""]):  # each message as it comes (a blank line ends one)
+            if line:
+                block.append(line)
+                continue
+            for message in _parse_sse("\n".join(block)):
+                delivered.add(message)
+            block = []
     driver.join()
-    assert time.monotonic() - started < 30
-    messages = _parse_sse(text)
+    assert delivered.missed == [], "the stream did not send these while the job ran"
+    messages = delivered.messages
     states = [m["data"]["to_state"] for m in messages if m["event"] == "state"]
     assert states == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
     assert [
         (m["data"]["attempt"], m["data"]["step"], m["data"]["loss"]) for m in messages if m["event"] == "metric"
     ] == [(1, 1, 2.0), (1, 2, 1.0), (1, 3, 0.5)]
     assert [m["data"]["kind"] for m in messages if m["event"] == "event"] == ["checkpoint"]
-    assert messages[-1]["event"] == "state"
+    # The stream ended by itself, once the job ended and all was sent (a stream that never ends meets pytest's timeout).
+    assert (messages[-1]["event"], messages[-1]["data"]["to_state"]) == ("state", "SUCCEEDED")
 
     # Resuming from any message's id sends exactly the messages that followed it (all at once: the job is over).
     for index in (0, len(messages) // 2, len(messages) - 1):
@@ -316,7 +365,7 @@ def test_a_finished_jobs_stream_replays_in_the_order_things_happened_and_ends_wi
 
 
 def test_a_stream_read_in_short_batches_sends_the_jobs_end_after_every_metric(client: TestClient) -> None:
-    from ringmaster.service.stream import Cursor, read_batch
+    from ringmaster.service.event_stream import Cursor, read_batch
 
     job_id = _submit(client)
     _admit(client, job_id)

@@ -13,8 +13,8 @@ import pytest
 import ray
 import yaml
 
-from harness.ray_cluster import CLUSTER_CPUS, REPO_ROOT
-from harness.ray_cluster import wait_for_state as _wait
+from harness.local_control_plane import CLUSTER_CPUS, REPO_ROOT
+from harness.local_control_plane import wait_for_state as _wait
 from ringmaster.service.client import RingmasterClient
 
 pytestmark = pytest.mark.integration

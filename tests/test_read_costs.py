@@ -17,6 +17,7 @@ from sqlalchemy import func, insert, select
 
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import newest_jobs_that_ran_in_an_env_of_their_own
+from ringmaster.service.event_stream import Cursor, read_batch
 from ringmaster.service.jobs import (
     attempts_to_close,
     cancel_job,
@@ -30,7 +31,6 @@ from ringmaster.service.mlflow_export import metric_rows_after
 from ringmaster.service.models import Attempt, Job, Metric, utcnow
 from ringmaster.service.spec import JobSpec, RuntimeEnvSpec
 from ringmaster.service.states import JobState
-from ringmaster.service.stream import Cursor, read_batch
 
 FEW, MANY = 200, 20_000
 VALIDATED_STEP = 100

@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_checkpoint import SPEC, STEPS
 
+from harness.local_control_plane import wait_for_state
 from harness.process_group import run_on_ranks
-from harness.ray_cluster import wait_for_state
 from harness.sinks import CallbackSink
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.db import Database, session_scope

@@ -17,7 +17,7 @@ import torch
 from strategy_reference import ReferenceRun, strategy_spec, train_reference
 
 from harness.checkpoints import load_model_weights
-from harness.ray_cluster import wait_for_state
+from harness.local_control_plane import wait_for_state
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.models import build_bundle

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.ray_cluster import REPO_ROOT, running_control_plane, wait_for_state
+from harness.local_control_plane import REPO_ROOT, running_control_plane, wait_for_state
 from ringmaster.api.server import BackgroundServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

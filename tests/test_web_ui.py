@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.ray_cluster import REPO_ROOT, wait_for_state
+from harness.local_control_plane import REPO_ROOT, wait_for_state
 from ringmaster.service import auth
 from ringmaster.service.db import session_scope
 

@@ -20,9 +20,9 @@ from ringmaster.api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut
 from ringmaster.service import jobs
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.errors import InvalidSpec, JobConflict, LogsUnavailable
+from ringmaster.service.event_stream import Cursor, read_batch
 from ringmaster.service.spec import JobSpec, field_meant
 from ringmaster.service.states import JobState
-from ringmaster.service.stream import Cursor, read_batch
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 404))
 
