@@ -29,11 +29,11 @@ from ringmaster.workers.checkpoint.storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
 from ringmaster.workers.job_input import JobInputError
+from ringmaster.workers.measured_state import measure_rank_memory
 from ringmaster.workers.metric_ledger import RankMetrics
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.parallel_dims import ParallelDims
-from ringmaster.workers.state_memory import measure_rank_memory
 from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
