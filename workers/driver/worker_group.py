@@ -6,19 +6,18 @@ adds actors on whatever bundles can be placed now, and forms the next generation
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from itertools import groupby
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
-import ray._private.state  # the GCS's record of an actor's death (no public API gives its cause's reason)
-from ray.core.generated.common_pb2 import ActorDiedErrorContext  # type: ignore[attr-defined]  # made at import
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Slot, slot_nodes
+from ringmaster.workers.driver.probe import Probe, probe
+from ringmaster.workers.driver.ray_facade import LiveRay, SystemClock
 from ringmaster.workers.warm_pool import claim_workers
 from ringmaster.workers.worker import TrainWorker
 
@@ -66,18 +65,8 @@ class RankedWorker:
 
 
 def died_on_a_live_node(worker: RankedWorker) -> bool:
-    """Whether Ray recorded the worker's actor dead of its own process's death (killed, crashed, out of memory) while
-    its node lives on, so its bundle can take a replacement at once. Else (a node that died, one Ray has not yet
-    declared dead, a frozen one, or no answer) its node is treated as lost."""
-    try:
-        actor = ray._private.state.actors(worker.actor_id)
-    except Exception:
-        return False
-    cause = actor.get("DeathCause")
-    if actor.get("State") != "DEAD" or cause is None or cause.WhichOneof("context") != "actor_died_error_context":
-        return False
-    died_itself: bool = cause.actor_died_error_context.reason == ActorDiedErrorContext.Reason.WORKER_DIED
-    return died_itself
+    """Whether Ray recorded the worker's actor dead of its own process's death while its node lives on."""
+    return LiveRay().died_on_a_live_node(worker.actor_id)
 
 
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
@@ -112,6 +101,8 @@ class WorkerGroup:
         self.pooled_started = 0  # workers this group took from the cluster's warm pool, over its whole run
         self.workers: list[RankedWorker] = []
         self.generation = 0
+        self._ray, self._clock = LiveRay(), SystemClock()  # what the probe (`unresponsive`) waits through
+        self.last_probe: Probe[RankedWorker] | None = None  # the latest `unresponsive`'s: who, and what ended its wait
 
     @property
     def world_size(self) -> int:
@@ -223,24 +214,10 @@ class WorkerGroup:
         self, timeout_s: float, grace_s: float, workers: list[RankedWorker] | None = None
     ) -> list[RankedWorker]:
         """Workers (of the group, or those given) that do not answer a heartbeat within timeout_s, nor within grace_s
-        of another's answer (dead, or their node frozen). A live worker answers in milliseconds; a dead one's call
-        hangs until Ray declares its node dead, so waiting the full timeout for it only delays the recovery. A call
-        that fails (Ray knows its actor is dead) is no answer: how soon Ray knew says nothing of how soon the live
-        ones answer, so it starts no grace."""
+        of another's answer: dead, or their node frozen (probe.py)."""
         beats = {worker.actor.heartbeat.remote(): worker for worker in (self.workers if workers is None else workers)}
-        deadline = time.monotonic() + timeout_s
-        lost: list[RankedWorker] = []
-        pending = list(beats)
-        while pending and (remaining := deadline - time.monotonic()) > 0:
-            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except RayActorError:
-                    lost.append(beats[ref])
-                else:
-                    deadline = min(deadline, time.monotonic() + grace_s)
-        return lost + [beats[ref] for ref in pending]
+        self.last_probe = probe(beats, timeout_s, grace_s, self._ray, self._clock)
+        return self.last_probe.lost
 
     def remove(self, lost: list[RankedWorker]) -> None:
         for worker in lost:
