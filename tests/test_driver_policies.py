@@ -113,3 +113,10 @@ def test_resize_to_what_is_available_else_wait_then_give_up() -> None:
     assert policy.decide(available=1, waited_s=61, reason="lost rank 1") == GiveUp(
         "lost rank 1; only 1 of workers.min 2 can be placed"
     )
+
+
+def test_the_first_group_forms_at_most_max_of_the_workers_started_and_none_below_min() -> None:
+    policy = _scaling(2, 3)
+    assert policy.formation(available=4) == FormGroup(3)
+    assert policy.formation(available=2) == FormGroup(2)
+    assert policy.formation(available=1) is None  # Starting fails: too few workers started

@@ -15,7 +15,11 @@ import ray
 from ringmaster.service.naming import NAMESPACE, submission_id_for
 from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.driver.controller import Controller
+from ringmaster.workers.driver.bundles import Bundles
+from ringmaster.workers.driver.controller import COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, Controller
+from ringmaster.workers.driver.ray_facade import LiveRay, SystemClock
+from ringmaster.workers.driver.standby import StandbyPool
+from ringmaster.workers.driver.worker_group import WorkerGroup
 from ringmaster.workers.reporter import Reporter
 
 log = logging.getLogger("ringmaster.driver")
@@ -76,14 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
         # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
+        group = WorkerGroup(
+            spec,
+            COLLECTIVE_TIMEOUT_S,
+            claimant=submission_id_for(args.job_id, args.attempt),
+            label=f"{spec.name}-{args.job_id[:8]}-a{args.attempt}",
+            rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S,
+        )
+        bundles = Bundles(args.placement_group, spec.workers)
         code = Controller(
             spec,
             args.job_id,
             args.attempt,
-            args.placement_group,
             args.storage_uri,
             reporter,
-            claimant=submission_id_for(args.job_id, args.attempt),
+            group=group,
+            bundles=bundles,
+            standby=StandbyPool(group, bundles),
+            ray=LiveRay(),
+            clock=SystemClock(),
             tenant=args.tenant,
         ).run()
     finally:

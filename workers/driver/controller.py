@@ -1,41 +1,50 @@
-"""The job driver's controller: explicit states, one transition per loop iteration, decisions taken by policies.
-
-    Starting ──▶ Running ──▶ Finished
-    Running ──(workers lost, a collective broke)──▶ Recovering ──▶ Placing
-    Running ──(warm workers ready, stopped at a step)──▶ Resizing ──▶ Placing
-    Placing ──(waits for capacity)──▶ Placing ──(group formed)──▶ Running
-    Starting, Placing ──(a member died while the group formed)──▶ Recovering
-    any ──(the user's code raised, too few workers, a driver error)──▶ Failed
+"""The job driver's controller: explicit states (states.py), one transition per loop iteration, decisions taken by
+policies (policies.py).
 
 Starting launches a worker on each admitted bundle and forms the group. Running polls the training call (one poll
 per iteration: calls returned, workers lost, progress drained) and forwards progress; it keeps warm workers beside the
 group and asks it to stop at the next step once it can grow. Recovering (after a loss) and Resizing (after a stop to
 grow) keep the survivors and take standbys; Placing starts new workers where bundles can be placed, as the scaling
-policy says, and forms the next generation, which resumes from the latest committed checkpoint. The controller
-talks to the control plane only through the reporter.
+policy says, and forms the next generation at the size it decides, which resumes from the newest snapshot in the
+members' memory, else from the latest committed checkpoint. The controller talks to the control plane only through
+the reporter.
+
+What it drives is handed to it (collaborators.py): the worker group, the attempt's bundles, the standby pool, the
+training call's poll, the few Ray calls it makes itself and the clock it waits on (ray_facade.py). The job's
+entrypoint (__main__.py) hands it the live ones; tests/test_driver_controller.py takes every transition against
+fakes, in-process.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
 
 from ringmaster.service.naming import TENSORBOARD_DIR
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
-from ringmaster.workers.driver.bundles import Bundles, Slot
+from ringmaster.workers.driver.bundles import Slot
+from ringmaster.workers.driver.collaborators import Group, JobBundles, Standbys, StartPoll, TrainingPoll
 from ringmaster.workers.driver.policies import FailJob, FailurePolicy, FormGroup, GiveUp, ScalingPolicy
 from ringmaster.workers.driver.poll import GroupPoll, PollResult
-from ringmaster.workers.driver.standby import StandbyPool
+from ringmaster.workers.driver.ray_facade import Clock, RayFacade
+from ringmaster.workers.driver.states import (
+    Failed,
+    Finished,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    State,
+)
 from ringmaster.workers.driver.training_log import TrainingLog
-from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup, died_on_a_live_node
+from ringmaster.workers.driver.worker_group import RankedWorker
 from ringmaster.workers.metric_ledger import DrainedMetrics
 from ringmaster.workers.reporter import Reporter
 
@@ -61,72 +70,30 @@ START_TIMEOUT_S = 120.0  # first start: worker processes import torch
 REPLACEMENT_WAIT_S = 5.0  # below workers.min with spare capacity: wait this long for Ray to move the lost bundles
 REPLACEMENT_POLL_S = 0.05  # ... looking this often: each look is two GCS queries, each missed moment a recovery's delay
 CAPACITY_WAIT_S = 60.0  # fewer than workers.min placeable: wait this long before giving up
+CAPACITY_LOOK_S = 1.0  # ... looking again this often (each look a Placing of its own)
 # A live standby answers at once and a dead one fails at once; only a loaded machine handling a node's death needs more.
 STANDBY_PROBE_TIMEOUT_S = 10.0
 _MAX_MESSAGE = 20_000
 
 
-# -- states ------------------------------------------------------------------------------------
+def poll_training(group: Group, futures: dict[Any, RankedWorker]) -> TrainingPoll:
+    """The live poll of a training call (poll.py), at the driver's intervals."""
+    return GroupPoll(
+        group,
+        futures,
+        interval_s=POLL_INTERVAL_S,
+        drain_every_s=DRAIN_INTERVAL_S,
+        heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        probe_timeout_s=PROBE_TIMEOUT_S,
+        probe_grace_s=PROBE_GRACE_S,
+    )
 
 
 @dataclass(frozen=True)
-class Starting:
-    pass
-
-
-@dataclass
-class Running:
-    poll: GroupPoll
-    stopping: bool = False  # asked the group to stop at the next step, to grow
-
-
-@dataclass(frozen=True)
-class Recovering:
-    lost: list[RankedWorker]
-    reason: str
-    # Set when a member died while the group formed: the control plane has not heard of this loss as a new one (the
-    # job is RECOVERING already, or ADMITTED with the first group never formed), and the world size before is the
-    # last group that trained (0: none yet).
-    again_from: int | None = None
-
-
-@dataclass(frozen=True)
-class Resizing:
-    pass
-
-
-@dataclass
-class Placing:
-    """Re-forming: survivors and standbys in hand, `wanted` new workers to start where bundles can be placed."""
-
-    reason: str
-    recovering: bool  # after a loss (else growing to returned capacity)
-    world_size_before: int
-    standbys: list[RankedWorker] = field(default_factory=list)
-    wanted: int = 0
-    started: float = field(default_factory=time.monotonic)
-    waiting_since: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class Finished:
-    """`succeeded`: trained to the end; else the control plane ended the attempt (cancelled, or superseded)."""
-
-    succeeded: bool
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class Failed:
-    reason: str
-
-
-State = Starting | Running | Recovering | Resizing | Placing | Finished | Failed
-
-
-@dataclass
-class _Counts:
-    """The group and its warm workers, as the scaling policy sees them."""
+class GroupAndWarmCounts:
+    """How many workers the group has, and how many warm workers beside it are ready or starting: what the scaling
+    policy decides from (policies.GroupCounts)."""
 
     world_size: int
     warm_ready: int
@@ -138,11 +105,15 @@ class Controller:
     spec: JobSpec
     job_id: str
     attempt: int
-    placement_group_name: str
     storage_uri: str
     reporter: Reporter
-    claimant: str | None = None  # the attempt's Ray submission id, under which it takes warm pool workers
+    group: Group
+    bundles: JobBundles
+    standby: Standbys
+    ray: RayFacade
+    clock: Clock
     tenant: str = "default"
+    start_poll: StartPoll = poll_training
     state: State = field(default_factory=Starting)
 
     def __post_init__(self) -> None:
@@ -151,17 +122,10 @@ class Controller:
         self.resume_from_root = (
             f"{self.storage_uri.rstrip('/')}/{self.spec.resume_from}" if self.spec.resume_from else None
         )
-        self.group = WorkerGroup(
-            self.spec,
-            COLLECTIVE_TIMEOUT_S,
-            self.claimant,
-            label=f"{self.spec.name}-{self.job_id[:8]}-a{self.attempt}",
-            rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S,
-        )
         self.failures = FailurePolicy()
         self.scaling = ScalingPolicy(self.spec.workers, CAPACITY_WAIT_S)
         self._rank0_metrics = DrainedMetrics()
-        self._poll: GroupPoll | None = None  # the latest training call's
+        self._poll: TrainingPoll | None = None  # the latest training call's
         self.training_log = TrainingLog(
             self.spec,
             self.job_id,
@@ -173,8 +137,6 @@ class Controller:
     def run(self) -> int:
         """Drive the job to an end; 0 when it succeeded or the control plane ended the attempt, 1 when it failed
         (reported either way)."""
-        self.bundles = Bundles(self.placement_group_name, self.spec.workers)
-        self.standby = StandbyPool(self.group, self.bundles)
         try:
             while not isinstance(self.state, (Finished, Failed)):
                 self.state = self.step(self.state)
@@ -206,19 +168,20 @@ class Controller:
     def _start(self) -> State:
         # Reserve standby capacity first (it does not wait): standbys start while the group forms.
         self.standby.top_up(self.spec.workers.standby, taken=set(self.bundles.admission))
-        began = time.monotonic()
+        began = self.clock.monotonic()
         members = self.group.launch(self.bundles.admission, START_TIMEOUT_S)
         log.info(
             "%d worker actor(s) running after %.2fs (%d from the warm pool)",
             len(members),
-            time.monotonic() - began,
+            self.clock.monotonic() - began,
             self.group.pooled_started,
         )
-        if len(members) < self.spec.workers.min:
+        formation = self.scaling.formation(len(members))
+        if formation is None:
             return Failed(f"only {len(members)} of {self.spec.workers.min} workers started")
-        if (lost := self._form_without_the_lost(members, again_from=0)) is not None:
+        if (lost := self._form_without_the_lost(members, formation, world_size_before_forming=0)) is not None:
             return lost  # re-formed as after a loss, which reports RUNNING once formed
-        log.info("process group formed after %.2fs", time.monotonic() - began)
+        log.info("process group formed after %.2fs", self.clock.monotonic() - began)
         self._report(
             state="RUNNING",
             message=f"training on {self.group.world_size} workers across {len(self.group.nodes)} node(s)",
@@ -235,16 +198,7 @@ class Controller:
         the latest committed checkpoint."""
         self._rank0_metrics.restart()
         futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt, memory_resume)
-        self._poll = GroupPoll(
-            self.group,
-            futures,
-            interval_s=POLL_INTERVAL_S,
-            drain_every_s=DRAIN_INTERVAL_S,
-            heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
-            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-            probe_timeout_s=PROBE_TIMEOUT_S,
-            probe_grace_s=PROBE_GRACE_S,
-        )
+        self._poll = self.start_poll(self.group, futures)
         return Running(self._poll)
 
     def _run(self, running: Running) -> State:
@@ -268,7 +222,7 @@ class Controller:
             )
             return Finished(succeeded=True)
         self._keep_workers_warm()
-        if not running.stopping and self.scaling.should_grow(self._counts()):
+        if not running.stopping and self.scaling.should_grow(self._group_and_warm()):
             self.group.request_stop()  # every rank stops after this step and checkpoints
             running.stopping = True
         return running
@@ -293,9 +247,9 @@ class Controller:
 
     def _keep_workers_warm(self) -> None:
         """Warm the workers the group would grow by, and the standbys the spec asks for."""
-        missing = self.scaling.missing(self._counts())
+        missing = self.scaling.missing(self._group_and_warm())
         taken = {worker.slot for worker in self.group.workers}
-        for ready in self.standby.top_up(self.scaling.warm_wanted(self._counts()), taken):
+        for ready in self.standby.top_up(self.scaling.warm_wanted(self._group_and_warm()), taken):
             if missing:
                 self._report(
                     message=f"worker warm on node {ready.node_id[:12]}: the group grows to it at the next step",
@@ -307,19 +261,25 @@ class Controller:
                     details={"standby_node": ready.node_id, "standby_pid": ready.pid},
                 )
 
-    def _counts(self) -> _Counts:
-        return _Counts(self.group.world_size, len(self.standby.ready), self.standby.starting)
+    def _group_and_warm(self) -> GroupAndWarmCounts:
+        return GroupAndWarmCounts(self.group.world_size, len(self.standby.ready), self.standby.starting)
 
     # -- re-forming ------------------------------------------------------------------------------
 
     def _regroup(self, state: Recovering | Resizing) -> State:
         """Keep the survivors and take the standbys it needs; Placing then adds new workers and forms the group."""
         recovering = state if isinstance(state, Recovering) else None
-        again_from = recovering.again_from if recovering is not None else None
+        now = self.clock.monotonic()
         placing = Placing(
             reason=recovering.reason if recovering is not None else "capacity returned",
             recovering=recovering is not None,
-            world_size_before=again_from if again_from is not None else self.group.world_size,
+            world_size_before=(
+                recovering.world_size_before_forming
+                if recovering is not None and recovering.world_size_before_forming is not None
+                else self.group.world_size
+            ),
+            started=now,
+            waiting_since=now,
         )
         if recovering is not None:
             # A node's death reaches the driver one actor at a time: the others it took can still look alive. Asked
@@ -334,9 +294,11 @@ class Controller:
                 self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S, suspects) if suspects else []
             )
             # A worker whose process alone died (its node lives) leaves a bundle a replacement can take at once.
-            self.bundles.lost_nodes |= {worker.node_id for worker in lost if not died_on_a_live_node(worker)}
+            self.bundles.lost_nodes |= {
+                worker.node_id for worker in lost if not self.ray.died_on_a_live_node(worker.actor_id)
+            }
             self._report(
-                state=None if again_from is not None else "RECOVERING",
+                state=None if recovering.while_forming else "RECOVERING",
                 message=f"{recovering.reason}; re-forming the group",
                 details={
                     "lost_ranks": sorted(worker.rank for worker in lost),
@@ -346,37 +308,37 @@ class Controller:
                 },
             )
             self.group.remove(lost)
-        if self.scaling.wait_for_warming(self._counts()):
+        if self.scaling.wait_for_warming(self._group_and_warm()):
             self.standby.wait_for_starting(START_TIMEOUT_S)
-        missing = self.scaling.missing(self._counts())
+        missing = self.scaling.missing(self._group_and_warm())
         placing.standbys = self.standby.take(missing, STANDBY_PROBE_TIMEOUT_S) if missing else []
         placing.wanted = self.scaling.new_workers_wanted(self.group.world_size, len(placing.standbys))
         taken = self._taken(placing)
         if placing.wanted and len(self.bundles.spare(taken)) < placing.wanted and self.bundles.spare_capacity():
             # Spare capacity exists: Ray moves the lost bundles onto it once it declares their node dead.
-            deadline = time.monotonic() + REPLACEMENT_WAIT_S
-            while len(self.bundles.spare(taken)) < placing.wanted and time.monotonic() < deadline:
-                time.sleep(REPLACEMENT_POLL_S)
-        placing.waiting_since = time.monotonic()
+            deadline = self.clock.monotonic() + REPLACEMENT_WAIT_S
+            while len(self.bundles.spare(taken)) < placing.wanted and self.clock.monotonic() < deadline:
+                self.clock.sleep(REPLACEMENT_POLL_S)
+        placing.waiting_since = self.clock.monotonic()
         return placing
 
     def _place(self, placing: Placing) -> State:
-        """Start new workers where bundles can be placed now; form the next generation once the scaling policy says
-        so, else wait a second (a state of its own each time) or give up."""
+        """Start new workers where bundles can be placed now; form the next generation at the size the scaling
+        policy decides, else wait (a state of its own each time) or give up."""
         spare = self.bundles.spare(self._taken(placing))[: placing.wanted]
         added = self.group.launch(spare, START_TIMEOUT_S) if placing.wanted else []
         members = self.group.workers + placing.standbys + added
         log.info(
             "regroup after %.1fs: %d survivor(s), %d of %d new worker(s) started",
-            time.monotonic() - placing.started,
+            self.clock.monotonic() - placing.started,
             self.group.world_size,
             len(added),
             len(spare),
         )
-        decision = self.scaling.decide(len(members), time.monotonic() - placing.waiting_since, placing.reason)
+        decision = self.scaling.decide(len(members), self.clock.monotonic() - placing.waiting_since, placing.reason)
         if not isinstance(decision, FormGroup):
             for worker in added:
-                ray.kill(worker.actor, no_restart=True)
+                self.ray.kill(worker.actor)
             if self.reporter.ended.is_set():
                 log.info(
                     "the control plane ended this attempt (job %s) while it waited for capacity",
@@ -385,16 +347,16 @@ class Controller:
                 return Finished(succeeded=False)
             if isinstance(decision, GiveUp):
                 return Failed(decision.reason)
-            time.sleep(1.0)
+            self.clock.sleep(CAPACITY_LOOK_S)
             return placing
-        again_from = placing.world_size_before if placing.recovering else None
-        if (lost := self._form_without_the_lost(members, again_from)) is not None:
+        before_forming = placing.world_size_before if placing.recovering else None
+        if (lost := self._form_without_the_lost(members, decision, before_forming)) is not None:
             return lost
         log.info(
             "formed generation %d at %d workers after %.1fs",
             self.group.generation,
             self.group.world_size,
-            time.monotonic() - placing.started,
+            self.clock.monotonic() - placing.started,
         )
         # The newest step the members hold in memory between them; else rank 0 names the checkpoint it will resume
         # from (reading checkpoints takes torch, which the driver never imports: 2-3 s of CPU, taken from training).
@@ -402,7 +364,8 @@ class Controller:
         if snapshot.chosen is not None:
             resumed, source = snapshot.chosen["step"], "memory"
         else:
-            resumed = ray.get(self.group.workers[0].actor.resume_step.remote(self.storage_root, self.resume_from_root))
+            rank0 = self.group.workers[0].actor
+            resumed = self.ray.get(rank0.resume_step.remote(self.storage_root, self.resume_from_root))
             source = "storage"
             if snapshot.why_not:
                 self._report(
@@ -417,9 +380,9 @@ class Controller:
             "resumed_from": source,
             "ranks": [worker.describe() for worker in self.group.workers],
             "standby_workers_used": len(placing.standbys),
-            "workers_missing": self.scaling.missing(self._counts()),
+            "workers_missing": self.scaling.missing(self._group_and_warm()),
             "nodes": len(self.group.nodes),
-            "regroup_s": round(time.monotonic() - placing.started, 3),
+            "regroup_s": round(self.clock.monotonic() - placing.started, 3),
         }
         where = "peers' memory" if source == "memory" else "durable checkpoint"
         message = f"re-formed at {self.group.world_size} workers (was {before}), resuming from step {resumed} ({where})"
@@ -451,11 +414,14 @@ class Controller:
         """Slots held by the survivors, the standbys taken to join them, and the standbys still warm."""
         return {worker.slot for worker in self.group.workers + placing.standbys} | set(self.standby.slots)
 
-    def _form_without_the_lost(self, members: list[RankedWorker], again_from: int | None) -> Recovering | None:
-        """Form the group; a member that died meanwhile (another node lost) is left out: the Recovering that forms
-        the group again without it. `again_from`: see Recovering (None: the control plane has not heard of a loss)."""
+    def _form_without_the_lost(
+        self, members: list[RankedWorker], formation: FormGroup, world_size_before_forming: int | None
+    ) -> Recovering | None:
+        """Form the group at `formation.size`; a member that died meanwhile (another node lost) is left out: the
+        Recovering that forms the group again without it. `world_size_before_forming`: see Recovering (None: the
+        group trained since the control plane last heard of a loss)."""
         try:
-            self._form(members)
+            self._form(members, formation.size)
         except RayActorError:
             lost = self.group.unresponsive(PROBE_TIMEOUT_S, PROBE_GRACE_S)
             if not lost:
@@ -464,15 +430,15 @@ class Controller:
                 lost,
                 f"lost rank(s) {sorted(worker.rank for worker in lost)} of the group being formed "
                 f"on node(s) {sorted({worker.node_id[:12] for worker in lost})}",
-                again_from=again_from,
+                world_size_before_forming=world_size_before_forming,
             )
         return None
 
-    def _form(self, members: list[RankedWorker]) -> None:
-        world = min(self.spec.workers.max, len(members))
-        for extra in members[world:]:
-            ray.kill(extra.actor, no_restart=True)
-        self.group.form(members[:world])
+    def _form(self, members: list[RankedWorker], size: int) -> None:
+        """Form the group of the first `size` members; the others are ended."""
+        for extra in members[size:]:
+            self.ray.kill(extra.actor)
+        self.group.form(members[:size])
         # Which process is which rank: a warm pool worker belongs to the control plane's Ray job, not this one, so the
         # dashboard lists it under that job; its actor id finds it there.
         for worker in self.group.workers:

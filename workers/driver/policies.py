@@ -5,8 +5,9 @@ it. Pure: unit-tested against a fake worker group (tests/test_driver_policies.py
   the job (the user's code raised: with its traceback; the job's input cannot be used, a JobInputError: with its
   message alone). How many recoveries a job may have is counted in one place, by the control plane
   (service/jobs.py), which answers a recovery past max_failures by ending the attempt.
-- ScalingPolicy: at what size to (re-)form the group, whether to wait for workers still warming up or for capacity,
-  when to give up, and when a training group should stop at a step boundary to grow.
+- ScalingPolicy: at what size to (re-)form the group (FormGroup.size: the controller forms exactly that many),
+  whether to wait for workers still warming up or for capacity, when to give up, and when a training group should
+  stop at a step boundary to grow.
 """
 
 from __future__ import annotations
@@ -144,10 +145,16 @@ class ScalingPolicy:
             return 0
         return self.workers.max - survivors - standbys
 
+    def formation(self, available: int) -> FormGroup | None:
+        """The group `available` workers form now (at most max of them); None below min."""
+        if available < self.workers.min:
+            return None
+        return FormGroup(min(self.workers.max, available))
+
     def decide(self, available: int, waited_s: float, reason: str) -> FormGroup | WaitForCapacity | GiveUp:
         """Form with what is available now, wait for capacity, or give up once min cannot be placed in time."""
-        if available >= self.workers.min:
-            return FormGroup(min(self.workers.max, available))
+        if (formation := self.formation(available)) is not None:
+            return formation
         if waited_s <= self.capacity_wait_s:
             return WaitForCapacity()
         return GiveUp(f"{reason}; only {available} of workers.min {self.workers.min} can be placed")

@@ -7,12 +7,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
+from ringmaster.workers.driver.worker_group import RankedWorker
 
 log = logging.getLogger("ringmaster.driver")
 
@@ -64,12 +64,22 @@ class Heartbeats:
         )
 
 
+class PolledGroup(Protocol):
+    """What a poll looks at of the group (worker_group.py's WorkerGroup)."""
+
+    workers: list[RankedWorker]
+
+    def unresponsive(
+        self, timeout_s: float, grace_s: float, workers: list[RankedWorker] | None = None
+    ) -> list[RankedWorker]: ...
+
+
 class GroupPoll:
     """Polls one training call of a group (one generation) until it finishes or breaks."""
 
     def __init__(
         self,
-        group: WorkerGroup,
+        group: PolledGroup,
         futures: dict[Any, RankedWorker],
         *,
         interval_s: float,

@@ -64,11 +64,6 @@ class RankedWorker:
         }
 
 
-def died_on_a_live_node(worker: RankedWorker) -> bool:
-    """Whether Ray recorded the worker's actor dead of its own process's death while its node lives on."""
-    return LiveRay().died_on_a_live_node(worker.actor_id)
-
-
 def order_ranks(placements: list[dict[str, Any]]) -> list[int]:
     """Indices of placements in rank order: each node's workers contiguous, nodes ordered by id.
 
