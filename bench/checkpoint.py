@@ -217,7 +217,7 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     from harness.sinks import CallbackSink
-    from ringmaster.workers.checkpoint.snapshots.peer_snapshots import SnapshotRef, SnapshotStore
+    from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore
     from ringmaster.workers.trainer import TrainContext, run_training
 
     store = SnapshotStore()

@@ -19,17 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ringmaster.workers.checkpoint.snapshots.peer_snapshots as peer_snapshots_module
+import ringmaster.workers.checkpoint.snapshots.transport as transport
 from harness.ports import free_port
 from harness.process_group import run_on_ranks
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
-    PeerSnapshots,
-    SnapshotRef,
-    SnapshotStore,
-    restore_from_peers,
-    snapshot_location,
-)
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
+from ringmaster.workers.checkpoint.snapshots.restore import restore_from_peers
 from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
+from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore, snapshot_location
 from ringmaster.workers.data.stream import DataPosition
 
 JOB, SPLIT_AT, DEAD = "live", 4, 2
@@ -182,7 +178,7 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
         _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
     snapshots.wait()
     if rank == DEAD:
-        peer_snapshots_module._FileGather.__call__ = lambda gather, content: os._exit(0)
+        transport.FileGather.__call__ = lambda gather, content: os._exit(0)
     try:
         _update(snapshots, optimizer, SPLIT_AT, _seal(snapshots, model, SPLIT_AT, rank, world_size))
         outcome = "completed"

@@ -23,8 +23,8 @@ from harness.ports import free_port
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import KEPT, SnapshotRef, SnapshotStore
 from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
+from ringmaster.workers.checkpoint.snapshots.store import SNAPSHOTS_KEPT, SnapshotRef, SnapshotStore
 from ringmaster.workers.models import build_bundle
 from ringmaster.workers.trainer import TrainContext, run_training
 
@@ -185,8 +185,10 @@ def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, A
         for cost in costs:
             buddy = costs[(cost["rank"] - 1) % 3]  # one replica, on the next rank round the ring
             assert cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"]
-            # Its own shards and its buddy's copied one, of each of the KEPT snapshots it holds (and their metadata).
-            assert cost["held_bytes"] >= KEPT * (cost["own_bytes_per_snapshot"] + buddy["copied_bytes_per_snapshot"])
+            # Its own shards and its buddy's copied one, of each of the snapshots it keeps (and their metadata).
+            assert cost["held_bytes"] >= SNAPSHOTS_KEPT * (
+                cost["own_bytes_per_snapshot"] + buddy["copied_bytes_per_snapshot"]
+            )
             assert cost["live_bytes_per_snapshot"] == 0
         # zero3's shards are on one rank each: nearly all of a rank's state goes to its buddy (what every rank holds
         # alike, as the step, stays home).
@@ -199,8 +201,8 @@ def test_each_ranks_host_memory_for_snapshots_is_reported_once(runs: dict[str, A
             assert cost["own_bytes_per_snapshot"] == cost["live_bytes_per_snapshot"] + cost["copied_bytes_per_snapshot"]
             assert cost["sent_bytes_per_snapshot"] == 2 * cost["copied_bytes_per_snapshot"]
             assert 0 < cost["copied_bytes_per_snapshot"] < 0.03 * state_bytes
-        # Each rank holds every rank's own values and the metadata of the KEPT snapshots, alike, and less than one
-        # copy of the state (keeping copies would take KEPT of them).
+        # Each rank holds every rank's own values and the metadata of the snapshots kept, alike, and less than one
+        # copy of the state (keeping copies would take SNAPSHOTS_KEPT of them).
         own_values = sum(cost["copied_bytes_per_snapshot"] for cost in costs)
         assert len({cost["held_bytes"] for cost in costs}) == 1, costs
-        assert KEPT * own_values < costs[0]["held_bytes"] < state_bytes
+        assert SNAPSHOTS_KEPT * own_values < costs[0]["held_bytes"] < state_bytes

@@ -1,4 +1,4 @@
-"""Snapshot files are written into the memory of snapshots a rank has let go (peer_snapshots._FileBuffers): the
+"""Snapshot files are written into the memory of snapshots a rank has let go (shard_file.FileBuffers): the
 snapshots it still holds keep exactly what they held when they were taken, while later steps reuse older buffers
 (two local gloo ranks, each taken for a node, with state of its own that goes to the buddy and state both hold)."""
 
@@ -11,13 +11,8 @@ import torch
 from torch import nn
 
 from harness.process_group import run_on_ranks
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
-    KEPT,
-    PeerSnapshots,
-    SnapshotRef,
-    SnapshotStore,
-    snapshot_location,
-)
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
+from ringmaster.workers.checkpoint.snapshots.store import SNAPSHOTS_KEPT, SnapshotRef, SnapshotStore, snapshot_location
 from ringmaster.workers.data.stream import DataPosition
 
 JOB, STEPS = "reused-buffers", 7
@@ -70,7 +65,7 @@ def test_held_snapshots_keep_their_content_while_later_ones_reuse_memory(tmp_pat
     run_on_ranks(_snapshot_steps, 2, str(tmp_path))
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["held"] == list(range(STEPS - KEPT + 1, STEPS + 1))
+        assert result["held"] == list(range(STEPS - SNAPSHOTS_KEPT + 1, STEPS + 1))
         assert result["unchanged"] == {str(step): True for step in result["held"]}
         buddy = 1 - rank
         # its own two files and the copy of its buddy's: every one written into memory a let-go snapshot had

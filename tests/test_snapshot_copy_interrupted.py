@@ -19,13 +19,9 @@ from torch import nn
 
 import ringmaster.workers.checkpoint.snapshots.peer_snapshots as peer_snapshots_module
 from harness.process_group import run_on_ranks
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
-    PeerSnapshots,
-    SnapshotRef,
-    SnapshotStore,
-    snapshot_location,
-)
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
 from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
+from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore, snapshot_location
 from ringmaster.workers.data.stream import DataPosition
 
 WORLD_SIZE, DYING = 3, 2
@@ -82,7 +78,7 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     }
     Path(root, f"sent-{rank}.json").write_text(json.dumps(sent))
     if rank == DYING:
-        peer_snapshots_module._exchange = _die_mid_copy
+        peer_snapshots_module.exchange = _die_mid_copy  # where PeerSnapshots looks it up
     try:
         step(3)
         snapshots.wait()

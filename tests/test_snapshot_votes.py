@@ -13,13 +13,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from harness.process_group import run_on_ranks
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import (
-    PeerSnapshots,
-    SnapshotReader,
-    SnapshotRef,
-    SnapshotStore,
-    snapshot_location,
-)
+from ringmaster.workers.checkpoint.snapshots.dcp_storage import SnapshotReader
+from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
+from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore, snapshot_location
 from ringmaster.workers.data.stream import DataPosition
 
 JOB, STEPS, MOVED_AT = "votes", 5, 3

@@ -262,7 +262,7 @@ class Rank:
         # The group formed while the warm-up thread imported the rest; training needs all of it.
         self._warm.join()
         from ringmaster.service.spec import JobSpec
-        from ringmaster.workers.checkpoint.snapshots.peer_snapshots import SnapshotRef, SnapshotStore
+        from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore
         from ringmaster.workers.trainer import TrainContext, run_training
 
         if self._snapshots is None:

@@ -27,7 +27,7 @@ from ringmaster.workers.checkpoint.durable import (
     find_resume_point,
     load_checkpoint,
 )
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import restore_from_peers
+from ringmaster.workers.checkpoint.snapshots.restore import restore_from_peers
 from ringmaster.workers.checkpoint.storage import CheckpointStorage
 from ringmaster.workers.checkpoint.training_state import checkpoint_stager
 from ringmaster.workers.data.stream import DataPosition

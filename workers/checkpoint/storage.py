@@ -19,7 +19,8 @@ from urllib.parse import urlparse
 import fsspec
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from ringmaster.workers.torch_internals import FsspecReader, FsspecWriter
 
 
 class CheckpointStorage(ABC):
