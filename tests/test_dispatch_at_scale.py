@@ -42,8 +42,9 @@ pytestmark = pytest.mark.postgres
 
 JOB_COUNT = 2000
 DISPATCHERS = ("dispatcher-a", "dispatcher-b")
-# A hang guard, not the target: the test prints how long it took.
-DEADLINE_S = 150
+# A stall guard, not a speed target: the test fails only once nothing moved (no job finished, no attempt closed) for
+# this long, and prints how long the drain took. The suite's pytest timeout bounds the whole test.
+STALL_S = 60
 
 _standin = MetaData()
 submissions = Table(
@@ -174,13 +175,15 @@ def test_two_dispatcher_processes_dispatch_2000_jobs_exactly_once(postgres_url: 
         started, all_finished = time.monotonic(), None
         go.set()
         # Done when every job ended and both dispatchers closed every attempt (released its resources).
-        while _count(database, finished) < JOB_COUNT or _count(database, open_attempts) > 0:
+        progress, moved = (0, 0), time.monotonic()
+        while (now := (_count(database, finished), _count(database, open_attempts))) != (JOB_COUNT, 0):
             assert all(process.is_alive() for process in processes), "a dispatcher process died"
-            assert time.monotonic() - started < DEADLINE_S, (
-                f"{_count(database, finished)} of {JOB_COUNT} jobs finished, "
-                f"{_count(database, open_attempts)} attempts open after {DEADLINE_S} s"
+            if now != progress:
+                progress, moved = now, time.monotonic()
+            assert time.monotonic() - moved < STALL_S, (
+                f"stalled: {now[0]} of {JOB_COUNT} jobs finished, {now[1]} attempts open, nothing moved for {STALL_S} s"
             )
-            if all_finished is None and _count(database, finished) == JOB_COUNT:
+            if all_finished is None and now[0] == JOB_COUNT:
                 all_finished = time.monotonic() - started
             time.sleep(0.2)
         elapsed = time.monotonic() - started
