@@ -262,7 +262,7 @@ def _snapshot_rank(rank: int, port: int, args: argparse.Namespace, root: str) ->
                 ranks_per_node=one_per_node,
                 generation=generation,
                 snapshot_store=store,
-                memory_resume=resume,
+                resume_snapshot=resume,
             ),
         )
         return walls, events, cpu

@@ -1,12 +1,12 @@
 """Snapshots of live state (ddp: every rank holds the whole model and optimizer state): when a failure leaves the
 survivors one step apart, the group continues from the newer step, no step redone (three local gloo ranks, each
-taken for a node, following the trainer's order: vote, seal, optimizer step, after_update).
+taken for a node, following the trainer's order: vote, begin_snapshot, optimizer step, complete_snapshot).
 
-At step 4 every rank seals; rank 0 completes the optimizer step; rank 1 is left as a rank whose all-gather broke off
-when its peer died (its store without step 4's files, its live state still step 3's); rank 2 dies. Between the seal
-and the end of the update, a rank's live state is no snapshot at all: it holds none of it. Once a group's training
-ends, its live files become copies held in host memory. A rank lost during the seal's all-gather leaves the others
-nothing of the new step and their last step whole."""
+At step 4 every rank begins the snapshot (every rank's own items gathered by every rank); rank 0 completes the
+optimizer step; rank 1 is left as a rank whose all-gather broke off when its peer died (its store without step 4's
+files, its live state still step 3's); rank 2 dies. Between the gather and the end of the update, a rank's live state
+is no snapshot at all: it holds none of it. Once a group's training ends, its live files become copies held in host
+memory. A rank lost during the gather leaves the others nothing of the new step and their last step whole."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch import nn
 import ringmaster.workers.checkpoint.snapshots.transport as transport
 from harness.ports import free_port
 from harness.process_group import run_on_ranks
-from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
+from ringmaster.workers.checkpoint.snapshots.live_state import LiveStateSnapshots
 from ringmaster.workers.checkpoint.snapshots.restore import restore_from_peers
 from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
 from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore, snapshot_location
@@ -43,9 +43,9 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[floa
     return [tensor.flatten().tolist() for tensor in tensors]
 
 
-def _seal(snapshots: PeerSnapshots, model: nn.Module, step: int, rank: int, world_size: int) -> bool:
+def _begin(snapshots: LiveStateSnapshots, model: nn.Module, step: int, rank: int, world_size: int) -> bool:
     """A step up to its update, in the trainer's order: gradients averaged as DDP does, the group's vote on the
-    state's structure, the seal. Returns the vote."""
+    state's structure, the step's snapshot begun. Returns the vote."""
     torch.manual_seed(100 * step + rank)  # each rank's own RNG stream: its state is the rank's own value
     model(torch.randn(4, 8)).square().sum().backward()
     for parameter in model.parameters():
@@ -54,14 +54,14 @@ def _seal(snapshots: PeerSnapshots, model: nn.Module, step: int, rank: int, worl
     vote = torch.tensor([float(snapshots.structure_changed())])
     dist.all_reduce(vote)
     changed = bool(vote.item())
-    snapshots.seal(step, DataPosition(0, 4 * step), changed_anywhere=changed)
+    snapshots.begin_snapshot(step, DataPosition(0, 4 * step), changed_anywhere=changed)
     return changed
 
 
-def _update(snapshots: PeerSnapshots, optimizer: torch.optim.Optimizer, step: int, changed: bool) -> None:
+def _update(snapshots: LiveStateSnapshots, optimizer: torch.optim.Optimizer, step: int, changed: bool) -> None:
     optimizer.step()
     optimizer.zero_grad()
-    snapshots.after_update(step)
+    snapshots.complete_snapshot(step)
     if changed:
         snapshots.take(step, DataPosition(0, 4 * step), changed_anywhere=True)
 
@@ -70,7 +70,7 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
     torch.manual_seed(0)
     model, optimizer = _model()
     store = SnapshotStore()
-    snapshots = PeerSnapshots(
+    snapshots = LiveStateSnapshots(
         store,
         JOB,
         1,
@@ -79,18 +79,17 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
         torch.device("cpu"),
         model_parts=[model],
         optimizers=[optimizer],
-        live_state=True,
     )
     result: dict = {}
 
     for step in range(1, SPLIT_AT):
-        _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
+        _update(snapshots, optimizer, step, _begin(snapshots, model, step, rank, world_size))
     snapshots.wait()
     before = snapshot_location(JOB, SnapshotRef(1, SPLIT_AT - 1))
-    result["held_before_seal"] = sorted(store.names(before))
-    changed = _seal(snapshots, model, SPLIT_AT, rank, world_size)
+    result["held_before_gather"] = sorted(store.names(before))
+    changed = _begin(snapshots, model, SPLIT_AT, rank, world_size)
     result["rng_at_split"] = torch.get_rng_state().tolist()
-    result["held_after_seal"] = sorted(store.names(before))
+    result["held_after_gather"] = sorted(store.names(before))
     if rank == 0:
         _update(snapshots, optimizer, SPLIT_AT, changed)
         result["live_at_split"] = _state(model, optimizer)
@@ -135,11 +134,11 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
 def test_survivors_a_step_apart_continue_from_the_newer_step(tmp_path: Path) -> None:
     run_on_ranks(_split_by_a_failure, 3, str(tmp_path), free_port())
     first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
-    # Until the seal a rank's live state is its snapshot of step 3; from the seal on it holds no part of it.
+    # Until the gather a rank's live state is its snapshot of step 3; from the gather on it holds no part of it.
     for result, rank in ((first, 0), (second, 1)):
-        assert f"__{rank}_1.distcp" in result["held_before_seal"]
-        assert f"__{rank}_1.distcp" not in result["held_after_seal"]
-        assert {f"__{other}_0.distcp" for other in range(3)} <= set(result["held_after_seal"])
+        assert f"__{rank}_1.distcp" in result["held_before_gather"]
+        assert f"__{rank}_1.distcp" not in result["held_after_gather"]
+        assert {f"__{other}_0.distcp" for other in range(3)} <= set(result["held_after_gather"])
     # Once their group ended, each holds its live step's file as a copy; the older one's live file went.
     assert "__0_1.distcp" in first[f"held_{SPLIT_AT}"] and "__0_1.distcp" not in first[f"held_{SPLIT_AT - 1}"]
     assert "__1_1.distcp" in second[f"held_{SPLIT_AT - 1}"]
@@ -152,7 +151,7 @@ def test_survivors_a_step_apart_continue_from_the_newer_step(tmp_path: Path) -> 
     assert first["received"] == 0 and second["received"] > 0
     assert second["live_before_restore"] != first["live_at_split"]
     assert first["restored"] == second["restored"] == first["live_at_split"]
-    # Each rank's own RNG state of step 4 came back to it (rank 1's from rank 0, which the seal sent it).
+    # Each rank's own RNG state of step 4 came back to it (rank 1's from rank 0, which the gather sent it).
     assert first["rng_restored"] == first["rng_at_split"]
     assert second["rng_restored"] == second["rng_at_split"]
 
@@ -161,7 +160,7 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(0)
     model, optimizer = _model()
     store = SnapshotStore()
-    snapshots = PeerSnapshots(
+    snapshots = LiveStateSnapshots(
         store,
         JOB,
         1,
@@ -170,17 +169,16 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
         torch.device("cpu"),
         model_parts=[model],
         optimizers=[optimizer],
-        live_state=True,
         timeout=timedelta(seconds=15),
     )
 
     for step in range(1, SPLIT_AT):
-        _update(snapshots, optimizer, step, _seal(snapshots, model, step, rank, world_size))
+        _update(snapshots, optimizer, step, _begin(snapshots, model, step, rank, world_size))
     snapshots.wait()
     if rank == DEAD:
         transport.FileGather.__call__ = lambda gather, content: os._exit(0)
     try:
-        _update(snapshots, optimizer, SPLIT_AT, _seal(snapshots, model, SPLIT_AT, rank, world_size))
+        _update(snapshots, optimizer, SPLIT_AT, _begin(snapshots, model, SPLIT_AT, rank, world_size))
         outcome = "completed"
     except Exception as error:  # the all-gather broke off with its peer
         outcome = type(error).__name__
@@ -193,7 +191,7 @@ def _die_in_the_gather(rank: int, world_size: int, root: str) -> None:
     os._exit(0)  # the group has a dead member: leave without its teardown
 
 
-def test_a_rank_lost_in_the_seal_leaves_the_last_step_whole(tmp_path: Path) -> None:
+def test_a_rank_lost_in_the_gather_of_own_items_leaves_the_last_step_whole(tmp_path: Path) -> None:
     """A rank dies as the others gather step 4's own values: they hold nothing of step 4 and never update, and their
     live state is still step 3's whole snapshot, the one chosen."""
     run_on_ranks(_die_in_the_gather, 3, str(tmp_path))

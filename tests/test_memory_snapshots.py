@@ -73,7 +73,7 @@ def _train(
             ranks_per_node=(1,) * world_size,
             generation=generation,
             snapshot_store=store,
-            memory_resume=resume,
+            resume_snapshot=resume,
             sink=CallbackSink(
                 on_metric=points.append,
                 on_event=lambda message, details: events.append(details),
@@ -141,7 +141,7 @@ def test_a_regrouped_run_continues_from_peers_memory_as_the_uninterrupted_one(
     [restored] = runs[strategy][f"{job}-restored"]
     assert (restored["source"], restored["restored_step"], restored["storage_reads"]) == ("memory", STOP_AFTER, 0)
     if strategy == "ddp" and ending == "shrink":
-        # Every survivor held every rank's own values (the seal sends them to all) and the rest is its live state.
+        # Every survivor held every rank's own values (begin_snapshot sends them to all) and the rest is its live state.
         assert restored["bytes_moved"] == 0
     else:
         # The lost rank's shard came from its buddy; with a replacement it moved again, to the new rank.

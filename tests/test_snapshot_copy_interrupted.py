@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ringmaster.workers.checkpoint.snapshots.peer_snapshots as peer_snapshots_module
+import ringmaster.workers.checkpoint.snapshots.group_snapshots as group_snapshots
 from harness.process_group import run_on_ranks
 from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
 from ringmaster.workers.checkpoint.snapshots.resume_choice import choose_snapshot
@@ -78,7 +78,7 @@ def _copy_interrupted(rank: int, world_size: int, root: str) -> None:
     }
     Path(root, f"sent-{rank}.json").write_text(json.dumps(sent))
     if rank == DYING:
-        peer_snapshots_module.exchange = _die_mid_copy  # where PeerSnapshots looks it up
+        group_snapshots.exchange = _die_mid_copy  # where the snapshots look it up
     try:
         step(3)
         snapshots.wait()

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
+    from ringmaster.workers.checkpoint.snapshots.store import SnapshotStore
 
 log = logging.getLogger("ringmaster.rank_process")
 
@@ -145,7 +146,7 @@ class Rank:
 
     def __init__(self, pooled: bool) -> None:
         self._outbox = RankOutbox()
-        self._snapshots: Any = None  # this process's in-memory snapshots, made with the training stack
+        self._snapshots: SnapshotStore | None = None  # this process's in-memory snapshots, made with the training stack
         self._rendezvous: socket.socket | None = None  # where the group this rank leads next meets (rendezvous_port)
         self._group_lock = threading.Lock()
         self._place: tuple[int, int] | None = None  # (rank, world size) in the group it last joined
@@ -281,7 +282,7 @@ class Rank:
             resume_from_root=resume_from_root,
             attempt=attempt,
             snapshot_store=self._snapshots,
-            memory_resume=SnapshotRef(**memory_resume) if memory_resume else None,
+            resume_snapshot=SnapshotRef(**memory_resume) if memory_resume else None,
         )
         try:
             result = run_training(spec, context)

@@ -28,6 +28,7 @@ from ringmaster.workers.checkpoint.durable import (
     load_checkpoint,
 )
 from ringmaster.workers.checkpoint.snapshots.restore import restore_from_peers
+from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore
 from ringmaster.workers.checkpoint.storage import CheckpointStorage
 from ringmaster.workers.checkpoint.training_state import checkpoint_stager
 from ringmaster.workers.data.stream import DataPosition
@@ -64,8 +65,8 @@ class Checkpointer:
     def restore(self) -> Restored:
         """Collective: load the newest usable checkpoint (this job's, else resume_from's) and replay the metric
         points it kept; rank 0 reports what it restored and the corrupt checkpoints it skipped."""
-        if self._ctx.memory_resume is not None:
-            return self._restore_from_memory()
+        if self._ctx.resume_snapshot is not None:
+            return self._restore_from_snapshot(self._ctx.resume_snapshot)
         latest, corrupt = self._agreed_resume_point()
         restored = Restored(0, DataPosition(), None)
         ctx = self._ctx
@@ -101,7 +102,7 @@ class Checkpointer:
         self.saved_step, self.latest_uri = restored.step, restored.uri
         return restored
 
-    def _restore_from_memory(self) -> Restored:
+    def _restore_from_snapshot(self, ref: SnapshotRef) -> Restored:
         """Collective: continue from the snapshot the driver chose, moved between peers' memory; rank 0 reports how
         long it took, the bytes moved and the storage reads made (every rank's, summed: none is expected)."""
         ctx = self._ctx
@@ -111,9 +112,9 @@ class Checkpointer:
         dist.barrier(group=group)
         began, reads_before = time.perf_counter(), CheckpointStorage.reads
         progress, metrics, received = restore_from_peers(
-            ctx.snapshot_store,
+            cast(SnapshotStore, ctx.snapshot_store),  # a resume from a snapshot comes with the store that holds it
             ctx.job_id,
-            ctx.memory_resume,
+            ref,
             group,
             model_parts=self._parallel.parts,
             optimizers=self._parallel.optimizers,
@@ -132,7 +133,7 @@ class Checkpointer:
                     "source": "memory",
                     "bytes_moved": moved,
                     "storage_reads": reads,
-                    "snapshot_generation": ctx.memory_resume.generation,
+                    "snapshot_generation": ref.generation,
                 },
             )
             self._metrics.replay(metrics)

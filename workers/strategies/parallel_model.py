@@ -79,7 +79,7 @@ class ParallelModel:
     # Pipeline only: parameters the unsplit model shares between stages (tied embeddings), a copy on each holder.
     tied: list[TiedAcrossStages] = field(default_factory=list)
     # Every rank holds the whole model and optimizer state, and the optimizer step runs no collective (ddp): a rank's
-    # live state is a copy of every peer's, which in-memory snapshots need not copy again (PeerSnapshots.live_state).
+    # live state is a copy of every peer's, which in-memory snapshots need not copy again (LiveStateSnapshots).
     state_replicated: bool = False
 
 

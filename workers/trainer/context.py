@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
+from ringmaster.workers.checkpoint.snapshots.store import SnapshotRef, SnapshotStore
 
 
 class ProgressSink(Protocol):
@@ -67,9 +68,9 @@ class TrainContext:
     # The job attempt this run serves: the metric points a checkpoint keeps name it.
     attempt: int = 1
     # This process's in-memory snapshots (workers/checkpoint/snapshots/), kept across the groups it joins; None: none.
-    snapshot_store: Any = None
-    # The snapshot the driver chose to resume from (a SnapshotRef the members hold between them); None: from storage.
-    memory_resume: Any = None
+    snapshot_store: SnapshotStore | None = None
+    # The snapshot the driver chose to resume from (the members hold it between them); None: from storage.
+    resume_snapshot: SnapshotRef | None = None
 
 
 @dataclass(frozen=True)

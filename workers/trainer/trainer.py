@@ -23,8 +23,10 @@ from torch.utils.data import Dataset
 
 from ringmaster.service.reports import MetricPoint
 from ringmaster.service.spec import DataSourceSpec, JobSpec
-from ringmaster.workers.checkpoint.checkpointer import Checkpointer
+from ringmaster.workers.checkpoint import Checkpointer
+from ringmaster.workers.checkpoint.snapshots.live_state import LiveStateSnapshots
 from ringmaster.workers.checkpoint.snapshots.peer_snapshots import PeerSnapshots
+from ringmaster.workers.checkpoint.snapshots.step_snapshots import NoSnapshots, StepEnd, StepSnapshots
 from ringmaster.workers.checkpoint.storage import LocalStorage, storage_for
 from ringmaster.workers.data.audit import SampleAudit
 from ringmaster.workers.data.stream import GlobalBatchStream
@@ -79,28 +81,12 @@ class Trainer:
             pipeline_group=mesh["pp"].get_group() if dims.pp > 1 else None,
             counted_elsewhere=[copy for tied in self.parallel.tied for copy in tied.duplicates],
         )
-        replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
-        self._snapshots = (
-            None
-            if replicas is None or ctx.snapshot_store is None
-            else PeerSnapshots(
-                ctx.snapshot_store,
-                ctx.job_id,
-                ctx.generation,
-                replicas,
-                ctx.ranks_per_node,
-                ctx.device,
-                model_parts=self.parallel.parts,
-                optimizers=self.parallel.optimizers,
-                live_state=self.parallel.state_replicated,
-                report=self._report_snapshot_cost if ctx.rank == 0 else None,
-            )
-        )
+        self._snapshots = _step_snapshots(spec, ctx, self.parallel)
         self._metrics = RankMetrics(
             ctx.attempt,
             ctx.sink.metric,
             ctx.sink.metrics_acknowledged,
-            keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots is not None,
+            keep_for_checkpoints=bool(spec.checkpoint.every_steps) or self._snapshots.takes_snapshots,
         )
         self._checkpointer = Checkpointer(spec, ctx, self.parallel, self._metrics)
         # FSDP2 modules (fully_shard, replicate) cast to bf16 by their MixedPrecisionPolicy; the rest autocast.
@@ -126,8 +112,8 @@ class Trainer:
         )
         # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot]: one all-reduce per step carries
         # them. Only loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.
-        self._step_stats = torch.zeros(3 if self._snapshots is not None else 2, device=ctx.device)
-        self._snapshot_structure_changed = True  # the group's vote of the last step (the first snapshot is a full save)
+        self._step_stats = torch.zeros(3, device=ctx.device)
+        self._reduced_stats: list[float] = []  # the step's all-reduced stats, on the host
         self._memory_reported = False
         self.step = 0
         self.loss: float | None = None
@@ -137,9 +123,7 @@ class Trainer:
         committed checkpoint; collective over the process group."""
         spec, ctx = self.spec, self.ctx
         restored = self._checkpointer.restore()
-        if self._snapshots is None and ctx.snapshot_store is not None:
-            # A group that takes no snapshots (one on a single node) leaves none behind that are older than its state.
-            ctx.snapshot_store.drop(ctx.job_id)
+        self._snapshots.after_restore()
         self.step = restored.step
         self._stream = GlobalBatchStream(
             cast(Dataset[Any], self._bundle.train_dataset),  # build_bundle raised without one
@@ -155,17 +139,11 @@ class Trainer:
         try:
             result = self._train_from_restored()
         except BaseException:
-            if self._snapshots is not None and self._snapshots.live_state:
-                self._snapshots.hold_copies_of_live()  # the next group restores from them, with a model of its own
+            self._snapshots.training_failed()
             raise
         finally:
             self._stream.close()
-        if self._snapshots is not None:
-            self._snapshots.close()  # the last snapshot (of a stop's step) is complete for the next group to use
-            if not result.stopped:
-                self.ctx.snapshot_store.drop(self.ctx.job_id)
-            elif self._snapshots.live_state:
-                self._snapshots.hold_copies_of_live()
+        self._snapshots.training_ended(stopped=result.stopped)
         return result
 
     def _train_from_restored(self) -> TrainResult:
@@ -177,14 +155,6 @@ class Trainer:
         while self.step < spec.train.steps and not stopped:
             self._checkpointer.settle(block=False)
             stopped = self.train_step()
-            snapshots = self._snapshots
-            if snapshots is not None and self._snapshot_due():
-                snapshots.take(
-                    self.step,
-                    self._stream.position,
-                    metrics=self._metrics_for_snapshot(),
-                    changed_anywhere=self._snapshot_structure_changed,
-                )
             saving = stopped or self._checkpointer.due(self.step)
             if self._validation_due(saving):
                 self._validate()
@@ -209,8 +179,8 @@ class Trainer:
         return TrainResult(self.step, self.loss, val_loss, uri, stopped=False)
 
     def train_step(self) -> bool:
-        """One optimizer step over `accumulation` micro-steps; rank 0 records its metrics. True: the driver asked
-        the group to stop after it (and it was not the last step)."""
+        """One optimizer step over `accumulation` micro-steps, and its snapshot; rank 0 records its metrics. True: the
+        driver asked the group to stop after it (and it was not the last step)."""
         started = time.perf_counter()
         self._step_stats.zero_()
         loss_sum, stop_votes = self._step_stats[0], self._step_stats[1]
@@ -227,8 +197,7 @@ class Trainer:
             if micro_loss is not None:
                 loss_sum.add_(micro_loss)
         self._checkpointer.before_state_changes()
-        if self._snapshots is not None:
-            self._snapshots.before_state_changes()
+        self._snapshots.before_state_changes()
         for stage in self.parallel.stages:
             stage.scale_grads(self.spec.parallel.microbatches * self._accumulation)  # the schedule left them summed
         for tied in self.parallel.tied:
@@ -236,43 +205,40 @@ class Trainer:
         if self.ctx.sink.stop_requested():
             stop_votes.fill_(1.0)
         self._optimizer.clip()
-        if self._snapshots is None:
-            reduction = dist.all_reduce(self._step_stats, async_op=True)  # overlaps the optimizer step
-            lr = self._update(self.step)
-            reduction.wait()
-        elif self._snapshots.live_state:
-            return self._update_into_live_snapshot(self._snapshots, started, sample_ids)
-        else:
-            # The snapshot after this step needs the group's vote on whether the state left its structure, which the
-            # optimizer step settles: the step's one all-reduce carries the vote, after the step.
-            lr = self._update(self.step)
-            self._step_stats[2] = float(self._snapshots.structure_changed())
-            dist.all_reduce(self._step_stats)
-        return self._close_step(started, lr, sample_ids)
-
-    def _update_into_live_snapshot(self, snapshots: PeerSnapshots, started: float, sample_ids: list[int]) -> bool:
-        """The step's end when snapshots take the live state (PeerSnapshots.live_state): the step's all-reduce comes
-        before the update, with the vote on the state's structure as the last update left it, so rank 0's metric
-        point of this step is in what `seal` sends every rank; the update then makes the live state the rest of
-        this step's snapshot. The step time of the point so ends before the update."""
-        self._step_stats[2] = float(snapshots.structure_changed())
-        dist.all_reduce(self._step_stats)
-        stop = self._close_step(started, self._optimizer.lr(self.step), sample_ids)
-        snapshots.seal(
-            self.step,
-            self._stream.position,
-            self._metrics_for_snapshot(),
-            changed_anywhere=self._snapshot_structure_changed,
+        completed = self.step
+        # The snapshots put the step's end in the order they need (StepSnapshots.end_step).
+        return self._snapshots.end_step(
+            StepEnd(
+                step=completed + 1,
+                position=self._stream.position,
+                last=completed + 1 >= self.spec.train.steps,
+                reduce=self._reduce_step_stats,
+                reduce_during_update=lambda: self._reduce_step_stats_during_update(completed),
+                update=lambda: self._update(completed),
+                close=lambda: self._close_step(started, self._optimizer.lr(completed), sample_ids),
+                metrics=self._metrics_for_snapshot,
+            )
         )
-        self._update(self.step - 1)
-        snapshots.after_update(self.step)
-        return stop
+
+    def _reduce_step_stats(self, structure_changed: bool) -> bool:
+        """The step's all-reduce, with this rank's vote that its state left the snapshots' layout; returns whether
+        any rank voted so."""
+        self._step_stats[2] = float(structure_changed)
+        dist.all_reduce(self._step_stats)
+        self._reduced_stats = self._step_stats.tolist()
+        return self._reduced_stats[2] > 0
+
+    def _reduce_step_stats_during_update(self, completed_steps: int) -> None:
+        """The step's all-reduce (no vote), overlapping the optimizer update."""
+        reduction = dist.all_reduce(self._step_stats, async_op=True)
+        self._update(completed_steps)
+        reduction.wait()
+        self._reduced_stats = self._step_stats.tolist()
 
     def _close_step(self, started: float, lr: float, sample_ids: list[int]) -> bool:
         """Count the step: its loss and votes from the step's all-reduce, its samples in the audit, rank 0's metric
         point. True: the driver asked the group to stop after it (and it was not the last step)."""
-        summed_loss, votes, *structure_votes = self._step_stats.tolist()
-        self._snapshot_structure_changed = bool(structure_votes and structure_votes[0])
+        summed_loss, votes = self._reduced_stats[:2]
         step_time = time.perf_counter() - started
         self.step += 1
         self.loss = summed_loss / (self._accumulation * self._dims.dp)
@@ -303,35 +269,16 @@ class Trainer:
             )  # sent with the step's validation, if it has one
         return votes > 0 and self.step < self.spec.train.steps
 
-    def _update(self, completed_steps: int) -> float:
-        """The optimizer update after the gradients' clipping (this rank's memory reported after its first); returns
-        the learning rate."""
-        lr = self._optimizer.update(completed_steps)
+    def _update(self, completed_steps: int) -> None:
+        """The optimizer update after the gradients' clipping (this rank's memory reported after its first)."""
+        self._optimizer.update(completed_steps)
         if not self._memory_reported:
             self.ctx.sink.memory(measure_rank_memory(self.ctx.rank, self.parallel, self._dims, self._parameter_count))
             self._memory_reported = True
         self._optimizer.zero_grad()
-        return lr
-
-    def _snapshot_due(self) -> bool:
-        """Whether a snapshot is taken after the step just done: after every step but the last, or with snapshots of
-        live state only after a change of structure (a full save; seal and after_update took the others)."""
-        snapshots = self._snapshots
-        if snapshots is None or self.step >= self.spec.train.steps:
-            return False
-        return not snapshots.live_state or self._snapshot_structure_changed
 
     def _metrics_for_snapshot(self) -> str | None:
         return self._metrics.for_checkpoint_json() if self.ctx.rank == 0 else None
-
-    def _report_snapshot_cost(self, costs: list[dict[str, int]]) -> None:
-        most = max(costs, key=lambda cost: cost["held_bytes"])
-        self.ctx.sink.event(
-            f"in-memory snapshots hold up to {most['held_bytes']} bytes of host memory per rank "
-            f"(rank {most['rank']}); each snapshot sends {sum(c['sent_bytes_per_snapshot'] for c in costs)} "
-            "bytes to buddies in all",
-            {"snapshot_host_memory": costs},
-        )
 
     def _validation_due(self, saving: bool) -> bool:
         """Whether to evaluate after this step, before its metric point is sent (which then carries the value): every
@@ -369,6 +316,26 @@ class Trainer:
                 f"is {self.ctx.storage_root!r}"
             )
         return SampleAudit(root, self.ctx.rank, self._dp_rank, self.ctx.generation)
+
+
+def _step_snapshots(spec: JobSpec, ctx: TrainContext, parallel: ParallelModel) -> StepSnapshots:
+    """The in-memory snapshots this group takes (checkpoint.in_memory): none on one node; the live state itself where
+    every rank holds all of it (ddp); else copies on buddies."""
+    replicas = spec.checkpoint.in_memory_replicas(nodes=len(ctx.ranks_per_node) if ctx.ranks_per_node else 1)
+    if replicas is None or ctx.snapshot_store is None:
+        return NoSnapshots(ctx.snapshot_store, ctx.job_id)
+    kind = LiveStateSnapshots if parallel.state_replicated else PeerSnapshots
+    return kind(
+        ctx.snapshot_store,
+        ctx.job_id,
+        ctx.generation,
+        replicas,
+        ctx.ranks_per_node,
+        ctx.device,
+        model_parts=parallel.parts,
+        optimizers=parallel.optimizers,
+        report=ctx.sink.event if ctx.rank == 0 else None,
+    )
 
 
 def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:

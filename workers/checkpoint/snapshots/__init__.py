@@ -24,15 +24,15 @@ own per step). The optimizer step waits for the snapshot before it; one is in fl
 every member holds the snapshot of the last step or the one before: a failure costs at most one step.
 
 Where every rank holds the whole model and optimizer state and the optimizer step runs no collective (ddp), nothing
-of that state is copied (PeerSnapshots' `live_state`): a rank's live state is its snapshot of the step it last
-completed, a file made only when read (LiveFile). Before each optimizer step every rank's own items of the coming
-step's snapshot (its RNG states, rank 0's metric points) go to every rank in one all-gather (`seal`); a rank that
+of that state is copied (LiveStateSnapshots): a rank's live state is its snapshot of the step it last completed, a
+file made only when read (LiveFile). Before each optimizer step every rank's own items of the coming step's snapshot
+(its RNG states, rank 0's metric points) go to every rank in one all-gather (`begin_snapshot`); a rank that
 completes the step then holds the whole snapshot of its new state, and one that a failure stopped before it still
 holds the one before, so the group continues from the newer step and redoes none.
 
 After a failure the driver asks every member of the new group what it holds (`SnapshotStore.inventory`) and names
-the newest snapshot they cover between them (resume_choice.py); `restore_from_peers` then moves to
-each rank, over the new group, the shard files its part of the state needs (DCP's own load planner says which), and
+the newest snapshot they cover between them (resume_choice.py); `restore_from_peers` then moves to each
+rank, over the new group, the shard files its part of the state needs (DCP's own load planner says which), and
 DCP loads and reshards them to the new world size. Durable checkpoints are untouched; they serve only when memory
 cannot cover a snapshot.
 
@@ -42,7 +42,10 @@ The modules, one concern each:
 - shard_file.py: the format of a rank's shard file (RawSlot), and the memory of files let go, reused (FileBuffers).
 - dcp_storage.py: DCP storage in the store (SnapshotWriter, SnapshotReader): which rank writes which item where.
 - layout.py: what the snapshots of a group share while the state keeps its structure, and its fingerprints.
-- peer_snapshots.py: one group's snapshots (PeerSnapshots), taken after every step and copied to buddies.
+- step_snapshots.py: the trainer's one interface to a group's snapshots (StepSnapshots), NoSnapshots where none.
+- group_snapshots.py: what both kinds of a group's snapshots share (the full save that makes the layout, the buddies).
+- peer_snapshots.py: snapshots taken after every step and copied to buddies (PeerSnapshots): sharded state.
+- live_state.py: snapshots that are the live state itself, where every rank holds all of it (LiveStateSnapshots).
 - transport.py: how files travel between ranks (the buddies' ring exchange, an all-gather, one file sent).
 - restore.py: a re-formed group's restore from its members' memory (`restore_from_peers`).
 - resume_choice.py: which snapshot a re-formed group resumes from (plain data, no torch: the driver's choice).

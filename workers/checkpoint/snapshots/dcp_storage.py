@@ -80,9 +80,9 @@ def _spread_replicas(
 class SnapshotWriter(StorageWriter):
     """DCP storage for a snapshot: each rank's two shard files (_RankFiles, each a build_shard_file) in the process's
     store; the coordinator writes the metadata, naming for each item its slot and the replicas' slots. It keeps the
-    items of each file this rank wrote, for the snapshots that reuse them (PeerSnapshots). `node_of`: each rank's
+    items of each file this rank wrote, for the snapshots that reuse them (layout.py). `node_of`: each rank's
     node; `copies`: on how many nodes a replicated item is kept (the buddy copies and the own one); None: an item
-    every rank holds is kept by every rank (its live state, PeerSnapshots' `live_state`), the rest is copied."""
+    every rank holds is kept by every rank (its live state: LiveStateSnapshots), the rest is copied."""
 
     def __init__(self, store: SnapshotStore, location: str, node_of: list[int], copies: int | None) -> None:
         super().__init__()
