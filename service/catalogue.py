@@ -91,7 +91,7 @@ class BuiltinModel:
     name: str
     entrypoint: str  # package.module:function in workers/models, called with model_options
     corpus: str
-    # The size options and their defaults (the builder's own; tests/test_planner_models.py keeps them equal).
+    # The size options and their defaults (the builder's own; tests/service/test_planner_models.py keeps them equal).
     size_defaults: dict[str, int] = field(default_factory=dict)
     # The builder's options that do not change the model's size (data options): planning ignores them.
     data_options: tuple[str, ...] = ()

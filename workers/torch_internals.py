@@ -1,7 +1,7 @@
 """Every private torch API ringmaster relies on, each behind one small function or name, for the torch range that
 pyproject.toml allows (`TESTED_TORCH`).
 
-torch gives no promise about names with a leading underscore. tests/test_torch_internals.py checks each one here
+torch gives no promise about names with a leading underscore. tests/workers/test_torch_internals.py checks each one here
 against its meaning, so a torch release that moves or changes one fails there, by name, rather than deep inside a
 recovery or a checkpoint restore.
 """

@@ -21,7 +21,7 @@ __all__ = ["Checkpointer"]
 
 def __getattr__(name: str) -> Any:
     # Loaded when first asked for: the job driver imports the snapshot choice from this package and must start without
-    # torch (tests/test_driver_startup.py), which the Checkpointer needs.
+    # torch (tests/workers/driver/test_startup.py), which the Checkpointer needs.
     if name == "Checkpointer":
         from ringmaster.workers.checkpoint.checkpointer import Checkpointer
 

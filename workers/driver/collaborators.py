@@ -1,7 +1,7 @@
 """What the controller drives, as it sees it: the worker group, the attempt's bundles, the standby pool and one
 training call's poll. The live ones act on Ray (worker_group.py, bundles.py, standby.py, poll.py); the job's
 entrypoint (__main__.py) builds them and hands them to the controller, and its unit tests hand it fakes
-(tests/test_driver_controller.py)."""
+(tests/workers/driver/test_controller.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the reporter.
 
 What it drives is handed to it (collaborators.py): the worker group, the attempt's bundles, the standby pool, the
 training call's poll, the few Ray calls it makes itself and the clock it waits on (ray_facade.py). The job's
-entrypoint (__main__.py) hands it the live ones; tests/test_driver_controller.py takes every transition against
+entrypoint (__main__.py) hands it the live ones; tests/workers/driver/test_controller.py takes every transition against
 fakes, in-process.
 """
 

@@ -1,5 +1,5 @@
 """The driver's decisions, each a small object that looks at counts and returns a decision; the controller acts on
-it. Pure: unit-tested against a fake worker group (tests/test_driver_policies.py).
+it. Pure: unit-tested against a fake worker group (tests/workers/driver/test_policies.py).
 
 - FailurePolicy: what a broken run means: recover (workers lost, or a collective failed with everyone alive), or fail
   the job (the user's code raised: with its traceback; the job's input cannot be used, a JobInputError: with its

@@ -1,6 +1,6 @@
 """The few Ray calls the driver's decisions make themselves, and the clock they wait on, behind thin facades: the
-controller and the failure probe run against fakes in-process (tests/test_driver_controller.py,
-tests/test_failure_probe.py), where a wait advances a fake clock and nothing sleeps."""
+controller and the failure probe run against fakes in-process (tests/workers/driver/test_controller.py,
+tests/workers/driver/test_probe.py), where a wait advances a fake clock and nothing sleeps."""
 
 from __future__ import annotations
 

@@ -1,0 +1,243 @@
+"""Elastic recovery on a simulated multi-node cluster: nodes die, freeze and return mid-training."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from ray.util.state import list_actors
+
+from harness.local_control_plane import wait_for_state
+from harness.simulated_cluster import SimulatedCluster, served_cluster, wait_for_step
+from ringmaster.service.client import RingmasterClient
+from ringmaster.workers.data.audit import read_effective_samples, read_steps_by_generation
+from ringmaster.workers.driver.controller import COLLECTIVE_TIMEOUT_S
+from tests.support.paced_model import read_tagged_steps
+
+pytestmark = pytest.mark.integration
+
+STEPS = 150
+KILL_AFTER_STEP = 25
+GLOBAL_BATCH = 8
+SAMPLES = 96  # 12 steps an epoch: every run goes through 12 epochs and a half, so every failure is near a wrap
+
+
+def _spec(cluster: SimulatedCluster, name: str, minimum: int, maximum: int) -> dict:
+    return {
+        "name": name,
+        "model": "tests.support.paced_model:build",
+        "model_options": {
+            "pause_s": 0.03,
+            "n_train": SAMPLES,
+            "n_val": 64,
+            "id_record_dir": str(cluster.id_records / name),
+        },
+        "workers": {"min": minimum, "max": maximum, "cpus_per_worker": 1},
+        "train": {
+            "steps": STEPS,
+            "global_batch_size": GLOBAL_BATCH,
+            "micro_batch_size": 2,
+            "lr": 0.003,
+            "seed": 3,
+            "record_sample_ids": True,
+        },
+        "checkpoint": {"every_steps": 20, "keep": 3},
+        "max_failures": 3,
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with served_cluster(2, tmp_path_factory.mktemp("elastic")) as simulated:
+        simulated.id_records = tmp_path_factory.mktemp("ids-in-the-loss-path")
+        yield simulated
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster) -> list[float]:
+    """The reference trajectory: the same job, never disturbed, on two workers. Its steps are of a known length
+    whatever the machine's speed (tests/support/paced_model.py): a standby has time to warm up mid-job, and a worker
+    that starts warming up when the group shrinks is ready long before a one-worker group would finish the job."""
+    cluster.ensure_nodes(2)
+    job = cluster.client.submit(_spec(cluster, "reference", 2, 2))
+    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    return _losses(cluster.client, job["id"])
+
+
+def _losses(client: RingmasterClient, job_id: str) -> list[float]:
+    rows = [row for row in client.metrics(job_id)["items"] if row["loss"] is not None]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    return [row["loss"] for row in rows]
+
+
+def _worker_node(cluster: SimulatedCluster):
+    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    return cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1])
+
+
+def _events(client: RingmasterClient, job_id: str) -> list[dict]:
+    return client.events(job_id)["items"]
+
+
+def _assert_each_sample_once_per_epoch(storage: Path, job_id: str) -> None:
+    """The effective trajectory (each step as its last formation of the group ran it) uses every sample
+    of an epoch at most once, and a finished epoch uses all of its samples."""
+    effective = read_effective_samples(storage / job_id)
+    assert sorted(effective) == list(range(1, STEPS + 1))
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, sample_ids in effective.values():
+        assert len(sample_ids) == GLOBAL_BATCH
+        by_epoch.setdefault(epoch, []).extend(sample_ids)
+    for epoch, sample_ids in by_epoch.items():
+        assert len(sample_ids) == len(set(sample_ids)), f"epoch {epoch} used a sample twice"
+
+
+def _assert_each_sample_once_per_epoch_in_the_loss_path(cluster: SimulatedCluster, name: str, job_id: str) -> None:
+    """The same, from the ids the samples carried into the model (tests/support/paced_model.py), not ringmaster's
+    record: every step used a global batch of distinct samples, and each epoch used every sample exactly once."""
+    regroups = sum(1 for e in _events(cluster.client, job_id) if e["data"] and "resumed_from" in e["data"])
+    steps, again = read_tagged_steps(cluster.id_records / name)
+    assert len(steps) == STEPS and all(len(ids) == GLOBAL_BATCH for ids in steps), [len(ids) for ids in steps]
+    # Per failure: the step whose snapshot was in flight, and the one it cut short.
+    assert again <= 2 * regroups, f"{again} computations repeated samples over {regroups} re-formation(s)"
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for epoch in range(0, STEPS, per_epoch):
+        used = [i for ids in steps[epoch : epoch + per_epoch] for i in ids]
+        assert len(used) == len(set(used)), f"epoch {epoch // per_epoch} used a sample twice"
+        if len(used) == SAMPLES:
+            assert set(used) == set(range(SAMPLES)), f"epoch {epoch // per_epoch} left samples out"
+
+
+def _assert_recovered_from_memory(cluster: SimulatedCluster, job_id: str) -> None:
+    """Every re-formation resumed from the survivors' memory (checkpoint.in_memory is on for a multi-node group):
+    no rank read storage to restore, and no optimizer step was computed by more than one formation of the group but
+    the one a failure interrupted, counted from each rank's own step record."""
+    events = _events(cluster.client, job_id)
+    regroups = [e["data"] for e in events if e["data"] and "resumed_from" in e["data"]]
+    assert regroups and {data["resumed_from"] for data in regroups} == {"memory"}, regroups
+    restores = [e["data"] for e in events if e["data"] and e["data"].get("source") == "memory"]
+    assert len(restores) == len(regroups) and {data["storage_reads"] for data in restores} == {0}, restores
+    # ddp's state is on every rank alike: a node's loss leaves its copy on the other node, so only what is a rank's
+    # own (its RNG state, here a sixth of this small model's snapshot) goes to a buddy. (A group of one has no buddy.)
+    costs = [
+        cost
+        for e in events
+        if e["data"] and "snapshot_host_memory" in e["data"]
+        for cost in e["data"]["snapshot_host_memory"]
+        if len(e["data"]["snapshot_host_memory"]) > 1
+    ]
+    assert costs and all(
+        0 < cost["sent_bytes_per_snapshot"] == cost["copied_bytes_per_snapshot"] < 0.25 * cost["own_bytes_per_snapshot"]
+        for cost in costs
+    ), costs
+    steps_by_generation = read_steps_by_generation(cluster.storage / job_id)
+    computed = Counter(step for steps in steps_by_generation.values() for step in steps)
+    assert len(steps_by_generation) == len(regroups) + 1
+    assert sum(1 for times in computed.values() if times > 1) <= len(regroups), computed
+
+
+def test_node_loss_with_replacement_resumes_exactly(cluster, uninterrupted):
+    cluster.ensure_nodes(2)
+    job = cluster.client.submit(_spec(cluster, "replace", 2, 2))
+    wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    cluster.add_node()
+    cluster.kill_node(_worker_node(cluster))
+    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    transitions = [e["to_state"] for e in _events(cluster.client, job["id"]) if e["to_state"]]
+    assert transitions == ["QUEUED", "ADMITTED", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"]
+    resumed = next(
+        e
+        for e in _events(cluster.client, job["id"])
+        if e["to_state"] == "RUNNING" and e["data"].get("resumed_from_step")
+    )
+    assert resumed["data"]["world_size"] == 2 and resumed["data"]["resumed_from_step"] >= KILL_AFTER_STEP - 1
+    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
+    _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "replace", job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])
+
+
+def test_node_loss_without_replacement_shrinks_then_grows_back(cluster, uninterrupted):
+    cluster.ensure_nodes(2)
+    # Snapshots on also at one worker (on one node they are off by default): the growth back resumes from memory too.
+    spec = _spec(cluster, "shrink", 1, 2)
+    job = cluster.client.submit({**spec, "checkpoint": {**spec["checkpoint"], "in_memory": {"replicas": 1}}})
+    wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    cluster.kill_node(_worker_node(cluster))
+    deadline = time.monotonic() + 60
+    while not any(e["data"] and e["data"].get("world_size") == 1 for e in _events(cluster.client, job["id"])):
+        assert time.monotonic() < deadline, "the group did not shrink onto the survivor"
+        time.sleep(0.1)
+    cluster.add_node()
+    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    grown = [
+        e for e in _events(cluster.client, job["id"]) if e["kind"] == "info" and "capacity returned" in e["message"]
+    ]
+    assert grown and grown[-1]["data"]["world_size"] == 2 and grown[-1]["data"]["world_size_before"] == 1
+    rows = cluster.client.metrics(job["id"])["items"]
+    assert {row["world_size"] for row in rows if row["loss"] is not None} >= {1, 2}
+    # The global batch is kept (accumulation doubles at one worker), so the trajectory is the same run's.
+    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
+    _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "shrink", job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])
+
+
+def test_frozen_node_is_detected_within_seconds_and_recovered(cluster, uninterrupted):
+    cluster.ensure_nodes(2)
+    job = cluster.client.submit(_spec(cluster, "frozen", 1, 2))
+    wait_for_step(cluster.client, job["id"], KILL_AFTER_STEP)
+    frozen_node, frozen_at = _worker_node(cluster), time.time()
+    cluster.freeze_node(frozen_node)
+    try:
+        done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    finally:
+        cluster.kill_node(frozen_node)  # a dead node left in the cluster would stall every later add_node
+    assert done["state"] == "SUCCEEDED", done["error"]
+    recovering = next(e for e in _events(cluster.client, job["id"]) if e["to_state"] == "RECOVERING")
+    detected_after = datetime.fromisoformat(recovering["at"]).timestamp() - frozen_at
+    print(f"the frozen node was declared lost {detected_after:.1f}s after it froze", flush=True)
+    assert frozen_node.node_id in recovering["data"]["lost_nodes"], recovering
+    # A mechanism check, not a timing race: the driver's heartbeats (HEARTBEAT_TIMEOUT_S, 3 s) or Ray's node health
+    # checks (FAST_HEALTH_CHECKS, a few seconds) notice a frozen node; a collective blocked on it fails only after
+    # COLLECTIVE_TIMEOUT_S (60 s, 20 times the heartbeats'). Noticed before that, the backstop played no part.
+    assert detected_after < COLLECTIVE_TIMEOUT_S, (
+        f"the frozen node was declared lost only after {detected_after:.1f}s: the collective timeout's backstop "
+        f"({COLLECTIVE_TIMEOUT_S:.0f}s), not the heartbeats"
+    )
+    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "frozen", job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])
+
+
+def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninterrupted):
+    cluster.ensure_nodes(3)  # two nodes for the group, one idle for the standby
+    spec = _spec(cluster, "standby", 2, 2)
+    job = cluster.client.submit({**spec, "workers": {**spec["workers"], "standby": 1}})
+    deadline = time.monotonic() + 120
+    while not (ready := [e for e in _events(cluster.client, job["id"]) if e["data"] and "standby_node" in e["data"]]):
+        assert time.monotonic() < deadline, "no standby worker became ready"
+        time.sleep(0.1)
+    standby_node = ready[0]["data"]["standby_node"]
+    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    cluster.kill_node(
+        cluster.node_by_id(next(actor["node_id"] for actor in actors if actor["node_id"] != standby_node))
+    )
+    done = wait_for_state(cluster.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    resumed = next(
+        e
+        for e in _events(cluster.client, job["id"])
+        if e["to_state"] == "RUNNING" and "standby_workers_used" in (e["data"] or {})
+    )
+    assert resumed["data"]["standby_workers_used"] == 1 and resumed["data"]["world_size"] == 2
+    assert _losses(cluster.client, job["id"]) == pytest.approx(uninterrupted, abs=1e-6)
+    _assert_each_sample_once_per_epoch(cluster.storage, job["id"])
+    _assert_each_sample_once_per_epoch_in_the_loss_path(cluster, "standby", job["id"])
+    _assert_recovered_from_memory(cluster, job["id"])
