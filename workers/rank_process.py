@@ -255,7 +255,7 @@ class Rank:
         ranks_per_node: list[int],
         resume_from_root: str | None,
         attempt: int,
-        memory_resume: dict[str, int] | None,
+        resume_snapshot: dict[str, int] | None,
     ) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
@@ -282,7 +282,7 @@ class Rank:
             resume_from_root=resume_from_root,
             attempt=attempt,
             snapshot_store=self._snapshots,
-            resume_snapshot=SnapshotRef(**memory_resume) if memory_resume else None,
+            resume_snapshot=SnapshotRef(**resume_snapshot) if resume_snapshot else None,
         )
         try:
             result = run_training(spec, context)

@@ -177,9 +177,9 @@ class TrainWorker:
         ranks_per_node: list[int],
         resume_from_root: str | None = None,
         attempt: int = 1,
-        memory_resume: dict[str, int] | None = None,
+        resume_snapshot: dict[str, int] | None = None,
     ) -> dict[str, Any]:
-        """`memory_resume`: {"generation", "step"} of the in-memory snapshot the driver chose (None: from storage)."""
+        """`resume_snapshot`: {"generation", "step"} of the in-memory snapshot the driver chose (None: from storage)."""
         result: dict[str, Any] = self._rank.call(
             "train",
             self._uses_gpu,
@@ -190,7 +190,7 @@ class TrainWorker:
             ranks_per_node,
             resume_from_root,
             attempt,
-            memory_resume,
+            resume_snapshot,
         )
         return result
 

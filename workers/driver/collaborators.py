@@ -37,7 +37,7 @@ class Group(Protocol):
         storage_root: str,
         resume_from_root: str | None = None,
         attempt: int = 1,
-        memory_resume: dict[str, int] | None = None,
+        resume_snapshot: dict[str, int] | None = None,
     ) -> dict[Any, RankedWorker]:
         """Start every member's training call; returns each call's ref and its worker."""
 

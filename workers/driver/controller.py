@@ -193,11 +193,11 @@ class Controller:
         )
         return self._train()
 
-    def _train(self, memory_resume: dict[str, int] | None = None) -> Running:
-        """Start the group's training call: it resumes from the in-memory snapshot `memory_resume` names, else from
+    def _train(self, resume_snapshot: dict[str, int] | None = None) -> Running:
+        """Start the group's training call: it resumes from the in-memory snapshot `resume_snapshot` names, else from
         the latest committed checkpoint."""
         self._rank0_metrics.restart()
-        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt, memory_resume)
+        futures = self.group.train(self.job_id, self.storage_root, self.resume_from_root, self.attempt, resume_snapshot)
         self._poll = self.start_poll(self.group, futures)
         return Running(self._poll)
 

@@ -191,12 +191,12 @@ class WorkerGroup:
         storage_root: str,
         resume_from_root: str | None = None,
         attempt: int = 1,
-        memory_resume: dict[str, int] | None = None,
+        resume_snapshot: dict[str, int] | None = None,
     ) -> dict[Any, RankedWorker]:
         spec_json, layout = self.spec.model_dump_json(), self.ranks_per_node
         return {
             worker.actor.train.remote(
-                self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt, memory_resume
+                self.generation, spec_json, job_id, storage_root, layout, resume_from_root, attempt, resume_snapshot
             ): worker
             for worker in self.workers
         }

@@ -196,9 +196,9 @@ class FakeGroup:
         storage_root: str,
         resume_from_root: str | None = None,
         attempt: int = 1,
-        memory_resume: dict[str, int] | None = None,
+        resume_snapshot: dict[str, int] | None = None,
     ) -> dict[Any, RankedWorker]:
-        self.trained.append(memory_resume)
+        self.trained.append(resume_snapshot)
         return {f"train-g{self.generation}-r{worker.rank}": worker for worker in self.workers}
 
     def snapshot_inventories(self, job_id: str) -> list[list[dict[str, Any]]]:
