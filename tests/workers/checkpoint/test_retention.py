@@ -134,7 +134,7 @@ def no_validation_set() -> ModelBundle:
 def test_val_loss_without_a_validation_set_is_refused_before_training(tmp_path: Path, single_rank_group: None) -> None:
     spec = JobSpec(
         name="no-val",
-        model="test_checkpoint_retention:no_validation_set",
+        model=f"{__name__}:no_validation_set",
         data="user",
         train={"steps": 2, "global_batch_size": 4, "micro_batch_size": 4},
         checkpoint={"every_steps": 1, "keep_best": {"metric": "val_loss"}},

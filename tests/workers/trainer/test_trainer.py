@@ -211,7 +211,7 @@ def diverging_on_rank_1() -> ModelBundle:
 def _train_until_the_loss_diverges(rank: int, world_size: int, root: str) -> None:
     spec = JobSpec(
         name="diverges",
-        model="test_training:diverging_on_rank_1",
+        model=f"{__name__}:diverging_on_rank_1",
         data="user",
         train={"steps": 6, "global_batch_size": 8, "micro_batch_size": 4},
         checkpoint={"every_steps": 1, "keep": 10},
@@ -280,7 +280,7 @@ def test_a_loss_fn_that_returns_no_trainable_scalar_is_named_as_the_fault(
 ) -> None:
     spec = JobSpec(
         name="bad-loss",
-        model=f"test_training:{builder}",
+        model=f"{__name__}:{builder}",
         data="user",
         train={"steps": 2, "global_batch_size": 4, "micro_batch_size": 4},
     )
