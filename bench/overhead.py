@@ -145,16 +145,7 @@ def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float
         "--standalone",
         f"--nproc_per_node={args.workers}",
         str(REPO / "bench" / "bare_torchrun.py"),
-        "--model",
-        args.model,
-        "--steps",
-        str(args.steps),
-        "--skip-steps",
-        str(args.skip_steps),
-        "--global-batch-size",
-        str(args.global_batch_size),
-        "--micro-batch-size",
-        str(args.micro_batch_size),
+        *_bare_loop_argv(args),
     ]
     started = time.time()
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
@@ -204,10 +195,9 @@ class BareRank:
 BARE_LOOP_TIMEOUT_S = 600.0
 
 
-def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = False) -> float:
-    """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker): in the actors'
-    own processes, or (`in_child`) in a child process of each."""
-    argv = [
+def _bare_loop_argv(args: argparse.Namespace) -> list[str]:
+    """bare_torchrun.py's arguments for the run this bench measures, the same under torchrun and in Ray actors."""
+    return [
         "--model",
         args.model,
         "--steps",
@@ -219,6 +209,12 @@ def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = F
         "--micro-batch-size",
         str(args.micro_batch_size),
     ]
+
+
+def bare_in_ray_actors(args: argparse.Namespace, ranks: list, in_child: bool = False) -> float:
+    """Steady steps/s of bare_torchrun.py's loop run by `ranks` (BareRank actors, one per worker): in the actors'
+    own processes, or (`in_child`) in a child process of each."""
+    argv = _bare_loop_argv(args)
     meeting = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(ranks))}
     runs = [
         (rank.run_in_child if in_child else rank.run).remote(

@@ -4,14 +4,11 @@ optimizer step runs no collective (ddp): nothing of that state is copied at a st
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.optim import Optimizer
 
 from ringmaster.workers.checkpoint.snapshots.group_snapshots import GroupSnapshots
 from ringmaster.workers.checkpoint.snapshots.layout import FileLayout, SnapshotLayout, items_of_step
@@ -27,7 +24,6 @@ from ringmaster.workers.checkpoint.snapshots.store import (
     METADATA_NAME,
     FileMadeWhenRead,
     SnapshotRef,
-    SnapshotStore,
     snapshot_location,
 )
 from ringmaster.workers.checkpoint.snapshots.transport import FileGather
@@ -45,39 +41,14 @@ class LiveStateSnapshots(GroupSnapshots):
     the whole snapshot of its state, and one that did not still holds the one before; the driver's choice then takes
     the newest (a step no one redoes). A full DCP save (`take`) makes the layout after a change of structure."""
 
-    def __init__(
-        self,
-        store: SnapshotStore,
-        job_id: str,
-        generation: int,
-        replicas: int,
-        ranks_per_node: tuple[int, ...] | None,
-        device: torch.device,
-        *,
-        model_parts: list[nn.Module],
-        optimizers: list[Optimizer],
-        report: Callable[[str, dict[str, Any]], None] | None = None,
-        timeout: timedelta | None = None,
-    ) -> None:
-        """As GroupSnapshots'."""
-        super().__init__(
-            store,
-            job_id,
-            generation,
-            replicas,
-            ranks_per_node,
-            device,
-            model_parts=model_parts,
-            optimizers=optimizers,
-            report=report,
-            timeout=timeout,
-        )
-        self.live_step: int | None = None  # the step the live state is the snapshot of, if any
-        self._begun: tuple[int, DefaultSavePlanner] | None = None  # the step begin_snapshot began, its own values
-        self._layout_intact_since_update: SnapshotLayout | None = (
-            None  # what complete_snapshot found, if no update since
-        )
-        self._gather = FileGather(self.group)
+    # The same construction as GroupSnapshots'; what this kind adds starts empty.
+    live_step: int | None = None  # the step the live state is the snapshot of, if any
+    _begun: tuple[int, DefaultSavePlanner] | None = None  # the step begin_snapshot began, its own values
+    _layout_intact_since_update: SnapshotLayout | None = None  # what complete_snapshot found, if no update since
+
+    @cached_property
+    def _gather(self) -> FileGather:
+        return FileGather(self.group)
 
     def end_step(self, end: StepEnd) -> bool:
         # The step's all-reduce comes before the update, with the vote on the state's structure as the last update
