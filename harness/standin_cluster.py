@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ringmaster.service import jobs
 from ringmaster.service.db import session_scope
+from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.naming import submission_id_for
 from ringmaster.service.reports import DriverReport
 
@@ -50,6 +51,7 @@ class StandInCluster:
         self.submitted: dict[str, str] = {}  # submission id -> entrypoint
         self.runtime_envs: dict[str, dict[str, Any]] = {}  # submission id -> its runtime_env
         self.metadata: dict[str, dict[str, str]] = {}  # submission id -> the Ray job's metadata
+        self.handoffs: dict[str, DriverHandoff] = {}  # submission id -> its driver's handoff, until the attempt closes
         self.ray_status: dict[str, str] = {}  # submission id -> the Ray job's state
         self.start_failures: dict[str, str] = {}  # submission id -> why its driver never started (set with FAILED)
         self.stopped: list[str] = []
@@ -87,7 +89,12 @@ class StandInCluster:
                 self.free_cpus += held
 
     def submit(
-        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+        self,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str],
+        handoff: DriverHandoff,
     ) -> None:
         if self.refuse_submit:
             raise RuntimeError(self.refuse_submit if isinstance(self.refuse_submit, str) else "Jobs API unavailable")
@@ -96,6 +103,7 @@ class StandInCluster:
         self.submitted[submission_id] = entrypoint
         self.runtime_envs[submission_id] = runtime_env
         self.metadata[submission_id] = metadata
+        self.handoffs[submission_id] = handoff
         self.ray_status[submission_id] = "RUNNING"
         if self._drivers is not None:
             self._to_finish.put(submission_id)
@@ -109,6 +117,7 @@ class StandInCluster:
 
     def stop(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
+        self.handoffs.pop(submission_id, None)  # as RayCluster drops a handoff no driver took
         if submission_id in self.ray_status:
             self.ray_status[submission_id] = "STOPPED"
 

@@ -24,12 +24,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ringmaster.service import auth, code_store, jobs, queue, telemetry, tenants
+from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
 from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles, workers_fitting
 from ringmaster.service.ray_agent import ClusterUnreachable
 from ringmaster.service.ray_cluster import ClusterBackend
-from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import SHARED_POOL, JobSpec, WorkersSpec
 from ringmaster.service.states import ACTIVE, JobState
@@ -202,13 +202,12 @@ class Dispatcher:
             )
         try:
             driver_spec = _capped(spec, granted.max_workers)
-            runtime_env = self._runtime_env(current, spec, report_token)
-            runtime_env["env_vars"][JOB_SPEC_ENV] = driver_spec.model_dump_json()
             self.cluster.submit(
                 submission_id,
                 self._entrypoint(current, attempt, group_name),
-                runtime_env,
+                self._runtime_env(current, spec),
                 self._metadata(current, attempt, driver_spec, world_size),
+                DriverHandoff(report_token=report_token, spec=driver_spec),
             )
             self._seen_alive.add(submission_id)  # started here: watching it later is not an adoption
         except CodeNotFound as error:  # checked at submit and never deleted: no retry would find it either
@@ -268,18 +267,16 @@ class Dispatcher:
             f"worker(s) even when idle: the job waits for nodes to join"
         )
 
-    def _runtime_env(self, job: Job, spec: JobSpec, report_token: str) -> dict[str, Any]:
-        """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the job's own
-        (below), and this attempt's report secret, which travels in the environment, never on the command line (shown
-        in the dashboard)."""
+    def _runtime_env(self, job: Job, spec: JobSpec) -> dict[str, Any]:
+        """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the job's own (below)
+        or the shared one. Nothing secret: the dashboard's Jobs API shows it (the attempt's secret and spec go in its
+        DriverHandoff)."""
         with self.sessions() as session:
-            runtime_env = (
+            return (
                 self._own_runtime_env(session, job.tenant, spec)
                 if spec.has_own_runtime_env
                 else self._shared_runtime_env()
             )
-        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), REPORT_TOKEN_ENV: report_token}
-        return runtime_env
 
     def _own_runtime_env(self, session: Session, tenant: str, spec: JobSpec) -> dict[str, Any]:
         """The runtime env of a job that brings its own, as its warm pool's workers start in it too: the spec's
@@ -324,7 +321,7 @@ class Dispatcher:
         )
 
     def _entrypoint(self, job: Job, attempt: int, group_name: str) -> str:
-        """Short and readable, as the dashboard shows it: the spec travels in the environment (JOB_SPEC_ENV)."""
+        """Short and readable, as the dashboard shows it: the spec travels in the attempt's DriverHandoff."""
         return (
             f"{self.settings.driver_python} -m ringmaster.workers.driver --job-id {job.id} --attempt {attempt} "
             f"--tenant {job.tenant} "

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO, Any, NoReturn, Protocol, cast
 
+from ringmaster.service import driver_handoff
 from ringmaster.service.naming import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,18 @@ class AgentOps:
     def ping(self) -> str:
         address: str = self._ray.get_runtime_context().gcs_address  # Ray's property is unannotated
         return address
+
+    def put_driver_handoff(self, submission_id: str, handoff: str) -> None:
+        """Leave an attempt's report secret and spec (DriverHandoff.to_json) in the GCS for its driver to take."""
+        from ringmaster.service.ray_internals import RayInternalKv  # imports Ray: the agent's process has it
+
+        driver_handoff.put(RayInternalKv(), submission_id, handoff)
+
+    def drop_driver_handoff(self, submission_id: str) -> None:
+        """Remove an attempt's handoff that no driver took."""
+        from ringmaster.service.ray_internals import RayInternalKv
+
+        driver_handoff.drop(RayInternalKv(), submission_id)
 
     def shutdown(self) -> None:
         self._ray.shutdown()

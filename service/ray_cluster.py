@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, RayAgent, agent_command
 
 if TYPE_CHECKING:
@@ -38,7 +39,12 @@ class ClusterBackend(Protocol):
     def reserve(self, name: str, bundles: list[dict[str, float]], wait_s: float) -> bool: ...
     def release(self, name: str) -> None: ...
     def submit(
-        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+        self,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str],
+        handoff: DriverHandoff,
     ) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def start_failure(self, submission_id: str) -> str | None: ...
@@ -146,21 +152,35 @@ class RayCluster:
         return self.agent.call(op, **args)
 
     def submit(
-        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+        self,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str],
+        handoff: DriverHandoff,
     ) -> None:
         """`runtime_env`: Ray's; a local zip as its working_dir is uploaded as a Ray package unless the cluster has it.
-        `metadata`: the Ray job's, shown in the dashboard."""
+        `metadata`: the Ray job's, shown in the dashboard. `handoff`: the driver's secret and spec, which go through
+        the agent into the GCS (service/driver_handoff.py), never into the Jobs API."""
         jobs = self._jobs_api()
-        # The driver holds no CPU of its own (the job's placement group has them all); driver_resources only say
-        # where it may run.
-        jobs.submit_job(
-            entrypoint=entrypoint,
-            submission_id=submission_id,
-            entrypoint_num_cpus=0,
-            runtime_env=runtime_env,
-            metadata=metadata,
-            entrypoint_resources=self.driver_resources or None,
-        )
+        self._agent_call("put_driver_handoff", submission_id=submission_id, handoff=handoff.to_json())
+        try:
+            # The driver holds no CPU of its own (the job's placement group has them all); driver_resources only say
+            # where it may run.
+            jobs.submit_job(
+                entrypoint=entrypoint,
+                submission_id=submission_id,
+                entrypoint_num_cpus=0,
+                runtime_env=runtime_env,
+                metadata=metadata,
+                entrypoint_resources=self.driver_resources or None,
+            )
+        except Exception:
+            try:
+                self._agent_call("drop_driver_handoff", submission_id=submission_id)
+            except Exception as error:  # dropped again when the attempt is closed (stop)
+                log.warning("refused Ray job %s: its handoff stays until its attempt closes: %s", submission_id, error)
+            raise
 
     def status(self, submission_id: str) -> str | None:
         jobs = self._jobs_api()
@@ -197,12 +217,14 @@ class RayCluster:
         return None
 
     def stop(self, submission_id: str) -> None:
+        """Stop the Ray job, and drop its driver's handoff if the driver never took it."""
         jobs = self._jobs_api()
         try:
             jobs.stop_job(submission_id)
         except RuntimeError as error:
             if "does not exist" not in str(error):
                 raise
+        self._agent_call("drop_driver_handoff", submission_id=submission_id)
 
     def logs(self, submission_id: str) -> str:
         jobs = self._jobs_api()

@@ -1,4 +1,7 @@
-"""What the job driver reports to the control plane. Shared by both sides; replays are idempotent."""
+"""What the job driver reports to the control plane. Shared by both sides; replays are idempotent.
+
+The driver sends its attempt's report secret, which it takes from its DriverHandoff (service/driver_handoff.py), as a
+bearer token with every report."""
 
 from __future__ import annotations
 
@@ -7,10 +10,6 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from ringmaster.service.json_types import JsonTyped
-
-REPORT_TOKEN_ENV = "RINGMASTER_REPORT_TOKEN"
-JOB_SPEC_ENV = "RINGMASTER_JOB_SPEC"  # the attempt's JobSpec (JSON), in the driver's environment, off its command line
-"""Carries an attempt's report secret to its job driver, which sends it as a bearer token with every report."""
 
 
 class MetricPoint(JsonTyped):

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from harness.standin_cluster import StandInCluster, finish_at_once
 from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.models import Attempt, Job, JobEvent, utcnow
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
@@ -67,7 +68,12 @@ class RecordingStandIn(StandInCluster):
         self.dispatcher = dispatcher
 
     def submit(
-        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+        self,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str],
+        handoff: DriverHandoff,
     ) -> None:
         # One transaction, to keep 2,000 jobs quick: the submission is recorded and both driver reports applied.
         with session_scope(self.database.sessions) as session:

@@ -15,7 +15,7 @@ from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job
 from ringmaster.service.naming import workers_fitting
-from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV, DriverReport
+from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
 from ringmaster.service.states import JobState
@@ -124,9 +124,12 @@ def test_submitted_entrypoint_carries_the_spec_and_derived_ids(db, dispatcher):
     line = cluster.submitted[submission_id]
     entrypoint = line.split()
     assert entrypoint[:3] == ["python3", "-m", "ringmaster.workers.driver"]
-    assert len(line) < 300 and spec.name not in line, "short and readable: the spec travels in the environment"
-    carried = json.loads(cluster.runtime_envs[submission_id]["env_vars"][JOB_SPEC_ENV])
-    assert JobSpec.model_validate(carried) == spec
+    assert len(line) < 300 and spec.name not in line, "short and readable: the spec travels in the driver's handoff"
+    handoff = cluster.handoffs[submission_id]
+    assert handoff.spec == spec
+    secret = handoff.report_token.get_secret_value()
+    shown = json.dumps([line, cluster.runtime_envs[submission_id], cluster.metadata[submission_id]])
+    assert secret not in shown and spec.model_dump_json() not in shown, "the Jobs API shows all three"
     assert cluster.metadata[submission_id] == {
         "job_name": f"one ({job_id[:8]}, attempt 1)",
         "ringmaster_job_id": job_id,
@@ -319,8 +322,8 @@ def test_warm_pools_are_the_shared_one_and_the_newest_runtime_envs_a_job_ran_in(
         "the two newest envs that ran, and the shared one"
     )
     assert pools[pool_of("b")] == {"env_vars": {"PROJECT": "b"}} and pools[SHARED_POOL] == {}
-    assert all(REPORT_TOKEN_ENV not in env.get("env_vars", {}) for env in pools.values()), (
-        "no attempt's secret in a pool"
+    assert not any(name.startswith("RINGMASTER_") for env in pools.values() for name in env.get("env_vars", {})), (
+        "nothing of the control plane's in a pool"
     )
 
 

@@ -3,6 +3,7 @@ with the dispatcher admitting against a fake cluster."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections import Counter
@@ -23,9 +24,10 @@ from ringmaster.service import auth, tenants
 from ringmaster.service.auth import Principal
 from ringmaster.service.db import Database, alembic_config, make_engine, session_scope, upgrade_schema
 from ringmaster.service.dispatcher import Dispatcher
+from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.jobs import apply_driver_report, mark_admitted, submit_job
 from ringmaster.service.models import Attempt, Job, Tenant
-from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV, DriverReport
+from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import JobSpec
 from tests.service.test_dispatcher import FakeCluster
@@ -50,17 +52,22 @@ def _spec(workers: tuple[int, int] = (1, 1), cpus: float = 1, gpus: int = 0, **e
 
 
 class RecordingCluster(FakeCluster):
-    """The fake cluster, also keeping the environment each Ray job was submitted with."""
+    """The fake cluster, also keeping each attempt's report secret after its attempt closed."""
 
     def __init__(self, cpus: int) -> None:
         super().__init__(cpus)
-        self.env: dict[str, dict[str, str]] = {}
+        self.secrets: dict[str, str] = {}
 
     def submit(
-        self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+        self,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str],
+        handoff: DriverHandoff,
     ) -> None:
-        super().submit(submission_id, entrypoint, runtime_env, metadata)
-        self.env[submission_id] = dict(runtime_env["env_vars"])
+        super().submit(submission_id, entrypoint, runtime_env, metadata, handoff)
+        self.secrets[submission_id] = handoff.report_token.get_secret_value()
 
 
 class Service:
@@ -100,7 +107,7 @@ class Service:
     def finish(self, job_id: str) -> None:
         """The driver reports success, with the secret its attempt was submitted with."""
         job = self.job(job_id)
-        secret = self.cluster.env[job["ray_job_id"]][REPORT_TOKEN_ENV]
+        secret = self.cluster.secrets[job["ray_job_id"]]
         path = f"/v1/internal/jobs/{job_id}/attempts/{job['attempt']}/report"
         for state in ("RUNNING", "SUCCEEDED"):
             response = self.client.post(path, json={"state": state}, headers={"Authorization": f"Bearer {secret}"})
@@ -337,7 +344,7 @@ def test_elastic_job_is_granted_what_the_quota_leaves_and_its_driver_is_capped_t
     with service.db.sessions() as session:
         attempt = session.query(Attempt).filter_by(job_id=job_id).one()
         assert (attempt.world_size, attempt.max_workers) == (3, 3)
-    carried = JobSpec.model_validate_json(service.cluster.runtime_envs[job["ray_job_id"]]["env_vars"][JOB_SPEC_ENV])
+    carried = service.cluster.handoffs[job["ray_job_id"]].spec
     assert (carried.workers.min, carried.workers.max) == (1, 3)
     assert service.call("admin", "GET", "/v1/tenants/team-a").json()["usage"] == {"gpus": 0, "cpus": 3.0, "jobs": 1}
 
@@ -380,12 +387,17 @@ def test_no_capacity_is_a_waiting_reason_too(service: Service) -> None:
     assert service.job(job_id)["waiting_reason"].startswith("waiting for cluster capacity: no room now for 8 worker(s)")
 
 
-def test_report_secret_travels_in_the_environment_and_is_bound_to_its_attempt(service: Service) -> None:
+def test_report_secret_travels_in_the_drivers_handoff_and_is_bound_to_its_attempt(service: Service) -> None:
     job_id = service.submit("a")
     service.dispatcher.run_once()
     submission_id = service.job(job_id)["ray_job_id"]
-    secret = service.cluster.env[submission_id][REPORT_TOKEN_ENV]
-    assert secret not in service.cluster.submitted[submission_id], "the command line shows in the Ray dashboard"
+    secret = service.cluster.secrets[submission_id]
+    shown = [
+        service.cluster.submitted[submission_id],
+        service.cluster.runtime_envs[submission_id],
+        service.cluster.metadata[submission_id],
+    ]
+    assert secret not in json.dumps(shown), "the Ray dashboard shows the command line, runtime env and metadata"
     with service.db.sessions() as session:
         assert session.query(Attempt).filter_by(job_id=job_id).one().report_token_hash == auth.hash_secret(secret)
     path = f"/v1/internal/jobs/{job_id}/attempts/1/report"

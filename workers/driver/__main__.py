@@ -12,9 +12,9 @@ from pathlib import Path
 
 import ray
 
+from ringmaster.service import driver_handoff
 from ringmaster.service.naming import NAMESPACE, submission_id_for
-from ringmaster.service.reports import JOB_SPEC_ENV, REPORT_TOKEN_ENV
-from ringmaster.service.spec import JobSpec
+from ringmaster.service.ray_internals import RayInternalKv
 from ringmaster.workers.driver.bundles import Bundles
 from ringmaster.workers.driver.controller import COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, Controller
 from ringmaster.workers.driver.ray_facade import LiveRay, SystemClock
@@ -64,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per report: the log is the training's
     args = _parse(argv)
-    # The dispatcher puts the spec in the Ray job's environment: on the command line it would be the dashboard's
-    # entrypoint column, a kilobyte of JSON.
-    spec = JobSpec.model_validate_json(os.environ[JOB_SPEC_ENV])
     started = time.monotonic()
     ray.init(
         address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, _temp_dir=_own_node_temp_dir()
@@ -75,15 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     # cancel sends; Python's own handler replaces it.
     signal.signal(signal.SIGTERM, _stop_requested)
     log.info("connected to Ray after %.2fs", time.monotonic() - started)
-    # The dispatcher puts this attempt's report secret in the Ray job's environment, not on its command line.
-    reporter = Reporter(args.api_url, args.job_id, args.attempt, token=os.environ.get(REPORT_TOKEN_ENV))
+    submission_id = submission_id_for(args.job_id, args.attempt)
+    # The attempt's report secret and spec wait in the cluster's key-value store, where the dashboard shows neither
+    # (in the Ray job's environment or on its command line, its Jobs API would).
+    try:
+        handoff = driver_handoff.take(RayInternalKv(), submission_id)
+    except (driver_handoff.HandoffMissing, driver_handoff.HandoffUnreadable) as error:
+        log.error("%s", error)
+        return 1
+    spec = handoff.spec
+    reporter = Reporter(args.api_url, args.job_id, args.attempt, token=handoff.report_token.get_secret_value())
     try:
         # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
         # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
         group = WorkerGroup(
             spec,
             COLLECTIVE_TIMEOUT_S,
-            claimant=submission_id_for(args.job_id, args.attempt),
+            claimant=submission_id,
             label=f"{spec.name}-{args.job_id[:8]}-a{args.attempt}",
             rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S,
         )

@@ -1,0 +1,35 @@
+"""Every private or experimental Ray API that ringmaster's Ray agent and job driver rely on, each behind one small
+function or class, for the Ray that pyproject.toml pins (`TESTED_RAY`).
+
+Ray promises nothing about `ray.experimental` or names with a leading underscore. tests/service/test_ray_internals.py
+checks each one's name and signature, and tests/cluster/test_ray_secrets.py its meaning on a live cluster, so a Ray
+release that moves or changes one fails there, by name, rather than as a driver that cannot start.
+
+Imported only by processes that have joined a Ray cluster: importing Ray takes seconds.
+"""
+
+from __future__ import annotations
+
+from ray.experimental import internal_kv
+
+TESTED_RAY = "==2.58.0"  # keep equal to the ray requirement in pyproject.toml
+
+
+class RayInternalKv:
+    """Ray's GCS key-value store (its internal KV), as this process's Ray connection reaches it. No dashboard API
+    lists it, and every client needs the cluster's credentials to reach it: a place for secrets, unlike a runtime_env
+    or a command line. Usable once ray.init has returned."""
+
+    def put(self, namespace: str, key: str, value: bytes) -> None:
+        """Store value at key, replacing what was there."""
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
+
+    def get(self, namespace: str, key: str) -> bytes | None:
+        """The value at key; None when there is none."""
+        value: bytes | None = internal_kv._internal_kv_get(key, namespace=namespace)
+        return value
+
+    def delete(self, namespace: str, key: str) -> bool:
+        """Remove key; whether it was there (of two deleting at once, one alone is told True)."""
+        deleted: int = internal_kv._internal_kv_del(key, namespace=namespace)
+        return deleted > 0
