@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FrameType
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -16,11 +19,13 @@ from fastapi import FastAPI
 from ringmaster.api.app import create_app
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.dispatcher import Dispatcher
-from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
+from ringmaster.service.embedded_ray import HEAD_STOP_GRACE_S, RayHead, start_head, stop_head
 from ringmaster.service.errors import LogsUnavailable
 from ringmaster.service.logs import configure_logging
+from ringmaster.service.process_tree import ProcessTree
 from ringmaster.service.ray_agent import agent_command
 from ringmaster.service.ray_cluster import RayCluster
+from ringmaster.service.server_lock import ServerLock
 from ringmaster.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,13 @@ class ControlPlane:
         self.cluster.connect()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Set when a stop with a grace period begins (run_server): each step of the stop takes a share of what is left.
+        self.stop_deadline: float | None = None
+
+    def _share_of_grace(self, share: float, otherwise_s: float) -> float:
+        if self.stop_deadline is None:
+            return otherwise_s
+        return max(0.0, (self.stop_deadline - time.monotonic()) * share)
 
     def logs(self, submission_id: str) -> str:
         try:
@@ -92,10 +104,11 @@ class ControlPlane:
         def stop() -> None:
             self._stop.set()
             dispatcher.wake()
+            # A tick in flight finishes (its database writes are whole); one stuck on the cluster is left to the exit.
             if self._thread is not None:
-                self._thread.join(timeout=10)
+                self._thread.join(timeout=self._share_of_grace(0.3, 10))
             if exporter is not None:
-                exporter.join(timeout=10)
+                exporter.join(timeout=self._share_of_grace(0.3, 10))
 
         return stop
 
@@ -104,25 +117,124 @@ class ControlPlane:
 
     def close(self) -> None:
         """Stop the Ray agent (it leaves the cluster) before an embedded head goes."""
-        self.cluster.disconnect()
+        # The agent leaves the cluster in a second or two; one that takes longer is ended with the server's processes.
+        leaving = threading.Thread(target=self.cluster.disconnect, name="ray-agent-close", daemon=True)
+        leaving.start()
+        leaving.join(timeout=self._share_of_grace(0.25, 30))
         if self.head is not None:
-            stop_head(self.head, self.settings.data_dir)
+            left_s = self._share_of_grace(1.0, HEAD_STOP_GRACE_S + _KILL_RESERVE_S) - _KILL_RESERVE_S
+            stop_head(self.head, self.settings.data_dir, grace_s=max(0.0, min(left_s, HEAD_STOP_GRACE_S)))
+
+
+# What a stop keeps of its grace period for killing what is left (a few looks at /proc, SIGKILL) and exiting.
+_KILL_RESERVE_S = 1.5
+# What is left of the server's processes once the agent and the head have had their turn (an agent that did not leave,
+# a head whose start a signal cut short) gets this long after SIGTERM.
+_LEFTOVER_GRACE_S = 1.0
+
+
+class _StopRequested(BaseException):
+    """A signal arrived while the server was starting: what has started is stopped at once."""
+
+
+class _Stop:
+    """How `serve` stops: the first SIGTERM or SIGINT (`ringmaster stop` sends SIGTERM) starts a stop that ends the
+    server and every process it started within grace_s; a second one cuts uvicorn's part short."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.requested_at: float | None = None
+        self.plane: ControlPlane | None = None
+        self.server: uvicorn.Server | None = None
+        self.starting = True
+
+    def begin(self) -> float:
+        """The stop's deadline; the grace period starts now unless a signal started it (the server may also end by
+        itself: its port taken, its head failed)."""
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+        return self.requested_at + self.grace_s
+
+    def left_s(self) -> float:
+        return max(0.0, self.begin() - time.monotonic())
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - (self.requested_at or time.monotonic())
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        first = self.requested_at is None
+        if first:
+            self.requested_at = time.monotonic()
+            log.info("%s: stopping within %.0f s", signal.Signals(signum).name, self.grace_s)
+        if self.plane is not None:
+            self.plane.stop_deadline = self.begin()
+        if self.server is not None:
+            self.server.should_exit = True
+            self.server.force_exit = not first  # skip waiting for open connections
+        elif self.starting and first:
+            self.starting = False
+            raise _StopRequested(signal.Signals(signum).name)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without signal handling of its own: _Stop's handlers ask it to exit. (uvicorn's re-raises the signal
+    it caught once it has shut down; SIGTERM's default action then killed the process before the Ray head was
+    stopped, which left the whole cluster running.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def run_server(settings: Settings) -> None:
-    """Serve until interrupted; an embedded Ray head is stopped with the server. While it serves, the URL it listens
-    on is in the data directory (Settings.api_address_path), where the CLI looks for it."""
+    """Serve until SIGTERM or SIGINT, then stop within settings.stop_grace_s: the API, the dispatcher, an embedded
+    Ray head and every other process the server started. While it serves, the URL it listens on is in the data
+    directory (Settings.api_address_path), where the CLI looks for it, and it holds the data directory's pid file
+    (Settings.server_pid_path; DataDirInUse while another server holds it)."""
     configure_logging(log_format=settings.log_format)
-    plane = ControlPlane(settings)
-    log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
+    lock = ServerLock(settings.server_pid_path())
+    stop = _Stop(settings.stop_grace_s)
+    # Before anything starts: a signal at any moment from here on stops whatever has started by then.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop.handle)
+    try:
+        _serve(settings, stop)
+    except _StopRequested as signalled:
+        log.info("%s while starting: stopping what has started", signalled)
+    finally:
+        stop.starting = False
+        try:
+            if stop.plane is not None:
+                stop.plane.stop_deadline = stop.begin()
+                stop.plane.close()
+        finally:
+            # Whatever else this process started and is still there: a head whose start a signal cut short, an agent
+            # that did not leave in time.
+            leftovers = ProcessTree(os.getpid(), include_root=False)
+            leftovers.end(grace_s=max(0.0, min(_LEFTOVER_GRACE_S, stop.left_s() - _KILL_RESERVE_S)))
+            lock.release()
+            if stop.plane is not None:  # not after a start that failed: its error is the one line to show
+                log.info("stopped in %.1f s", stop.elapsed_s())
+
+
+def _serve(settings: Settings, stop: _Stop) -> None:
     address = settings.api_address_path()
     try:
+        stop.plane = plane = ControlPlane(settings)
+        log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
+        stop.server = _Server(
+            uvicorn.Config(
+                plane.app(),
+                host=plane.settings.api_host,
+                port=plane.settings.api_port,
+                log_config=None,  # uvicorn keeps the handlers configure_logging installed
+                timeout_graceful_shutdown=max(1, round(settings.stop_grace_s * 0.2)),  # open connections, e.g. streams
+            )
+        )
         settings.write_api_address(plane.settings.resolved_api_url())
-        # log_config=None: uvicorn keeps the handlers configure_logging installed.
-        uvicorn.run(plane.app(), host=plane.settings.api_host, port=plane.settings.api_port, log_config=None)
+        stop.server.run()
     finally:
         address.unlink(missing_ok=True)
-        plane.close()
 
 
 class BackgroundServer:

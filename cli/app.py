@@ -20,6 +20,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(tenant_app, name="tenant")
 
 app.command()(local.serve)
+app.command()(local.stop)
 app.command()(jobs.submit)
 app.command()(jobs.status)
 app.command()(jobs.watch)

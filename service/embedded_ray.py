@@ -1,14 +1,16 @@
 """An embedded single-node Ray head for `ringmaster serve`/`demo` and the tests.
 
 Started as `ray start --head --block` (through this module, which leaves out Ray's client server unless asked for)
-in its own process group, so stopping it ends exactly the processes it started (never `ray stop`, which would end
-every Ray on the machine). Its ports are chosen free, never 6379, and recorded in the data directory so a restarted
-server reuses it. A start that fails is cleaned up and tried once more before the cause is reported.
+in a session of its own, so stopping it ends exactly the processes it started (never `ray stop`, which would end
+every Ray on the machine). Its ports are chosen free, never 6379, and recorded in the data directory: a server started
+after one that died without stopping it (kill -9) adopts the head if it answers, and ends it otherwise, so a data
+directory never has two. A start that fails is cleaned up and tried once more before the cause is reported.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,13 +18,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ringmaster.service.process_tree import ProcessTree, process_started_at
+
+log = logging.getLogger(__name__)
+
 _STATE_FILE = "ray-head.json"
+# Set in the head's environment (every Ray process inherits it) to the data directory it belongs to: a head whose
+# server died before it recorded the head is still found, and ended, by the next server on that directory.
+_HEAD_OF = "RINGMASTER_EMBEDDED_HEAD_OF"
 
 # Declare a node dead within a second instead of Ray's default of about a minute, so its placement-group bundles are
 # rescheduled at once (a replacement on spare capacity waits for that; ringmaster's own heartbeats notice first).
@@ -47,13 +56,22 @@ class RayHead:
     gcs_address: str
     dashboard_url: str
     metrics_url: str | None = None  # the node's Prometheus endpoint: Ray's own series and the jobs' training series
+    started_at: int | None = None  # its process's start time: a later process given the same pid is not the head
 
-    def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
+    def running(self) -> bool:
+        """Its process still runs (whether or not the head answers)."""
+        started = process_started_at(self.pid)
+        if started is None:
+            return False
+        if self.started_at is not None:
+            return started == self.started_at
+        try:  # recorded before start times were: the pid's command line must still be a head's
+            return b"ringmaster.service.embedded_ray" in Path(f"/proc/{self.pid}/cmdline").read_bytes()
         except OSError:
             return False
-        return _dashboard_ready(self.dashboard_url)
+
+    def alive(self) -> bool:
+        return self.running() and _dashboard_ready(self.dashboard_url)
 
 
 def _free_port() -> int:
@@ -107,14 +125,26 @@ def start_head(
     process exits, or the dashboard does not answer in timeout_s) is cleaned up, every process of it ended, and tried
     again up to `attempts` times in all; then HeadStartFailed says why and where the log is. `port` (the GCS's) and
     `dashboard_port`: free ones unless given (a new cluster at an old one's address). `env`: more variables for the
-    head's processes (e.g. RAY_REDIS_ADDRESS, for GCS fault tolerance)."""
+    head's processes (e.g. RAY_REDIS_ADDRESS, for GCS fault tolerance).
+
+    A recorded head that runs but does not answer, and any head of data_dir that no record names (its server died
+    while starting it), is ended first: data_dir never has two heads."""
     data_dir.mkdir(parents=True, exist_ok=True)
     state_path = data_dir / _STATE_FILE
-    if state_path.exists():
-        recorded = RayHead(**json.loads(state_path.read_text()))
-        if recorded.alive():
+    recorded = recorded_head(data_dir)
+    for pid in _unrecorded_heads(data_dir, recorded):
+        log.warning("ending a Ray head (pid %d) left unrecorded by a server that died while starting it", pid)
+        ProcessTree(pid).end(grace_s=HEAD_STOP_GRACE_S)
+    if recorded is not None:
+        if recorded.running() and _answers_within(recorded, min(timeout_s, _ADOPT_WAIT_S)):
+            log.info("adopting the running Ray head (pid %d) recorded in %s", recorded.pid, data_dir)
             return recorded
-        state_path.unlink()
+        if recorded.running():
+            log.warning(
+                "ending the Ray head (pid %d) recorded in %s: it runs but does not answer", recorded.pid, data_dir
+            )
+        stop_head(recorded, data_dir)
+    env = {**(env or {}), _HEAD_OF: str(data_dir.resolve())}
     log_path = data_dir / "ray-head.log"
     causes = []
     for _ in range(attempts):
@@ -130,12 +160,15 @@ def start_head(
                 ray_client_server,
                 port,
                 dashboard_port,
-                env or {},
+                env,
             )
         except _StartFailed as failure:
             causes.append(f"{failure}: {_cause(log_path, offset)}")
             continue
-        state_path.write_text(json.dumps(asdict(head)))
+        head = replace(head, started_at=process_started_at(head.pid))
+        partial = state_path.with_name(f".{state_path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(asdict(head)))
+        os.replace(partial, state_path)  # whole or not at all: a server killed while writing leaves no torn record
         return head
     raise HeadStartFailed(
         f"the embedded Ray head did not start ({len(causes)} tries). Last: {causes[-1]}. Its log: {log_path.resolve()}"
@@ -144,6 +177,55 @@ def start_head(
 
 class _StartFailed(RuntimeError):
     pass
+
+
+# How long a stopping head's processes get between SIGTERM and SIGKILL. Ray's own stop of a head does not finish within
+# a container's grace period: `ray start` ends its processes one kind at a time, and the GCS was seen to wait over 10 s
+# on a metrics export to the dashboard agent that had stopped already. What stops at all (dashboard, agents, workers)
+# does so in the first seconds; the rest is killed then.
+HEAD_STOP_GRACE_S = 3.0
+# A head is recorded once its dashboard has answered: a recorded head that runs but does not answer within this is
+# stuck, not starting, and is ended rather than adopted.
+_ADOPT_WAIT_S = 10.0
+
+
+def recorded_head(data_dir: Path) -> RayHead | None:
+    """The head data_dir's record names, running or not."""
+    try:
+        return RayHead(**json.loads((data_dir / _STATE_FILE).read_text()))
+    except (OSError, ValueError, TypeError):  # none, or a record this version cannot read
+        return None
+
+
+def _answers_within(head: RayHead, timeout_s: float) -> bool:
+    """The head's dashboard answers within timeout_s (a busy one may be slow to) while its process runs."""
+    deadline = time.monotonic() + timeout_s
+    while not _dashboard_ready(head.dashboard_url):
+        if time.monotonic() > deadline or not head.running():
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def _unrecorded_heads(data_dir: Path, recorded: RayHead | None) -> list[int]:
+    """The heads of data_dir running now (session leaders whose environment names it as theirs) but the recorded
+    one."""
+    mark = f"{_HEAD_OF}={data_dir.resolve()}".encode()
+    known = recorded.pid if recorded is not None and recorded.running() else None
+    heads = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == known:
+            continue
+        try:
+            if (
+                os.getsid(int(entry)) == int(entry)
+                and b"ringmaster.service.embedded_ray" in Path(f"/proc/{entry}/cmdline").read_bytes()
+                and mark in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            ):
+                heads.append(int(entry))
+        except OSError:  # gone, or another user's
+            continue
+    return heads
 
 
 def _start_once(
@@ -220,67 +302,30 @@ def _start_once(
     return head
 
 
-def _started_at(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process, from /proc; None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _descendants(pid: int) -> dict[int, int]:
-    """pid -> start time of every live process below pid (Ray puts its workers in process groups of their own, out
-    of the head's group); the start time tells a reused pid apart later."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (known := _started_at(int(entry))) is not None:
-            children.setdefault(known[0], []).append((int(entry), known[1]))
-    found: dict[int, int] = {}
-    frontier = [pid]
-    while frontier:
-        for child, started in children.get(frontier.pop(), []):
-            if child not in found:
-                found[child] = started
-                frontier.append(child)
-    return found
+    """pid -> start time of every live process below pid (harness/fault_tolerant_cluster.py ends its nodes' trees)."""
+    return ProcessTree(pid, include_root=False).members
 
 
-def stop_head(head: RayHead, data_dir: Path | None = None, grace_s: float = 10.0) -> None:
-    """End the head's process group: SIGTERM first (it stops its children), SIGKILL what is left, and then any
-    process of its tree outside the group."""
-    tree = _descendants(head.pid) if os.path.isdir("/proc") else {}
-    try:
-        os.killpg(head.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(head.pid, 0)
-        except OSError:
-            break
-        _reap(head.pid)
-        time.sleep(0.1)
-    try:
-        os.killpg(head.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _reap(head.pid)
-    for pid, started in tree.items():  # the same process only if it started at the same tick
-        if (known := _started_at(pid)) is not None and known[1] == started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+def stop_head(head: RayHead, data_dir: Path | None = None, grace_s: float = HEAD_STOP_GRACE_S) -> None:
+    """End every process of the head: SIGTERM to its process group first (Ray's own stop: `ray start` ends the GCS,
+    the dashboard and the raylet, the raylet its workers), then, after grace_s, whatever of its tree is left, those
+    started meanwhile and those Ray put in groups and sessions of their own included (service/process_tree.py)."""
+    if head.running():
+        tree = ProcessTree(head.pid)
+        tree.end(grace_s, terminate=lambda: _signal_group(head.pid, signal.SIGTERM))
+    elif process_started_at(head.pid) is None:
+        # Its own process is gone, and no other took its pid: whatever still runs in its session is the head's.
+        ProcessTree(None, sessions=[head.pid]).end(grace_s)
+    # Otherwise its pid is another process's now, which the kernel allows only once nothing of its session is left.
     if data_dir is not None:
         (data_dir / _STATE_FILE).unlink(missing_ok=True)
 
 
-def _reap(pid: int) -> None:
+def _signal_group(group: int, signum: int) -> None:
     try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
+        os.killpg(group, signum)
+    except ProcessLookupError:
         pass
 
 

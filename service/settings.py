@@ -92,6 +92,13 @@ class Settings(BaseSettings):
         default=False,
         description="Start the Ray client server (ray://) on the embedded head; ringmaster itself does not need it.",
     )
+    stop_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How long `serve` may take to stop on SIGTERM, SIGINT or `ringmaster stop`: in-flight requests, "
+        "the dispatcher and the embedded Ray head stop within it, and whatever of the server's processes is left "
+        "then is killed. The default fits the shortest grace period a container gets (`docker stop`'s 10 s).",
+    )
     log_format: Literal["auto", "json", "text"] = Field(
         default="auto",
         description="`serve`'s log lines: text on a terminal and JSON otherwise (auto), or always json or text.",
@@ -156,6 +163,10 @@ class Settings(BaseSettings):
     def api_address_path(self) -> Path:
         """Where a running `ringmaster serve` writes the URL it listens on, for the CLI to find it there."""
         return self.data_dir / "api-url"
+
+    def server_pid_path(self) -> Path:
+        """The pid file a running `ringmaster serve` holds locked (service/server_lock.py): one server a directory."""
+        return self.data_dir / "server.pid"
 
     def write_api_address(self, url: str) -> None:
         """Say where this server listens (api_address_path); written whole then renamed, so a CLI reading it at the
