@@ -40,13 +40,18 @@ class ControlPlane:
         address, dashboard_url = settings.ray_address, settings.ray_dashboard_url
         if address is None:
             self.head = start_head(
-                settings.data_dir, ray_client_server=settings.ray_client_server, timeout_s=settings.ray_start_timeout_s
+                settings.data_dir,
+                ray_client_server=settings.ray_client_server,
+                timeout_s=settings.ray_start_timeout_s,
+                node_ip_address=settings.ray_head_node_ip,
             )
             address, dashboard_url = self.head.gcs_address, self.head.dashboard_url
             settings = settings.model_copy(
                 update={
                     "ray_address": address,
                     "ray_dashboard_url": dashboard_url,
+                    "ray_auth_token": None,
+                    "ray_auth_token_file": self.head.auth and self.head.auth.token_path,
                     # The embedded head runs drivers on this machine: use this very interpreter.
                     "driver_python": sys.executable,
                     "code_path": settings.code_path or os.getcwd(),
@@ -63,6 +68,7 @@ class ControlPlane:
             dashboard_url,
             agent=agent_command("ringmaster.api.warm_pool_agent", address),
             driver_resources=settings.driver_resources,
+            auth=settings.ray_auth(),
         )
         self.cluster.connect()
         self._stop = threading.Event()
@@ -221,7 +227,7 @@ def _serve(settings: Settings, stop: _Stop) -> None:
     address = settings.api_address_path()
     try:
         stop.plane = plane = ControlPlane(settings)
-        log.info("Ray dashboard: %s", plane.settings.ray_dashboard_url)
+        log.info("Ray dashboard: %s%s", plane.settings.ray_dashboard_url, plane.settings.ray_token_hint())
         stop.server = _Server(
             uvicorn.Config(
                 plane.app(),

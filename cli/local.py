@@ -105,7 +105,10 @@ def demo(
     console.print("starting the API server, the dispatcher and a local Ray head …")
     with lock, BackgroundServer(settings) as server:
         client = server.client()
-        console.print(f"API: {server.url}/docs   Ray dashboard: {server.dashboard_url}", soft_wrap=True)
+        console.print(
+            f"API: {server.url}/docs   Ray dashboard: {server.dashboard_url}{server.plane.settings.ray_token_hint()}",
+            soft_wrap=True,
+        )
         job = client.submit_yaml(spec_path.read_text())
         console.print(f"submitted {spec_path.name} as job {job['id']}")
         started = time.monotonic()

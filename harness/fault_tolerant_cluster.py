@@ -4,6 +4,10 @@ that alone have the `ringmaster_driver` resource, so drivers (Settings.driver_re
 
 `restart_head()` kills every process of the head, as a lost head pod, and starts a new head at the same GCS and
 dashboard ports on the same Redis: the worker nodes, their actors and the drivers on them live through it.
+
+Every head of it runs with one token (as a KubeRay cluster's pods take theirs from one Secret), which the worker
+nodes present too. Its heads listen on the machine's address, not loopback alone: a `ray start --address` worker node
+joins only a head that does (Ray takes a loopback address for the machine's own, where such a head does not listen).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from urllib.parse import urlsplit
 
 from harness.ports import free_port
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
+from ringmaster.service.ray_auth import TOKEN_FILE
 
 DRIVER_RESOURCE = "ringmaster_driver"
 
@@ -94,6 +99,8 @@ class FaultTolerantCluster:
             env=self.head_env,
             port=port,
             dashboard_port=dashboard_port,
+            node_ip_address=None,
+            auth_token_file=self.data_dir / TOKEN_FILE,
         )
 
     def add_node(self) -> None:
@@ -116,7 +123,13 @@ class FaultTolerantCluster:
             "--temp-dir",
             tempfile.mkdtemp(prefix="rm-", dir="/tmp"),  # (the system config is the head's)
         ]
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        env = dict(
+            os.environ,
+            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            # The token, and not the variable that keeps a loopback address as given: with it `ray start` refuses to
+            # start a worker node.
+            **(self.head.auth.client_env() if self.head.auth else {}),
+        )
         with open(self.data_dir / f"node-{len(self.nodes) + 1}.log", "ab") as log:  # the child has its own copy
             self.nodes.append(
                 subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -134,7 +147,12 @@ class FaultTolerantCluster:
                 raise RuntimeError(f"`ray start` of node(s) {exited} exited: see {self.data_dir}/node-N.log")
             try:
                 # The State API's REST view of the nodes (this process never joins the cluster).
-                reply = httpx.get(f"{self.head.dashboard_url}/api/v0/nodes", params={"limit": 100}, timeout=5).json()
+                reply = httpx.get(
+                    f"{self.head.dashboard_url}/api/v0/nodes",
+                    params={"limit": 100},
+                    headers=self.head.auth.headers() if self.head.auth else None,
+                    timeout=5,
+                ).json()
                 seen = {}
                 for node in reply["data"]["result"]["result"]:
                     if node["state"] == "ALIVE":

@@ -5,6 +5,9 @@ in a session of its own, so stopping it ends exactly the processes it started (n
 every Ray on the machine). Its ports are chosen free, never 6379, and recorded in the data directory: a server started
 after one that died without stopping it (kill -9) adopts the head if it answers, and ends it otherwise, so a data
 directory never has two. A start that fails is cleaned up and tried once more before the cause is reported.
+
+Safe by default: every process of the head listens on loopback alone (node_ip_address 127.0.0.1), and the cluster runs
+with Ray's token authentication, its token a file in the data directory (service/ray_auth.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import httpx
 
 from ringmaster.service.process_tree import ProcessTree, process_started_at
+from ringmaster.service.ray_auth import TOKEN_FILE, RayAuth, ensure_token_file
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,14 @@ FAST_HEALTH_CHECKS = {
 # warm up in a thread at 19, which only a node at 0 keeps from competing with training.
 CLUSTER_SYSTEM_CONFIG = {**FAST_HEALTH_CHECKS, "worker_niceness": 0}
 
+LOOPBACK = "127.0.0.1"
+# Ray binds its gRPC servers (GCS, raylet, every worker, the dashboard agent) to loopback only when the node's address
+# is 127.0.0.1, and otherwise to every interface. But on Linux it rewrites a loopback address to the machine's own
+# (services.resolve_ip_for_localhost), in `ray start` and in each ray.init, unless it takes the machine for a
+# single-node one: this variable, in the head's environment, is inherited by every process of the cluster (drivers,
+# workers), and a client of the head needs it too (ray_cluster.ray_client_env).
+SINGLE_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
 
 @dataclass(frozen=True)
 class RayHead:
@@ -56,7 +68,12 @@ class RayHead:
     gcs_address: str
     dashboard_url: str
     metrics_url: str | None = None  # the node's Prometheus endpoint: Ray's own series and the jobs' training series
+    auth_token_path: str | None = None  # the file that holds the cluster's token (None: a head without authentication)
     started_at: int | None = None  # its process's start time: a later process given the same pid is not the head
+
+    @property
+    def auth(self) -> RayAuth | None:
+        return None if self.auth_token_path is None else RayAuth(token_path=Path(self.auth_token_path))
 
     def running(self) -> bool:
         """Its process still runs (whether or not the head answers)."""
@@ -71,7 +88,7 @@ class RayHead:
             return False
 
     def alive(self) -> bool:
-        return self.running() and _dashboard_ready(self.dashboard_url)
+        return self.running() and _dashboard_ready(self.dashboard_url, self.auth)
 
 
 def _free_port() -> int:
@@ -81,10 +98,11 @@ def _free_port() -> int:
         return port
 
 
-def _dashboard_ready(url: str) -> bool:
+def _dashboard_ready(url: str, auth: RayAuth | None) -> bool:
     try:
-        return httpx.get(f"{url}/api/version", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
+        headers = auth.headers() if auth else None
+        return httpx.get(f"{url}/api/version", headers=headers, timeout=1.0).status_code == 200
+    except (httpx.HTTPError, OSError):  # OSError: the token file is gone
         return False
 
 
@@ -120,12 +138,17 @@ def start_head(
     port: int | None = None,
     dashboard_port: int | None = None,
     env: dict[str, str] | None = None,
+    node_ip_address: str | None = LOOPBACK,
+    auth_token_file: Path | None = None,
 ) -> RayHead:
     """Start a local head (or reuse the one recorded in data_dir if it still answers). A start that fails (the
     process exits, or the dashboard does not answer in timeout_s) is cleaned up, every process of it ended, and tried
     again up to `attempts` times in all; then HeadStartFailed says why and where the log is. `port` (the GCS's) and
     `dashboard_port`: free ones unless given (a new cluster at an old one's address). `env`: more variables for the
-    head's processes (e.g. RAY_REDIS_ADDRESS, for GCS fault tolerance).
+    head's processes (e.g. RAY_REDIS_ADDRESS, for GCS fault tolerance). `node_ip_address`: what the head advertises and
+    listens on (LOOPBACK: loopback alone; another address, or None for the machine's own as Ray picks it: every
+    interface, for worker nodes to join). `auth_token_file`: the cluster's token, created if missing; by default
+    data_dir/ray-auth-token.
 
     A recorded head that runs but does not answer, and any head of data_dir that no record names (its server died
     while starting it), is ended first: data_dir never has two heads."""
@@ -161,6 +184,8 @@ def start_head(
                 port,
                 dashboard_port,
                 env,
+                node_ip_address,
+                auth_token_file or data_dir / TOKEN_FILE,
             )
         except _StartFailed as failure:
             causes.append(f"{failure}: {_cause(log_path, offset)}")
@@ -200,7 +225,7 @@ def recorded_head(data_dir: Path) -> RayHead | None:
 def _answers_within(head: RayHead, timeout_s: float) -> bool:
     """The head's dashboard answers within timeout_s (a busy one may be slow to) while its process runs."""
     deadline = time.monotonic() + timeout_s
-    while not _dashboard_ready(head.dashboard_url):
+    while not _dashboard_ready(head.dashboard_url, head.auth):
         if time.monotonic() > deadline or not head.running():
             return False
         time.sleep(0.25)
@@ -239,8 +264,11 @@ def _start_once(
     port: int | None,
     dashboard_port: int | None,
     extra_env: dict[str, str],
+    node_ip_address: str | None,
+    auth_token_file: Path,
 ) -> RayHead:
     port, dashboard_port, metrics_port = port or _free_port(), dashboard_port or _free_port(), _free_port()
+    auth = RayAuth(token_path=ensure_token_file(auth_token_file).resolve())
     # Its own temp dir: Ray resolves "auto" addresses (as the Jobs API does for each job's driver)
     # through <temp dir>/ray_current_cluster, which a shared /tmp/ray lets another cluster overwrite.
     # Kept short: Ray's Unix socket paths live below it.
@@ -253,6 +281,7 @@ def _start_once(
         "start",
         "--head",
         "--block",
+        *(["--node-ip-address", node_ip_address] if node_ip_address else []),
         "--port",
         str(port),
         "--dashboard-host",
@@ -278,18 +307,28 @@ def _start_once(
     if resources:
         command += ["--resources", json.dumps(resources)]
     command += ["--system-config", json.dumps({**CLUSTER_SYSTEM_CONFIG, **(system_config or {})})]
-    # The head's processes inherit PATH, so the job driver finds this interpreter's packages.
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra_env)
+    # The head's processes inherit PATH, so the job driver finds this interpreter's packages; and the token's path,
+    # so the job drivers and workers present it too (a token inherited in RAY_AUTH_TOKEN would take precedence).
+    env = {key: value for key, value in os.environ.items() if key != "RAY_AUTH_TOKEN"}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **auth.client_env())
+    if node_ip_address == LOOPBACK:
+        env.update(SINGLE_NODE_ENV)
+        # The jobs' process groups too: gloo's pairs and NCCL's bootstrap listen on the interface these name (by
+        # default the one the host name resolves to, or the first that is not loopback), unless a person chose one.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env.update(extra_env)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     head = RayHead(
         pid=process.pid,
-        gcs_address=f"127.0.0.1:{port}",
+        gcs_address=f"{node_ip_address or LOOPBACK}:{port}",
         dashboard_url=f"http://127.0.0.1:{dashboard_port}",
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        auth_token_path=str(auth.token_path),
     )
     deadline = time.monotonic() + timeout_s
-    while not _dashboard_ready(head.dashboard_url):
+    while not _dashboard_ready(head.dashboard_url, auth):
         failure = None
         if process.poll() is not None:
             failure = f"`ray start` exited with code {process.returncode}"

@@ -34,6 +34,10 @@ CONTROL_PLANE_JOB_NAME = "ringmaster control plane (its warm pool workers)"
 JOIN_TIMEOUT_S = 90.0  # a new agent's `import ray` and ray.init, on a loaded machine
 CALL_TIMEOUT_S = 30.0  # any call, beyond the wait it asks for (a reservation's wait_s)
 _STDERR_LINES = 20
+# What Ray says when the GCS it joined was replaced by a new cluster at the same address. Without token authentication
+# its core client aborts the agent's process; with it, each call raises this instead, and the agent would live on
+# joined to a cluster that is gone.
+_CLUSTER_REPLACED = "WrongClusterID"
 
 
 class ClusterUnreachable(RuntimeError):
@@ -68,9 +72,14 @@ class RayAgent:
     """A handle on the agent process: starts it on first use, and again after it is lost. Thread-safe (one call
     at a time)."""
 
-    def __init__(self, command: list[str], join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    def __init__(
+        self, command: list[str], join_timeout_s: float = JOIN_TIMEOUT_S, env: dict[str, str] | None = None
+    ) -> None:
+        """`env`: the agent's whole environment (this process's by default); RayCluster's carries the cluster's
+        token: the control plane's own process never holds it in its environment."""
         self.command = command
         self.join_timeout_s = join_timeout_s
+        self.env = env
         self.starts = 0  # agents started so far: more than one means the cluster connection was replaced
         self._process: subprocess.Popen[str] | None = None
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -93,6 +102,8 @@ class RayAgent:
             if reply.get("id") != request["id"]:
                 self._lose(f"it answered request {reply.get('id')} to request {request['id']}")
             if "error" in reply:
+                if _CLUSTER_REPLACED in reply["error"]:
+                    self._lose(f"its cluster was replaced by another at the same address: {reply['error']}")
                 raise AgentRefused(reply["error"])
             return reply.get("result")
 
@@ -117,7 +128,13 @@ class RayAgent:
         self._replies = queue.Queue()
         self._stderr.clear()
         self._process = process = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=self.env,
         )
         self.starts += 1
         threading.Thread(

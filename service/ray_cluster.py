@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -17,7 +18,9 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ringmaster.service.driver_handoff import DriverHandoff
+from ringmaster.service.embedded_ray import LOOPBACK, SINGLE_NODE_ENV
 from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, RayAgent, agent_command
+from ringmaster.service.ray_auth import RayAuth
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient  # imported where first used: importing Ray takes seconds
@@ -66,13 +69,21 @@ class RayCluster:
         dashboard_url: str,
         agent: list[str] | None = None,
         driver_resources: dict[str, float] | None = None,
+        auth: RayAuth | None = None,
     ) -> None:
         """`agent`: the command that starts the Ray agent (the composition root's adds the warm pool); by default one
-        that keeps no pool. `driver_resources`: what each job's driver asks Ray for (Settings.driver_resources)."""
+        that keeps no pool. `driver_resources`: what each job's driver asks Ray for (Settings.driver_resources).
+        `auth`: the cluster's token (Settings.ray_auth), for the Jobs API's calls and the agent's ray.init."""
         self.address = address
         self.driver_resources = dict(driver_resources or {})
         self.dashboard_url = dashboard_url.rstrip("/")
-        self.agent = RayAgent(agent or agent_command("ringmaster.service.ray_agent", address))
+        self.auth = auth
+        # The agent's environment: this process's, with its own Ray token variables (if any) replaced by auth's.
+        inherited = {key: value for key, value in os.environ.items() if auth is None or not key.startswith("RAY_AUTH_")}
+        self.agent = RayAgent(
+            agent or agent_command("ringmaster.service.ray_agent", address),
+            env={**inherited, **ray_client_env(address, auth)},
+        )
         self._jobs: JobSubmissionClient | None = None
         self._lock = threading.Lock()
         self._pool_envs: dict[
@@ -99,7 +110,9 @@ class RayCluster:
         with self._lock:
             if self._jobs is None:
                 try:
-                    self._jobs = JobSubmissionClient(self.dashboard_url)
+                    # The token as a header of this client alone: this process may call several clusters.
+                    headers = self.auth.headers() if self.auth else None
+                    self._jobs = JobSubmissionClient(self.dashboard_url, headers=headers)
                 except ConnectionError as error:  # the client checks the dashboard's version at once
                     raise ClusterUnreachable(
                         f"the Ray dashboard at {self.dashboard_url} does not answer: {error}"
@@ -230,6 +243,16 @@ class RayCluster:
         jobs = self._jobs_api()
         logs: str = jobs.get_job_logs(submission_id)  # _JobsApi passes the client's calls on untyped
         return logs
+
+
+def ray_client_env(address: str, auth: RayAuth | None) -> dict[str, str]:
+    """The variables a Ray client process (ray.init) of the cluster at address needs: the token's, and for a GCS on
+    loopback, the one that keeps Ray from trading that address for the machine's own, where a loopback-only head does
+    not listen (for a head that listens everywhere, the address as given works as well)."""
+    env = auth.client_env() if auth is not None else {}
+    if "://" not in address and address.rpartition(":")[0] in (LOOPBACK, "localhost"):
+        env.update(SINGLE_NODE_ENV)
+    return env
 
 
 def _unreachable(address: str) -> str | None:

@@ -7,8 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ringmaster.service.ray_auth import RayAuth
 
 
 class Settings(BaseSettings):
@@ -88,6 +90,23 @@ class Settings(BaseSettings):
         description="How long the embedded Ray head may take to "
         "answer before its start counts as failed (it is tried twice).",
     )
+    ray_head_node_ip: str = Field(
+        default="127.0.0.1",
+        description="The address the embedded Ray head advertises and its processes listen on. 127.0.0.1: loopback "
+        "alone, nothing of Ray is reachable from the network. Another address (this machine's, for other machines to "
+        "join the head with `ray start --address`) makes Ray listen on every interface: Ray binds loopback or all.",
+    )
+    ray_auth_token: SecretStr | None = Field(
+        default=None,
+        description="The token of an external Ray cluster (RINGMASTER_RAY_ADDRESS) that runs with token "
+        "authentication (RAY_AUTH_MODE=token). The embedded head needs none: it makes its own, "
+        "data_dir/ray-auth-token.",
+    )
+    ray_auth_token_file: Path | None = Field(
+        default=None,
+        description="A file that holds that token, read at each use, instead of ray_auth_token. Neither set: the "
+        "external cluster is called without a token.",
+    )
     ray_client_server: bool = Field(
         default=False,
         description="Start the Ray client server (ray://) on the embedded head; ringmaster itself does not need it.",
@@ -119,6 +138,28 @@ class Settings(BaseSettings):
         description="Largest code archive a job may ship "
         "(POST /v1/code), packed and unpacked alike; a larger one is refused with 413.",
     )
+
+    @model_validator(mode="after")
+    def _one_ray_token_source(self) -> Settings:
+        if self.ray_auth_token is not None and self.ray_auth_token_file is not None:
+            raise ValueError("set RINGMASTER_RAY_AUTH_TOKEN or RINGMASTER_RAY_AUTH_TOKEN_FILE, not both")
+        return self
+
+    def ray_auth(self) -> RayAuth | None:
+        """The token ringmaster's Ray clients present, or None for a cluster without authentication."""
+        if self.ray_auth_token is not None:
+            return RayAuth(token=self.ray_auth_token.get_secret_value())
+        if self.ray_auth_token_file is not None:
+            return RayAuth(token_path=self.ray_auth_token_file)
+        return None
+
+    def ray_token_hint(self) -> str:
+        """Where a person finds the token the Ray dashboard asks for, said after the dashboard's URL."""
+        if self.ray_auth_token_file is not None:
+            return f" (it asks for the token in {self.ray_auth_token_file})"
+        if self.ray_auth_token is not None:
+            return " (it asks for the token in RINGMASTER_RAY_AUTH_TOKEN)"
+        return ""
 
     def resolved_database_url(self) -> str:
         if self.database_url:

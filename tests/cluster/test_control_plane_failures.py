@@ -28,11 +28,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from ray.job_submission import JobSubmissionClient
 from sqlalchemy import Engine, text
 
 from harness.fault_tolerant_cluster import DRIVER_RESOURCE, FaultTolerantCluster, redis_server_path
-from harness.local_control_plane import CLUSTER_CPUS, REPO_ROOT
+from harness.local_control_plane import CLUSTER_CPUS, REPO_ROOT, jobs_api
 from harness.ports import free_port
 from ringmaster.service import auth
 from ringmaster.service.client import ApiError, RingmasterClient
@@ -85,6 +84,7 @@ class Server:
             RINGMASTER_DATABASE_URL=self.database_url,
             RINGMASTER_RAY_ADDRESS=self.head.gcs_address,
             RINGMASTER_RAY_DASHBOARD_URL=self.head.dashboard_url,
+            RINGMASTER_RAY_AUTH_TOKEN_FILE=self.head.auth_token_path or "",
             RINGMASTER_API_PORT=str(self.port),
             RINGMASTER_DRIVER_PYTHON=sys.executable,
             RINGMASTER_CODE_PATH=str(REPO_ROOT),
@@ -214,7 +214,7 @@ def _transitions(client: RingmasterClient, job_id: str) -> list[tuple[str | None
 
 def _ray_jobs(head: RayHead, job_id: str) -> dict[str, str]:
     """Every Ray job this job ever had, by submission id, with its status."""
-    listed = JobSubmissionClient(head.dashboard_url).list_jobs()
+    listed = jobs_api(head).list_jobs()
     return {
         job.submission_id: str(job.status.value)
         for job in listed
@@ -223,9 +223,9 @@ def _ray_jobs(head: RayHead, job_id: str) -> dict[str, str]:
 
 
 def _wait_ray_status(head: RayHead, submission_id: str, status: str, timeout_s: float = 30) -> None:
-    jobs_api = JobSubmissionClient(head.dashboard_url)
+    ray_jobs = jobs_api(head)
     deadline = time.monotonic() + timeout_s
-    while (current := str(jobs_api.get_job_status(submission_id).value)) != status:
+    while (current := str(ray_jobs.get_job_status(submission_id).value)) != status:
         assert time.monotonic() < deadline, f"Ray job {submission_id} is {current}, not {status}"
         time.sleep(0.25)
 
@@ -248,13 +248,13 @@ def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_
     first.kill()
     time.sleep(2.0)  # the driver keeps training and buffers its reports meanwhile
     submission_id = f"ringmaster-{job['id']}-1"
-    jobs_api = JobSubmissionClient(ray_head.dashboard_url)
+    ray_jobs = jobs_api(ray_head)
 
     second = first.replacement()
     servers.append(second)
     second.start()
     # The point of the test: the new server finds the Ray job still running and must adopt it.
-    assert str(jobs_api.get_job_status(submission_id).value) == "RUNNING", "the job ended before the restart"
+    assert str(ray_jobs.get_job_status(submission_id).value) == "RUNNING", "the job ended before the restart"
     done = _poll(client, job["id"], lambda j: j["state"] in TERMINAL, 90, second)
 
     assert done["state"] == "SUCCEEDED", done["error"]
@@ -271,7 +271,7 @@ def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_
     assert [c["step"] for c in client.checkpoints(job["id"])["items"]] == [50, 100, 150, 200]
     _wait_ray_status(ray_head, submission_id, "SUCCEEDED")
     assert _ray_jobs(ray_head, job["id"]) == {submission_id: "SUCCEEDED"}, "exactly one Ray job for the one attempt"
-    assert "control plane unreachable" in jobs_api.get_job_logs(submission_id), "the driver never had to buffer"
+    assert "control plane unreachable" in ray_jobs.get_job_logs(submission_id), "the driver never had to buffer"
 
 
 def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, ray_head, servers):
@@ -285,7 +285,7 @@ def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, 
     assert seen_checkpoint < steps, "the job finished before its driver could be killed"
 
     first_attempt = f"ringmaster-{job_id}-1"
-    driver = JobSubmissionClient(ray_head.dashboard_url).get_job_info(first_attempt).driver_info
+    driver = jobs_api(ray_head).get_job_info(first_attempt).driver_info
     assert driver is not None and driver.pid, "Ray does not know the driver's process"
     command_line = Path(f"/proc/{driver.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     assert "ringmaster.workers.driver" in command_line and job_id in command_line, command_line
@@ -341,7 +341,7 @@ def test_a_replaced_ray_cluster_is_joined_by_the_living_server_and_the_job_resum
         assert server.process.poll() is None, f"the server died with its cluster:\n{server.log_tail()}"
         heads.append(
             start_head(
-                tmp_path / "ray-2",
+                tmp_path / "ray-1",  # its token too, as a replaced KubeRay cluster keeps its Secret
                 num_cpus=CLUSTER_CPUS,
                 port=int(heads[0].gcs_address.rsplit(":", 1)[1]),
                 dashboard_port=urlsplit(heads[0].dashboard_url).port,
@@ -406,7 +406,7 @@ def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_atte
     client = api(server)
     job_id = client.submit(_spec("head-restart", steps=steps, every_steps=0))["id"]
     _poll(client, job_id, lambda j: j["state"] == "RUNNING" and len(client.metrics(job_id)["items"]) >= 20, 90, server)
-    driver = JobSubmissionClient(cluster.head.dashboard_url).get_job_info(f"ringmaster-{job_id}-1").driver_info
+    driver = jobs_api(cluster.head).get_job_info(f"ringmaster-{job_id}-1").driver_info
     assert driver is not None and driver.pid
 
     killed_at, back_at = cluster.restart_head()
@@ -476,7 +476,7 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, pos
     _first_metrics(client, job_id, 90, server)
     _restart_postgres(postgres_admin)
     submission_id = f"ringmaster-{job_id}-1"
-    assert str(JobSubmissionClient(ray_head.dashboard_url).get_job_status(submission_id).value) == "RUNNING", (
+    assert str(jobs_api(ray_head).get_job_status(submission_id).value) == "RUNNING", (
         "the job ended before PostgreSQL came back"
     )
 
@@ -505,7 +505,7 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, pos
         server,
     )
     assert server.process is not None and server.process.poll() is None, "the server died with the database"
-    logs = JobSubmissionClient(ray_head.dashboard_url).get_job_logs(submission_id)
+    logs = jobs_api(ray_head).get_job_logs(submission_id)
     assert "control plane answered 503" in logs or "control plane unreachable" in logs, (
         "no report met the restart: the test did not exercise it"
     )
