@@ -11,6 +11,8 @@
   control-plane replicas probed on /healthz, every RINGMASTER_* variable a real Settings field whose
   value parses, Ray/API/database addresses that point at objects of the same render, and Services
   whose selectors match pod labels.
+- Ray's token authentication in every overlay: the RayCluster asks KubeRay for it (authOptions), no Ray container
+  turns it off or carries a token of its own, and the control plane reads the token from the Secret KubeRay fills.
 - The Dockerfile's cpu/cuda switch and its Ray pin.
 
 `kubectl kustomize` renders (no cluster needed). Without kubectl these tests skip locally and fail
@@ -48,6 +50,7 @@ CONTROL_PLANE = "ringmaster-api"
 GPU = "nvidia.com/gpu"
 PLACEHOLDER = "REPLACE_ME"
 PLACEHOLDER_IMAGES = ("ringmaster-ray", "ringmaster-control-plane")
+RAY_TOKEN_KEY = "auth_token"  # the key of KubeRay's token Secret
 
 # What each overlay promises. A new overlay must say what it promises here before its tests pass.
 EXPECTED: dict[str, dict[str, Any]] = {
@@ -164,6 +167,14 @@ class Rendered:
             for container in spec.get("initContainers", []) + spec["containers"]:
                 yield f"{where} container {container['name']}", container, spec
 
+    def ray_token_secret(self) -> str | None:
+        """The Secret that holds the Ray cluster's token when its authOptions ask for one: the one secretName names,
+        else the one KubeRay generates under the RayCluster's name (key auth_token)."""
+        options = self.raycluster["spec"].get("authOptions") or {}
+        if options.get("mode") != "token":
+            return None
+        return str(options.get("secretName") or self.raycluster["metadata"]["name"])
+
     def data(self, kind: str, name: str) -> dict[str, str]:
         """A ConfigMap's or Secret's decoded key/value pairs."""
         doc = self.get(kind, name)
@@ -189,6 +200,10 @@ class Rendered:
                 environment[variable["name"]] = variable["value"]
                 continue
             source = variable.get("valueFrom", {})
+            generated = source.get("secretKeyRef", {})
+            if (generated.get("name"), generated.get("key")) == (self._generated_token_secret(), RAY_TOKEN_KEY):
+                environment[variable["name"]] = None  # KubeRay's random token, made when it reconciles the cluster
+                continue
             for kind, key in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
                 if key in source:
                     ref = source[key]
@@ -202,6 +217,11 @@ class Rendered:
             else:
                 environment[variable["name"]] = None
         return environment
+
+    def _generated_token_secret(self) -> str | None:
+        """The token Secret KubeRay generates itself (none is rendered), if the RayCluster has it make one."""
+        name = self.ray_token_secret()
+        return name if name is not None and self.find("Secret", name) is None else None
 
     @property
     def control_plane_settings(self) -> Settings:
@@ -292,7 +312,15 @@ RAYCLUSTER_SCHEMA: dict[str, Any] = {
                 "suspend": {"type": "boolean"},
                 "managedBy": {"enum": ["ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue"]},
                 "upgradeStrategy": _OBJECT,
-                "authOptions": _OBJECT,
+                "authOptions": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "mode": {"enum": ["disabled", "token"]},
+                        "secretName": {"type": "string", "minLength": 1},
+                        "enableK8sTokenAuth": {"type": "boolean"},
+                    },
+                },
                 "gcsFaultToleranceOptions": _OBJECT,
                 "historyServerOptions": _OBJECT,
                 "networkPolicy": _OBJECT,
@@ -729,6 +757,26 @@ def test_database_url_points_at_the_bundled_or_an_external_postgresql(overlay: R
         assert PLACEHOLDER in str(url.render_as_string(hide_password=False)), (
             f"{overlay.name}: the external database URL should be a marked placeholder, not a real credential"
         )
+
+
+def test_ray_token_authentication_is_on_and_the_control_plane_presents_the_token(overlay: Rendered) -> None:
+    secret = overlay.ray_token_secret()
+    assert secret is not None, f"{overlay.name}: the RayCluster's authOptions do not ask for token authentication"
+    assert not overlay.raycluster["spec"]["authOptions"].get("enableK8sTokenAuth"), "ringmaster presents a static token"
+    for where, container, _ in overlay.containers():
+        if not where.startswith("RayCluster"):
+            continue
+        variables = {variable["name"]: variable for variable in container.get("env", [])}
+        # KubeRay sets both on every Ray container unless the template already does: neither may be set otherwise.
+        assert variables.get("RAY_AUTH_MODE", {}).get("value", "token") == "token", f"{overlay.name}: {where}"
+        assert "RAY_AUTH_TOKEN" not in variables and "RAY_AUTH_TOKEN_PATH" not in variables, f"{overlay.name}: {where}"
+    control_plane = overlay.control_plane["spec"]["template"]["spec"]["containers"][0]
+    token = next((v for v in control_plane.get("env", []) if v["name"] == "RINGMASTER_RAY_AUTH_TOKEN"), None)
+    assert token is not None, f"{overlay.name}: the control plane has no RINGMASTER_RAY_AUTH_TOKEN"
+    assert token.get("valueFrom", {}).get("secretKeyRef") == {"name": secret, "key": RAY_TOKEN_KEY}, (
+        f"{overlay.name}: RINGMASTER_RAY_AUTH_TOKEN does not come from the cluster's token Secret {secret}"
+    )
+    assert "RINGMASTER_RAY_AUTH_TOKEN_FILE" not in overlay.environment(control_plane)
 
 
 def test_no_api_token_is_deployed_tokens_live_hashed_in_the_database(overlay: Rendered) -> None:
