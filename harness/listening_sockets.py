@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringmaster.service.process_tree import ProcessTree
+
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
@@ -25,29 +27,12 @@ class ListeningSocket:
         return address.is_loopback
 
 
-def process_tree(root: int) -> list[int]:
-    """root and every live process below it (Ray starts some in sessions of their own: parent links, not groups)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    tree, frontier = [root], [root]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            tree.append(child)
-            frontier.append(child)
-    return tree
-
-
 def listening_sockets(root: int) -> list[ListeningSocket]:
-    """Every TCP socket (IPv4 and IPv6) in LISTEN state held by a process of root's tree."""
+    """Every TCP socket (IPv4 and IPv6) in LISTEN state held by a process of root's tree (the processes Ray starts in
+    sessions of their own included)."""
     listening = _listening_by_inode()
     found = []
-    for pid in process_tree(root):
+    for pid in sorted(ProcessTree(root).look()):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             descriptors = os.listdir(f"/proc/{pid}/fd")

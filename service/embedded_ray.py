@@ -253,6 +253,14 @@ def _unrecorded_heads(data_dir: Path, recorded: RayHead | None) -> list[int]:
     return heads
 
 
+# What the server's environment may hold that the cluster's processes must not inherit: every job's driver and workers,
+# and so every tenant's code, run below the head. The control plane's own secrets (the CLI's API token, a database URL
+# with its password), and a Ray token in RAY_AUTH_TOKEN, which would take precedence over the head's own.
+_NOT_FOR_THE_CLUSTER = frozenset(
+    {"RINGMASTER_TOKEN", "RINGMASTER_DATABASE_URL", "RINGMASTER_RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN"}
+)
+
+
 def _start_once(
     data_dir: Path,
     log_path: Path,
@@ -309,7 +317,7 @@ def _start_once(
     command += ["--system-config", json.dumps({**CLUSTER_SYSTEM_CONFIG, **(system_config or {})})]
     # The head's processes inherit PATH, so the job driver finds this interpreter's packages; and the token's path,
     # so the job drivers and workers present it too (a token inherited in RAY_AUTH_TOKEN would take precedence).
-    env = {key: value for key, value in os.environ.items() if key != "RAY_AUTH_TOKEN"}
+    env = {key: value for key, value in os.environ.items() if key not in _NOT_FOR_THE_CLUSTER}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **auth.client_env())
     if node_ip_address == LOOPBACK:
         env.update(SINGLE_NODE_ENV)

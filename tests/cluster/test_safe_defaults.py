@@ -48,6 +48,8 @@ class Served:
     client: RingmasterClient
     job_id: str
     sockets_while_running: list[ListeningSocket]
+    head_processes: int  # of the Ray head's tree while the job ran (its workers and the job's ranks among them)
+    holding_the_server_secret: list[str]  # the commands of those whose environment held the server's API token
 
     @property
     def head(self) -> RayHead:
@@ -57,6 +59,22 @@ class Served:
 def _clean_env() -> dict[str, str]:
     """This environment without ringmaster's or Ray's own settings: defaults, as a new user has them."""
     return {key: value for key, value in os.environ.items() if not key.startswith(("RINGMASTER_", "RAY_"))}
+
+
+# In the server's environment, as an operator's API token may be: never in the cluster's, where tenants' code runs.
+SERVER_SECRET = "server-secret-" + os.urandom(8).hex()
+
+
+def _holding(secret: str, pids: set[int]) -> list[str]:
+    """The commands of the processes among pids whose environment holds secret."""
+    found = []
+    for pid in pids:
+        try:
+            if secret.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue  # ended meanwhile
+    return found
 
 
 def _wait(condition: object, what: str, timeout_s: float, process: subprocess.Popen[str]) -> None:
@@ -72,7 +90,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`ringmaster serve` on embedded defaults with one job, read while it runs; the server is stopped afterwards and
     any process of its tree still alive then is killed."""
     data_dir = tmp_path_factory.mktemp("safe-defaults")
-    env = {**_clean_env(), "RINGMASTER_DATA_DIR": str(data_dir), "RINGMASTER_API_PORT": str(free_port())}
+    env = {
+        **_clean_env(),
+        "RINGMASTER_DATA_DIR": str(data_dir),
+        "RINGMASTER_API_PORT": str(free_port()),
+        "RINGMASTER_TOKEN": SERVER_SECRET,  # read by the CLI only: the server serves the same with it
+    }
     with open(data_dir / "serve.log", "w") as log:  # the child writes through its own copy of the descriptor
         process = subprocess.Popen(
             [sys.executable, "-m", "ringmaster.cli", "serve"],
@@ -96,7 +119,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             process,
         )
         sockets = listening_sockets(process.pid)
-        yield Served(process, data_dir, client, job_id, sockets)
+        head_tree = ProcessTree(head.pid).look()
+        yield Served(process, data_dir, client, job_id, sockets, len(head_tree), _holding(SERVER_SECRET, head_tree))
     finally:
         tree.look()
         process.send_signal(signal.SIGINT)
@@ -125,6 +149,14 @@ def test_every_socket_of_the_server_tree_listens_on_loopback_while_a_job_runs(se
     assert not beyond, "listening beyond loopback:\n" + "\n".join(
         f"{s.host}:{s.port} {s.command[:120]}" for s in beyond
     )
+
+
+def test_no_process_of_the_cluster_inherits_the_servers_secrets(served: Served) -> None:
+    """The head's tree holds every process a tenant's code runs in; the server's environment (its API token here, a
+    database URL with its password in production) stays with the server."""
+    assert served.head_processes > 5, "the head's tree was not read while the job ran"
+    assert _holding(SERVER_SECRET, {served.process.pid}), "the marker is not in the server's own environment"
+    assert not served.holding_the_server_secret, served.holding_the_server_secret
 
 
 def test_ringmasters_own_path_runs_the_job_to_the_end(served: Served) -> None:
