@@ -221,14 +221,41 @@ def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) 
 
 def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The loss of a model given alone, and of every transformers causal LM: the mean cross-entropy of the logits it
-    returns (a tensor, or an output with ``.logits``) against the window's next tokens."""
+    returns (see model_logits) against the window's next tokens."""
     inputs, targets = batch
     return logits_loss(model_logits(model(inputs)), targets)
 
 
 def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if logits.dim() != 3 or logits.shape[:2] != targets.shape:
+        raise EntrypointError(
+            f"the model's forward returned logits of shape {tuple(logits.shape)} for a window of shape "
+            f"{tuple(targets.shape)}: the next-token loss needs (batch, positions, vocabulary), every position's "
+            "logits (a model that returns the last position's alone when called without targets must return all)"
+        )
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def model_logits(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output.logits
+    """The logits in what a model's forward returned: the tensor itself; an output with `.logits` (transformers', a
+    dataclass); a mapping with "logits"; or a tuple or list whose first item is a tensor, as `(logits, loss)` in common
+    GPT training code (its loss, if any, is left aside: the window's targets are not passed to forward). Anything else
+    fails the job in one line that says what to return."""
+    if isinstance(output, torch.Tensor):
+        return output
+    found = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if found is None and isinstance(output, tuple | list) and output:
+        found = output[0]
+    if isinstance(found, torch.Tensor):
+        return found
+    raise EntrypointError(
+        f"the model's forward returned {_described(output)}, in which the next-token loss finds no logits: return the "
+        "logits tensor, a tuple whose first item is it (logits, loss), or an object or dict with `logits`; or give "
+        "the model a loss_fn of its own"
+    )
+
+
+def _described(output: Any) -> str:
+    if isinstance(output, tuple | list):
+        return f"a {type(output).__name__} of ({', '.join(type(item).__name__ for item in output)})"
+    return f"a {type(output).__name__}"
