@@ -17,6 +17,12 @@ from ringmaster.service.db import Database, upgrade_schema
 
 POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
 
+# The CLI's rich console takes its width from COLUMNS when it is first imported and keeps it; the CLI tests give the
+# width they read in each call's environment. An ambient one (an xdist worker starts with COLUMNS=80 and LINES=24, a
+# plain run with neither) would make them pass or fail by which test imported the CLI first.
+for _terminal_size in ("COLUMNS", "LINES"):
+    os.environ.pop(_terminal_size, None)
+
 
 @pytest.fixture
 def single_rank_group() -> Iterator[None]:

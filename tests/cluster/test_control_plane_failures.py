@@ -433,48 +433,63 @@ def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_atte
     assert server.process.poll() is None
 
 
-@pytest.fixture
-def postgres_schema_url(postgres_admin: Engine) -> Iterator[str]:
-    """A dedicated, empty PostgreSQL schema (the server migrates it at start)."""
-    schema = f"failures_{uuid.uuid4().hex[:12]}"
-    with postgres_admin.connect() as connection:
-        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    yield postgres_admin.url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
-        hide_password=False
-    )
-    postgres_admin.dispose()  # its pooled connections died with the restart
-    with postgres_admin.connect() as connection:
-        connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+@dataclass(frozen=True)
+class OwnPostgres:
+    """A PostgreSQL cluster of the test's own (Debian's pg_createcluster, as root in CI), so that restarting it leaves
+    the server every other test uses alone: under `pytest -n`, those run at the same time."""
 
+    version: str
+    name: str
+    url: str
 
-def _restart_postgres(admin: Engine) -> None:
-    """Restart the PostgreSQL cluster the tests use (Debian's pg_ctlcluster; needs root, as in CI)."""
-    with admin.connect() as connection:
-        cluster = connection.execute(text("SHOW cluster_name")).scalar_one()
-    version, _, name = cluster.partition("/")
-    assert version and name, f"cannot tell which cluster to restart from cluster_name={cluster!r}"
-    # Down for a couple of seconds, as in a failover: a restart alone can fall between two of the driver's reports.
-    for action in ("stop", "start"):
+    def pg_ctlcluster(self, action: str) -> None:
         result = subprocess.run(
-            ["pg_ctlcluster", version, name, action], capture_output=True, text=True, timeout=90, check=False
+            ["pg_ctlcluster", self.version, self.name, action], capture_output=True, text=True, timeout=90, check=False
         )
-        assert result.returncode == 0, f"pg_ctlcluster {version} {name} {action} failed: {result.stdout}{result.stderr}"
-        if action == "stop":
-            time.sleep(2.0)
-    admin.dispose()
+        assert result.returncode == 0, (
+            f"pg_ctlcluster {self.version} {self.name} {action}: {result.stdout}{result.stderr}"
+        )
+
+
+@pytest.fixture
+def own_postgres(postgres_admin: Engine) -> Iterator[OwnPostgres]:
+    """A new cluster of the shared server's PostgreSQL version, on a free loopback port, trusting local connections
+    (it holds nothing but this test's schema), dropped afterwards."""
+    with postgres_admin.connect() as connection:
+        version = connection.execute(text("SHOW server_version_num")).scalar_one()[:-4]
+    name, port = f"restart_{uuid.uuid4().hex[:8]}", free_port()
+    created = subprocess.run(
+        ["pg_createcluster", version, name, "--port", str(port), "--start", "--", "--auth=trust"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert created.returncode == 0, f"pg_createcluster {version} {name}: {created.stdout}{created.stderr}"
+    try:
+        yield OwnPostgres(version, name, f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres")
+    finally:
+        subprocess.run(["pg_dropcluster", "--stop", version, name], capture_output=True, timeout=120, check=False)
+
+
+def _restart_postgres(postgres: OwnPostgres) -> None:
+    """Down for a couple of seconds, as in a failover: a restart alone can fall between two of the driver's reports."""
+    postgres.pg_ctlcluster("stop")
+    time.sleep(2.0)
+    postgres.pg_ctlcluster("start")
 
 
 @pytest.mark.postgres
-def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, postgres_admin, postgres_schema_url):
+def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, own_postgres):
     steps, every = 150, 25
-    server = Server(tmp_path, postgres_schema_url, ray_head, free_port())
+    server = Server(tmp_path, own_postgres.url, ray_head, free_port())
     servers.append(server)
     server.start()
     client = api(server)
     job = client.submit(_spec("restart-postgres", steps=steps, every_steps=every))
     job_id = job["id"]
     _first_metrics(client, job_id, 90, server)
-    _restart_postgres(postgres_admin)
+    _restart_postgres(own_postgres)
     submission_id = f"ringmaster-{job_id}-1"
     assert str(jobs_api(ray_head).get_job_status(submission_id).value) == "RUNNING", (
         "the job ended before PostgreSQL came back"
