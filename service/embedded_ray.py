@@ -325,6 +325,11 @@ def _start_once(
         # default the one the host name resolves to, or the first that is not loopback), unless a person chose one.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    # The dashboard's and the autoscaler monitor's own metrics endpoints listen on fixed ports (44227, 44217) unless
+    # these name others: a second head on the machine (another data directory's server) found them taken, and its
+    # dashboard never came up ("Module MetricsHead failed to start").
+    env.setdefault("DASHBOARD_METRIC_PORT", str(_free_port()))
+    env.setdefault("AUTOSCALER_METRIC_PORT", str(_free_port()))
     env.update(extra_env)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)

@@ -254,7 +254,8 @@ async function jobPage(jobId) {
       el("span", {}, el("b", {}, "attempt "), String(job.attempt)),
       el("span", {}, el("b", {}, "tenant "), job.tenant),
     );
-    if (job.error) facts.append(el("div", { class: "error" }, job.error));
+    // A traceback keeps its lines and columns: monospace, as the driver's log shows it.
+    if (job.error) facts.append(el("pre", { class: "error" }, job.error));
     cancel.hidden = TERMINAL.has(job.state);
     links.replaceChildren(...(job.dashboard_url ? [link(job.dashboard_url, "This attempt in the Ray dashboard")] : []));
   };

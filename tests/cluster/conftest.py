@@ -4,7 +4,8 @@
 Under `pytest -n` (the README's command) they run in two xdist groups, each one test after another in one worker:
 RECOVERY, the tests that kill nodes, processes, heads and servers and time how the system answers, starts first and
 runs beside the rest of the suite; RESULTS, the end-to-end results through REST (numerics, user code, storage, the web
-view), is collected last, so it goes to a worker once the other tests are done and runs beside the end of RECOVERY.
+view, what a safe default exposes), is collected last, so it goes to a worker once the other tests are done and runs
+beside the end of RECOVERY. The two take about as long (CI-like runs on this 2-core machine).
 pyproject.toml's `--dist loadgroup --no-loadscope-reorder` keeps that order."""
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ RESULTS_MODULES = {
     "test_data_sources_on_ray.py",
     "test_hf_on_ray.py",
     "test_job_code_on_ray.py",
+    "test_ray_secrets.py",
     "test_resume_from.py",
+    "test_safe_defaults.py",
     "test_strategies_on_ray.py",
     "test_user_code_names.py",
     "test_web_ui.py",

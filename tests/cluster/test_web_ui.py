@@ -192,6 +192,11 @@ def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser)
     raised = reasons[raising["id"]]
     assert raised.startswith("FileNotFoundError:") and "/nonexistent/web-ui/corpus.txt" in raised, raised
     _shot(browser, "jobs-failed")
+    # On the job's page, the whole traceback, line for line, in a monospace block.
+    browser.get(f"{ray_server.url}/ui/jobs/{raising['id']}")
+    shown = _wait("the error on the job page", lambda: browser.find_elements(By.CSS_SELECTOR, "pre.error"))[0]
+    assert shown.text.strip() == done[raising["id"]]["error"].strip(), shown.text
+    assert "monospace" in shown.value_of_css_property("font-family"), shown.value_of_css_property("font-family")
 
 
 def test_the_plan_and_submit_pages_answer_from_the_api(ray_server, browser) -> None:
