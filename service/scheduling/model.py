@@ -93,6 +93,8 @@ class PolicySettings:
     min_run_s: float = 300.0  # a job runs at least this long before it may be preempted
     min_resize_interval_s: float = 60.0  # between two resizes of one job
     fair_share_half_life_s: float = 3600.0
+    # las: the attained GPU-seconds at which a job drops to the next queue (Tiresias's discretised 2D-LAS).
+    las_thresholds_gpu_s: tuple[float, ...] = (3600.0, 36000.0, 360000.0)
 
 
 @dataclass(frozen=True, slots=True)
