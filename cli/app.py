@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ringmaster.cli import admin, jobs, local, planning
+from ringmaster.cli import admin, jobs, local, planning, simulate
 
 app = typer.Typer(help="ringmaster: elastic distributed training as a service.", no_args_is_help=True)
 db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
@@ -29,6 +29,8 @@ app.command()(jobs.cancel)
 app.command()(jobs.tensorboard)
 app.command()(jobs.export)
 app.command()(planning.plan)
+app.command()(simulate.simulate)
+app.command("simulate-trace")(simulate.simulate_trace)
 app.command()(local.demo)
 
 db_app.command("upgrade")(admin.db_upgrade)
