@@ -103,6 +103,17 @@ class LRScheduleSpec(_Strict):
     )
 
 
+class ParamGroupSpec(_Strict):
+    params: list[str] = Field(
+        min_length=1,
+        max_length=64,
+        description="Glob patterns over the model's parameter names ('*.bias', 'transformer.wte.*'); a pattern "
+        "that matches no parameter fails the job naming it.",
+    )
+    weight_decay: float | None = Field(default=None, ge=0, le=10, description="Unset: the optimizer's weight_decay.")
+    lr_scale: float = Field(default=1.0, gt=0, le=1000, description="This group's LR as a multiple of the schedule's.")
+
+
 class OptimizerSpec(_Strict):
     name: Literal["adamw", "sgd"] = "adamw"
     betas: tuple[float, float] = Field(
@@ -114,6 +125,18 @@ class OptimizerSpec(_Strict):
     weight_decay: float | None = Field(
         default=None, ge=0, le=10, description="Decoupled (adamw) or L2 (sgd) weight decay; unset: train.weight_decay."
     )
+    no_decay: Literal["none", "auto"] = Field(
+        default="none",
+        description="auto: no weight decay on biases and other vectors, normalization layers or embeddings (as "
+        "common GPT training code and transformers' Trainer leave them); none: every parameter decays.",
+    )
+    groups: list[ParamGroupSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Explicit parameter groups: a parameter joins the first whose patterns match its name in the "
+        "model; the rest follow weight_decay and no_decay.",
+    )
+
 
     @field_validator("betas")
     @classmethod

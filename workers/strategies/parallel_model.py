@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,9 +17,14 @@ from torch.optim import Optimizer
 
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.parallel_dims import ParallelDims
+from ringmaster.workers.strategies.param_groups import GroupRule, param_groups
 
 if TYPE_CHECKING:
     from ringmaster.workers.strategies.pipeline import TiedAcrossStages
+
+
+# A parameter group's learning rate as a multiple of the schedule's (train.optimizer.groups[].lr_scale).
+LR_SCALE = "lr_scale"
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class OptimizerConfig:
     name: str = "adamw"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    no_decay_auto: bool = False
+    groups: tuple[GroupRule, ...] = ()
 
     @property
     def optimizer_class(self) -> type[Optimizer]:
@@ -43,8 +50,12 @@ class OptimizerConfig:
             return {"lr": self.lr, "weight_decay": self.weight_decay}
         return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": self.betas, "eps": self.eps}
 
-    def build(self, params: Iterable[nn.Parameter]) -> Optimizer:
-        return self.optimizer_class(params, **self.options)
+    def groups_of(self, model: nn.Module) -> list[dict[str, Any]]:
+        """model's parameters in the groups train.optimizer asks for (param_groups.py), each with its weight decay."""
+        return param_groups(model, self.weight_decay, LR_SCALE, self.no_decay_auto, self.groups)
+
+    def build(self, model: nn.Module) -> Optimizer:
+        return self.optimizer_class(self.groups_of(model), **self.options)
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
     wrap, local_accumulation = _data_parallel(entry, setup)
     parts = [wrap(module) for module in modules]
     optimizers = [
-        sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part.parameters())
-        for part in parts
+        sharded_optimizer(part, setup) if entry.shards_optimizer else setup.optimizer.build(part) for part in parts
     ]
     first_tp_rank = setup.dims.local_rank(setup.mesh, "tp") == 0
     if not pipelined:

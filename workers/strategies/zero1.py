@@ -23,7 +23,7 @@ def sharded_optimizer(model: nn.Module, setup: ParallelSetup) -> ZeroRedundancyO
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(
-        model.parameters(),
+        setup.optimizer.groups_of(model),
         optimizer_class=setup.optimizer.optimizer_class,
         process_group=setup.mesh["dp"].get_group(),
         **setup.optimizer.options,

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.optim import Optimizer
 
 from ringmaster.service.spec import TrainSpec
+from ringmaster.workers.strategies.parallel_model import LR_SCALE
 from ringmaster.workers.torch_internals import foreach_mul_, foreach_norm
 
 
@@ -138,7 +139,7 @@ class OptimizerStep:
         lr = self.lr(completed_steps)
         for optimizer in self._optimizers:
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get(LR_SCALE, 1.0)
             optimizer.step()
         return lr
 

@@ -37,6 +37,7 @@ from ringmaster.workers.models import build_bundle
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.parallel_dims import ParallelDims
 from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
+from ringmaster.workers.strategies.param_groups import GroupRule, check_rules_match
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
 from ringmaster.workers.trainer.optimizer_step import OptimizerStep, lr_schedule
@@ -69,7 +70,10 @@ class Trainer:
             name=chosen.name,
             betas=chosen.betas,
             eps=chosen.eps,
+            no_decay_auto=chosen.no_decay == "auto",
+            groups=tuple(GroupRule(tuple(g.params), g.weight_decay, g.lr_scale) for g in chosen.groups),
         )
+        check_rules_match(bundle.model, optimizer.groups)
         self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
