@@ -61,6 +61,8 @@ def plan_submission(spec: JobSpec, shape: ClusterShape | None) -> PlannedSpec:
     per_node = shape.workers_per_node(spec.workers) if shape else None
     if shape is not None and per_node is not None:
         _check_fits_nodes(spec, shape, per_node)
+    if spec.is_script:
+        return PlannedSpec(spec)  # the script splits its model itself: nothing for the planner to choose or check
     gpu_memory = spec.workers.gpu_memory_gb * planner.GB if spec.workers.gpu_memory_gb else None
     needs_size = spec.strategy == "auto" or gpu_memory is not None
     model = job_model_size(spec) if needs_size else None

@@ -51,6 +51,8 @@ MAX_ENV_NAME_CHARS = 128
 MAX_ENV_VALUE_CHARS = 32 * 1024
 # Names starting RESERVED_ENV_PREFIX in any case, as a pattern both regex dialects read alike (no inline flags).
 _RESERVED_ENV_PATTERN = "^" + "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in RESERVED_ENV_PREFIX)
+MAX_COMMAND_ARGUMENTS = 1000
+MAX_COMMAND_ARGUMENT_CHARS = 32 * 1024
 PEP508_FORMAT = "pep508"  # the OpenAPI format of a pip requirement: what packaging.requirements.Requirement parses
 
 
@@ -136,7 +138,6 @@ class OptimizerSpec(_Strict):
         description="Explicit parameter groups: a parameter joins the first whose patterns match its name in the "
         "model; the rest follow weight_decay and no_decay.",
     )
-
 
     @field_validator("betas")
     @classmethod
@@ -466,20 +467,57 @@ class RuntimeEnvSpec(_Strict):
         return value
 
 
+# A job names a model (managed) or a command (script), never both: the rule as JSON Schema states it.
+_MODEL_OR_COMMAND: list[dict[str, Any]] = [
+    {"anyOf": [{"required": ["model"]}, {"required": ["command"]}]},
+    {
+        "not": {
+            "required": ["model", "command"],
+            "properties": {"model": {"type": "string"}, "command": {"type": "array"}},
+        }
+    },
+]
+
+
 class JobSpec(_Strict):
     # The rules between fields that JSON Schema can state; the others are 422s of type VALUE_CONFLICT.
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [*builtin_job_rules(), *strategy_rules()]})
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"allOf": [*builtin_job_rules(), *strategy_rules(), *_MODEL_OR_COMMAND]}
+    )
 
     name: str = Field(
         description="Lower-case name: letters, digits, '.', '_' and '-'.", json_schema_extra={"pattern": _NAME.pattern}
     )
-    model: str = Field(
+    model: str | None = Field(
+        default=None,
         description="Built-in model name, 'package.module:function' for user code, or "
         "'hf:<transformers model class>' built from its config's fields in model_options (a class the "
-        f"server's transformers lacks is a 422 of type {UNKNOWN_REFERENCE}).",
+        f"server's transformers lacks is a 422 of type {UNKNOWN_REFERENCE}). A managed job names a model; a script "
+        "job gives command instead.",
         json_schema_extra={
-            "anyOf": [{"enum": list(BUILTIN_MODELS)}, {"pattern": _ENTRYPOINT.pattern}, {"pattern": _HF_MODEL.pattern}]
+            "anyOf": [
+                {"type": "string", "enum": list(BUILTIN_MODELS)},
+                {"type": "string", "pattern": _ENTRYPOINT.pattern},
+                {"type": "string", "pattern": _HF_MODEL.pattern},
+                {"type": "null"},
+            ]
         },
+    )
+    command: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_COMMAND_ARGUMENTS,
+        description="Script mode: the command each worker runs once, as its own process with the environment "
+        "torchrun gives a rank (e.g. ['python', 'train.py', '--lr', '0.1']), in the job's code directory; 'python' "
+        "is the job's own interpreter. Give either model or command.",
+        json_schema_extra={"items": {"type": "string", "minLength": 1, "maxLength": MAX_COMMAND_ARGUMENT_CHARS}},
+    )
+    stop_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="Script mode: seconds a stopped script's processes have between SIGTERM and SIGKILL (on cancel, "
+        "and when the group restarts).",
     )
     data: _DataField | None = Field(
         default=None,
@@ -551,9 +589,22 @@ class JobSpec(_Strict):
             )
         return value
 
+    @field_validator("command")
+    @classmethod
+    def _command_arguments(cls, value: list[str] | None) -> list[str] | None:
+        for index, argument in enumerate(value or ()):
+            if not argument or len(argument) > MAX_COMMAND_ARGUMENT_CHARS:
+                raise ValueError(
+                    f"command[{index}]: each argument must be 1 to {MAX_COMMAND_ARGUMENT_CHARS} characters, "
+                    f"got {len(argument)}"
+                )
+        return value
+
     @field_validator("model")
     @classmethod
-    def _model_known(cls, value: str) -> str:
+    def _model_known(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if value not in BUILTIN_MODELS and not _ENTRYPOINT.fullmatch(value) and not _HF_MODEL.fullmatch(value):
             raise ValueError(
                 f"must be one of {', '.join(BUILTIN_MODELS)}, 'package.module:function' or "
@@ -566,9 +617,34 @@ class JobSpec(_Strict):
                 raise PydanticCustomError(UNKNOWN_REFERENCE, "{message}", {"message": str(error)}) from None
         return value
 
+    @property
+    def is_script(self) -> bool:
+        """A script job (command): its workers run the team's own script, not ringmaster's training loop."""
+        return self.command is not None
+
+    @property
+    def model_name(self) -> str:
+        """The model of a managed job (every job but a script job names one)."""
+        if self.model is None:
+            raise ValueError("a script job (command) has no model")
+        return self.model
+
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        builtin = BUILTIN_MODELS.get(self.model)
+        if (self.model is None) == (self.command is None):
+            given = "both" if self.model is not None else "neither"
+            raise conflict(
+                "command" if self.model is not None else "model",
+                f"give exactly one of model (a managed job: ringmaster's training loop) and command (a script job: "
+                f"your own script, run as torchrun runs it); got {given}",
+            )
+        if self.command is not None:
+            return self
+        return self._consistent_managed(self.model_name)
+
+    def _consistent_managed(self, model: str) -> JobSpec:
+        """The rules between a managed job's fields."""
+        builtin = BUILTIN_MODELS.get(model)
         if builtin is not None:
             self.model_options = builtin.whole_sizes(self.model_options)
         if self.data is None:
@@ -577,13 +653,13 @@ class JobSpec(_Strict):
             if builtin and self.data != builtin.corpus:
                 raise conflict(
                     "data",
-                    f"data: model {self.model!r} trains on {builtin.corpus!r} or a token data source, "
+                    f"data: model {self.model_name!r} trains on {builtin.corpus!r} or a token data source, "
                     f"got {self.data!r}",
                 )
         else:
             self._check_data_source(builtin)
         self._check_parallel_fields()
-        if self.model.startswith(HF_PREFIX):
+        if self.model_name.startswith(HF_PREFIX):
             self._check_hf_model()
         train = self.train
         for world in range(self.workers.min, self.workers.max + 1):
@@ -617,7 +693,7 @@ class JobSpec(_Strict):
             if builtin.seq_len_option is None:
                 raise conflict(
                     "data",
-                    f"data: model {self.model!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
+                    f"data: model {self.model_name!r} trains on {builtin.corpus!r} only; data kind {data.kind!r} "
                     f"needs a model of token sequences",
                 )
             model_seq_len = builtin.option(builtin.seq_len_option, self.model_options)
@@ -627,19 +703,19 @@ class JobSpec(_Strict):
             elif isinstance(model_seq_len, int) and data.seq_len > model_seq_len:
                 raise conflict(
                     "data.seq_len",
-                    f"data.seq_len ({data.seq_len}) exceeds model {self.model!r}'s "
+                    f"data.seq_len ({data.seq_len}) exceeds model {self.model_name!r}'s "
                     f"model_options.{builtin.seq_len_option} ({model_seq_len})",
                 )
         elif data.seq_len is None:
-            if self.model.startswith(HF_PREFIX):
+            if self.model_name.startswith(HF_PREFIX):
                 raise conflict(
                     "data.seq_len",
-                    f"data.seq_len must be set: the length of the windows model {self.model!r} "
+                    f"data.seq_len must be set: the length of the windows model {self.model_name!r} "
                     "trains on, at most its context length",
                 )
             raise conflict(
                 "data.seq_len",
-                f"data.seq_len must be set: model {self.model!r} is a user model, whose context "
+                f"data.seq_len must be set: model {self.model_name!r} is a user model, whose context "
                 "length ringmaster cannot know",
             )
         if not data.has_validation:
@@ -660,7 +736,7 @@ class JobSpec(_Strict):
     def _check_hf_model(self) -> None:
         """What transformers' source says of an hf: model: parallel.tp needs the tensor-parallel plan its config
         ships, and its windows must fit its context length."""
-        model_class = self.model.removeprefix(HF_PREFIX)
+        model_class = self.model_name.removeprefix(HF_PREFIX)
         facts = hf_model_facts(model_class)
         if self.parallel.tp > 1 and not facts.has_tp_plan:
             raise conflict(
@@ -696,7 +772,8 @@ class JobSpec(_Strict):
         if isinstance(window, int) and window > context:
             source = f"model_options.{field}" if given is not None else f"{facts.config_class}'s default {field}"
             raise conflict(
-                where, f"{where} ({window}) exceeds the context length of model {self.model!r}: {source} is {context}"
+                where,
+                f"{where} ({window}) exceeds the context length of model {self.model_name!r}: {source} is {context}",
             )
 
     def _check_parallel_fields(self) -> None:
@@ -764,9 +841,11 @@ class JobSpec(_Strict):
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
         # Specs without these optional fields hash as they did before the fields existed.
-        for name in ("resume_from", "code", "runtime_env"):
+        for name in ("resume_from", "code", "runtime_env", "command"):
             if fields[name] is None:
                 del fields[name]
+        if fields["stop_grace_s"] == JobSpec.model_fields["stop_grace_s"].default:
+            del fields["stop_grace_s"]
         if fields["checkpoint"]["keep_best"] is None:
             del fields["checkpoint"]["keep_best"]
         del fields["checkpoint"]["in_memory"]  # where state is kept between steps changes nothing trained

@@ -144,3 +144,45 @@ def test_a_builtins_integral_float_size_options_are_stored_as_the_integers_its_b
         {"name": "floats", "model": "tiny-gpt", "model_options": {"n_layers": 3.0, "dim": 64}}
     )
     assert spec.model_options == {"n_layers": 3, "dim": 64} and isinstance(spec.model_options["n_layers"], int)
+
+
+def _script_errors(**fields: Any) -> list[ErrorDetails]:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"name": "job", **fields})
+    return info.value.errors()
+
+
+def test_a_script_job_needs_no_managed_fields_and_keeps_its_command() -> None:
+    spec = JobSpec.model_validate(
+        {"name": "job", "command": ["python", "train.py", "--lr", "0.1"], "workers": {"min": 1, "max": 2}}
+    )
+    assert spec.is_script and spec.model is None and spec.data is None
+    assert spec.command == ["python", "train.py", "--lr", "0.1"] and spec.stop_grace_s == 30
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec  # as the driver's handoff carries it
+
+
+@pytest.mark.parametrize(
+    ("fields", "got"), [({}, "neither"), ({"model": "mlp", "command": ["python", "t.py"]}, "both")]
+)
+def test_model_and_command_are_exclusive_and_one_is_required(fields: dict[str, Any], got: str) -> None:
+    [error] = _script_errors(**fields)
+    assert error["type"] == "value_conflict"
+    assert "give exactly one of model" in error["msg"] and "command" in error["msg"] and f"got {got}" in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("command", "needle"), [([], "at least 1 item"), (["python", ""], "command[1]: each argument must be 1 to")]
+)
+def test_an_empty_command_or_argument_is_rejected_on_command(command: list[str], needle: str) -> None:
+    [error] = _script_errors(command=command)
+    assert error["loc"][0] == "command" and needle in error["msg"]
+
+
+def test_stop_grace_is_bounded() -> None:
+    [error] = _script_errors(command=["python", "t.py"], stop_grace_s=-1)
+    assert error["loc"] == ("stop_grace_s",)
+
+
+def test_the_script_fields_leave_a_managed_jobs_hash_as_it_was() -> None:
+    # The hash this spec had before command and stop_grace_s existed: a stored checkpoint's config hash still matches.
+    assert JobSpec.model_validate({"name": "job", "model": "mlp"}).spec_hash() == "b3d6bd16d1eb15d7"

@@ -73,15 +73,14 @@ class ModelBundle:
 
 def build_bundle(spec: JobSpec) -> ModelBundle:
     """Resolve ``spec.model``, call its builder with ``spec.model_options``, and check the result."""
-    builtin = BUILTIN_MODELS.get(spec.model)
-    entrypoint = builtin.entrypoint if builtin else spec.model
+    model = spec.model_name
+    builtin = BUILTIN_MODELS.get(model)
+    entrypoint = builtin.entrypoint if builtin else model
     builder: Callable[..., Any]
-    if spec.model.startswith(HF_PREFIX):
+    if model.startswith(HF_PREFIX):
         from ringmaster.workers.models import hf
 
-        builder = partial(
-            hf.build, spec.model.removeprefix(HF_PREFIX), corpus=not isinstance(spec.data, DataSourceSpec)
-        )
+        builder = partial(hf.build, model.removeprefix(HF_PREFIX), corpus=not isinstance(spec.data, DataSourceSpec))
     else:
         builder = resolve_entrypoint(entrypoint)
     try:
