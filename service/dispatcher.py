@@ -40,6 +40,7 @@ _RAY_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 _LOG_TAIL = 4000
 _JOBS_AGENT_NOT_READY = "No available agent to submit job"  # Ray's Jobs API, before any node's agent has registered
 _DRIVER_EXIT_GRACE_S = 30.0
+_SCRIPT_STOP_MARGIN_S = 15.0  # a cancelled script job's driver: to hear of the cancel, and to end after the grace
 _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
 _RECENT_JOBS_FOR_POOLS = 50  # the runtime envs that keep a warm pool are found among this many newest jobs
@@ -463,11 +464,12 @@ class Dispatcher:
             if session.scalar(select(Attempt.ended_at).where(Attempt.id == attempt.id)) is not None:
                 return  # another replica closed it since the list was read
         reported_end = job.state in (JobState.SUCCEEDED, JobState.FAILED) and job.attempt == attempt.number
+        exit_grace_s = _DRIVER_EXIT_GRACE_S if reported_end else _script_stop_grace_s(job, attempt)
         if (
-            reported_end
+            exit_grace_s
             and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}
             and job.finished_at
-            and (utcnow() - job.finished_at).total_seconds() < _DRIVER_EXIT_GRACE_S
+            and (utcnow() - job.finished_at).total_seconds() < exit_grace_s
         ):
             return
         self.cluster.stop(attempt.submission_id)
@@ -485,6 +487,16 @@ class Dispatcher:
             attempt.submission_id,
             extra={"job_id": job.id, "attempt": attempt.number},
         )
+
+
+def _script_stop_grace_s(job: Job, attempt: Attempt) -> float:
+    """How long a cancelled script job's driver may take to end on its own: it sees the cancel in its next report's
+    answer (within a second or two), then gives the script's processes stop_grace_s between SIGTERM and SIGKILL, so a
+    script that saves on SIGTERM keeps its work. Stopping the Ray job, or releasing its bundles, would kill them at
+    once. 0 for every other attempt."""
+    if job.state != JobState.CANCELLED or job.attempt != attempt.number or not job.spec.get("command"):
+        return 0.0
+    return float(JobSpec.model_validate(job.spec).stop_grace_s) + _SCRIPT_STOP_MARGIN_S
 
 
 def _capped(spec: JobSpec, max_workers: int) -> JobSpec:

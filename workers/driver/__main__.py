@@ -15,12 +15,15 @@ import ray
 from ringmaster.service import driver_handoff
 from ringmaster.service.naming import NAMESPACE, submission_id_for
 from ringmaster.service.ray_internals import RayInternalKv
+from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.bundles import Bundles
 from ringmaster.workers.driver.controller import COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, Controller
 from ringmaster.workers.driver.ray_facade import LiveRay, SystemClock
+from ringmaster.workers.driver.script_controller import ScriptController
 from ringmaster.workers.driver.standby import StandbyPool
 from ringmaster.workers.driver.worker_group import WorkerGroup
 from ringmaster.workers.reporter import Reporter
+from ringmaster.workers.script.worker import ScriptWorker
 
 log = logging.getLogger("ringmaster.driver")
 
@@ -83,29 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = handoff.spec
     reporter = Reporter(args.api_url, args.job_id, args.attempt, token=handoff.report_token.get_secret_value())
     try:
-        # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
-        # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
-        group = WorkerGroup(
-            spec,
-            COLLECTIVE_TIMEOUT_S,
-            claimant=submission_id,
-            label=f"{spec.name}-{args.job_id[:8]}-a{args.attempt}",
-            rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S,
-        )
-        bundles = Bundles(args.placement_group, spec.workers)
-        code = Controller(
-            spec,
-            args.job_id,
-            args.attempt,
-            args.storage_uri,
-            reporter,
-            group=group,
-            bundles=bundles,
-            standby=StandbyPool(group, bundles),
-            ray=LiveRay(),
-            clock=SystemClock(),
-            tenant=args.tenant,
-        ).run()
+        code = (_script_controller if spec.is_script else _managed_controller)(spec, args, submission_id, reporter)
     finally:
         # The group is gone by now; waiting costs only this process, while giving up would make the reconciler
         # rerun a finished job as a failed attempt.
@@ -120,6 +101,52 @@ def main(argv: list[str] | None = None) -> int:
     )
     _outlive_one_metrics_export()
     return code
+
+
+def _managed_controller(spec: JobSpec, args: argparse.Namespace, submission_id: str, reporter: Reporter) -> int:
+    """Run a managed job (JobSpec.model): ringmaster's training loop on the group."""
+    # Warm pool workers have imported no one's code: this job claims only those of its own runtime env's pool
+    # (JobSpec.warm_pool), and starts the rest in its own env (inherited from this Ray job).
+    group = WorkerGroup(
+        spec,
+        COLLECTIVE_TIMEOUT_S,
+        claimant=submission_id,
+        label=f"{spec.name}-{args.job_id[:8]}-a{args.attempt}",
+        rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S,
+    )
+    bundles = Bundles(args.placement_group, spec.workers)
+    return Controller(
+        spec,
+        args.job_id,
+        args.attempt,
+        args.storage_uri,
+        reporter,
+        group=group,
+        bundles=bundles,
+        standby=StandbyPool(group, bundles),
+        ray=LiveRay(),
+        clock=SystemClock(),
+        tenant=args.tenant,
+    ).run()
+
+
+def _script_controller(spec: JobSpec, args: argparse.Namespace, submission_id: str, reporter: Reporter) -> int:
+    """Run a script job (JobSpec.command): the team's own script on the group, as torchrun runs it. Its workers are
+    ScriptWorkers, never the warm pool's training workers."""
+    group = WorkerGroup(
+        spec, COLLECTIVE_TIMEOUT_S, label=f"{spec.name}-{args.job_id[:8]}-a{args.attempt}", actor_class=ScriptWorker
+    )
+    return ScriptController(
+        spec,
+        args.job_id,
+        args.attempt,
+        args.storage_uri,
+        reporter,
+        group=group,
+        bundles=Bundles(args.placement_group, spec.workers),
+        clock=SystemClock(),
+        tenant=args.tenant,
+    ).run()
 
 
 def _stop_requested(signum: int, frame: object) -> None:

@@ -48,7 +48,7 @@ class TrainingLog:
         tensorboard_dir: str | None = None,
     ) -> None:
         """`tensorboard_dir`: where this attempt's TensorBoard event files go (a path or fsspec URI); None: nowhere."""
-        self.total_steps = spec.train.steps
+        self.total_steps = None if spec.is_script else spec.train.steps  # a script's own loop: unknown here
         self.every_s = every_s
         self._recent: deque[MetricPoint] = deque(maxlen=_PACE_POINTS)
         self._logged_at = 0.0
@@ -73,14 +73,15 @@ class TrainingLog:
 
     def progress_line(self, world_size: int) -> str:
         latest = self._recent[-1]
-        parts = [f"step {latest.step}/{self.total_steps}", f"loss {latest.loss:.4f}"]
+        of_total = f"/{self.total_steps}" if self.total_steps is not None else ""
+        parts = [f"step {latest.step}{of_total}", f"loss {latest.loss:.4f}"]
         if latest.samples_per_s is not None:
             parts.append(f"{latest.samples_per_s:.1f} samples/s")
         if latest.lr is not None:
             parts.append(f"lr {latest.lr:.3g}")
         parts.append(f"world size {world_size}")
         oldest = self._recent[0]
-        if latest.wall_time and oldest.wall_time and latest.step > oldest.step:
+        if self.total_steps is not None and latest.wall_time and oldest.wall_time and latest.step > oldest.step:
             pace = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
             parts.append(f"ETA {format_duration(max(0, self.total_steps - latest.step) * pace)}")
         return "  ".join(parts)

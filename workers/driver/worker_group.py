@@ -38,6 +38,7 @@ class RankedWorker:
     training_pid: int = 0  # the process that trains (workers/rank_process.py): the one to profile
     actor_id: str = ""
     name: str | None = None  # its Ray actor name: the job's (`<job>-<id>-a<attempt>-w<n>`) or a warm pool worker's
+    gpu_ids: tuple[str, ...] = ()  # the GPUs Ray gave it (a script job's workers say; a training worker's need not)
 
     @classmethod
     def placed(cls, actor: Any, slot: Slot, placement: dict[str, Any]) -> RankedWorker:
@@ -51,6 +52,7 @@ class RankedWorker:
             training_pid=placement["training_pid"],
             actor_id=placement["actor_id"],
             name=placement["name"],
+            gpu_ids=tuple(placement.get("gpu_ids", ())),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -81,12 +83,15 @@ class WorkerGroup:
         claimant: str | None = None,
         label: str = "worker",
         rendezvous_timeout_s: float | None = None,
+        actor_class: Any = TrainWorker,
     ) -> None:
         """`claimant`: the job attempt's Ray submission id, under which it claims warm pool workers (None: never);
         `label`: what the actors it starts are named after (the job and attempt), `<label>-w<n>`;
         `rendezvous_timeout_s`: how long a member waits for the others while the group forms (TrainWorker.join; None:
-        the collective timeout)."""
+        the collective timeout); `actor_class`: the workers' Ray actor class (a script job's: ScriptWorker), started
+        with TrainWorker's arguments."""
         self.spec = spec
+        self._actor_class = actor_class
         self.collective_timeout_s = collective_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s or collective_timeout_s
         self._unfinished_joins: list[Any] = []
@@ -125,7 +130,7 @@ class WorkerGroup:
     def _new_actor(self, slot: Slot) -> Any:
         resources = self.spec.workers
         self._started += 1
-        actor_class = cast("ActorClass[TrainWorker]", TrainWorker)  # ray.remote made it one; mypy keeps the class
+        actor_class = cast("ActorClass[Any]", self._actor_class)  # ray.remote made it one; mypy keeps the class
         return actor_class.options(
             name=f"{self.label}-w{self._started}",  # the Ray dashboard lists the job's actors by these names
             num_cpus=0 if resources.gpus_per_worker else resources.cpus_per_worker,
@@ -149,13 +154,17 @@ class WorkerGroup:
             ray.kill(pending[ref][0], no_restart=True)
         return started
 
-    def form(self, members: list[RankedWorker]) -> None:
-        """Rank members node by node and join them all into a new generation of the process group."""
+    def rank(self, members: list[RankedWorker]) -> None:
+        """Make the members the group's next generation, ranked node by node."""
         order = order_ranks([{"node_id": member.node_id} for member in members])
         self.workers = [members[index] for index in order]
         for rank, worker in enumerate(self.workers):
             worker.rank = rank
         self.generation += 1
+
+    def form(self, members: list[RankedWorker]) -> None:
+        """Rank members node by node and join them all into a new generation of the process group."""
+        self.rank(members)
         if self._unfinished_joins:
             # Members of a formation that failed (a member lost during it) may still wait in its rendezvous, holding
             # their group lock until they give up (the rendezvous timeout): this formation starts once they have.
