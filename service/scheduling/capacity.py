@@ -30,9 +30,11 @@ class Pool:
         self._buckets: dict[float, dict[int, None]] = {}  # free amount → its nodes, in the order they came
         self._amounts: list[float] = []  # the buckets' keys, ascending
         self._fitting: dict[float, int] = {}  # need → workers_fitting(need), until the next change
+        self.total_free = 0.0  # over the placeable nodes: no set of bundles larger than this fits
         for node, amount in enumerate(self.free):
             if placeable[node]:
                 self._enter(node, amount)
+                self.total_free += amount
 
     def _key(self, amount: float) -> float:
         return round(amount, _KEY_DIGITS)
@@ -67,6 +69,7 @@ class Pool:
         before = self.free[node]
         self._leave(node, before)
         self.free[node] = before + delta
+        self.total_free += delta
         self._enter(node, self.free[node])
         self._fitting.clear()
 

@@ -58,6 +58,8 @@ class RunningJob:
     started_at: float  # when its current run (attempt) started: a minimum run time protects it
     last_resized_at: float | None = None
     attained_gpu_seconds: float = 0.0  # service received so far (least-attained-service ordering)
+    # When it first joined the queue: preempted, it goes back to that place (None: its started_at stands in).
+    submitted_at: float | None = None
 
     @property
     def workers(self) -> int:

@@ -27,6 +27,8 @@ tenant, shape, size and priority, nothing admitted in between) reuses its verdic
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ringmaster.service.scheduling.capacity import EPSILON, Pool, workers_in
@@ -82,10 +84,11 @@ def _amount(amount: float, pool: int) -> str:
 class _Tenant:
     """A tenant's standing during the pass: its quota footprint (as tenants.py counts it) and what it holds."""
 
-    __slots__ = ("cpus", "gpus", "held_cpus", "held_gpus", "jobs", "view")
+    __slots__ = ("cpus", "gpus", "held_cpus", "held_gpus", "jobs", "limited", "view")
 
     def __init__(self, view: TenantView) -> None:
         self.view = view
+        self.limited = view.quota_gpus is not None or view.quota_cpus is not None or view.quota_jobs is not None
         self.gpus = 0.0  # quota footprint: every worker's gpus and cpus, as the tenant's quota counts them
         self.cpus = 0.0
         self.jobs = 0
@@ -114,11 +117,26 @@ class _Running:
     nodes: list[int]  # the node index of each worker it keeps
     pool: int
     need: float
+    may_shrink: bool = False  # elastic slack, and no resize within min_resize_interval_s
+    may_preempt: bool = False  # preemptible, and past min_run_s
+    group: object = None  # with its priority, what decides who may take from it: its tenant, or its las queue
+    shrink_rank: tuple[float, float, float, str] = (0.0, 0.0, 0.0, "")  # the order victims give way (_Victims)
+    preempt_rank: tuple[float, float, float, str] = (0.0, 0.0, 0.0, "")
     leaving: list[int] = field(default_factory=list)
     added: list[int] = field(default_factory=list)
     preempted: bool = False
     for_job: str | None = None
     resized: bool = False  # shrunk this pass: it grows no sooner than its resize interval allows
+
+    def can_give(self) -> float:
+        """The most it could give up: all of it if it may be preempted, else its slack."""
+        if self.preempted:
+            return 0.0
+        if self.may_preempt:
+            return len(self.nodes) * self.need
+        if self.may_shrink:
+            return max(len(self.nodes) - self.job.min_workers, 0) * self.need
+        return 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -130,6 +148,69 @@ class _Admitted:
     need: float
 
 
+class _Victims:
+    """One pool's running jobs that waiting jobs may take from, kept per (priority, group) — the group is the tenant
+    under elastic, the attained-service queue under las — so a taker walks only the lists it may take from, each in
+    the order its jobs give way, and learns what they could give at most without walking them."""
+
+    def __init__(self, running: list[_Running], served_first: bool) -> None:
+        self.shrinkable: dict[tuple[int, object], list[_Running]] = {}
+        self.preemptible: dict[tuple[int, object], list[_Running]] = {}
+        self.fronts: dict[int, int] = {}  # id(list) → the index of its first job with something left to give
+        self.given: dict[int, float] = {}  # id(job) → its can_give() as counted in bounds
+        self.bounds: dict[tuple[int, object], float] = {}
+        for job in running:
+            key = (job.job.priority, job.group)
+            # Elastic slack: lowest priority, then largest slack first. Whole jobs: under las the most served first;
+            # under elastic the newest first, which loses the least work.
+            slack = job.job.workers - job.job.min_workers
+            job.shrink_rank = (job.job.priority, -slack, -job.job.started_at, job.job.id)
+            served = -job.job.attained_gpu_seconds if served_first else 0.0
+            job.preempt_rank = (job.job.priority, served, -job.job.started_at, job.job.id)
+            if job.may_shrink:
+                self.shrinkable.setdefault(key, []).append(job)
+            if job.may_preempt:
+                self.preemptible.setdefault(key, []).append(job)
+            self.update(job)
+        for jobs in self.shrinkable.values():
+            jobs.sort(key=lambda r: r.shrink_rank)
+        for jobs in self.preemptible.values():
+            jobs.sort(key=lambda r: r.preempt_rank)
+
+    def update(self, job: _Running) -> None:
+        before, now = self.given.get(id(job), 0.0), job.can_give()
+        if before != now:
+            key = (job.job.priority, job.group)
+            self.bounds[key] = self.bounds.get(key, 0.0) - before + now
+            self.given[id(job)] = now
+
+    def could_give(self, keys: list[tuple[int, object]]) -> float:
+        return sum(self.bounds.get(key, 0.0) for key in keys)
+
+    def _walk(self, jobs: list[_Running], exhausted: Callable[[_Running], bool]) -> Iterator[_Running]:
+        front = self.fronts.get(id(jobs), 0)
+        while front < len(jobs) and exhausted(jobs[front]):
+            front += 1
+        self.fronts[id(jobs)] = front
+        return (jobs[index] for index in range(front, len(jobs)))
+
+    def shrinkable_jobs(self, keys: list[tuple[int, object]]) -> Iterator[_Running]:
+        lists = [self._walk(self.shrinkable[key], _no_slack) for key in keys if key in self.shrinkable]
+        return heapq.merge(*lists, key=lambda r: r.shrink_rank)
+
+    def preemptible_jobs(self, keys: list[tuple[int, object]]) -> Iterator[_Running]:
+        lists = [self._walk(self.preemptible[key], _gone) for key in keys if key in self.preemptible]
+        return heapq.merge(*lists, key=lambda r: r.preempt_rank)
+
+
+def _no_slack(job: _Running) -> bool:
+    return job.preempted or len(job.nodes) <= job.job.min_workers
+
+
+def _gone(job: _Running) -> bool:
+    return job.preempted
+
+
 @dataclass(slots=True)
 class _Trial:
     """The capacity a waiting job would take: single workers shrunk away, and whole jobs preempted."""
@@ -138,8 +219,8 @@ class _Trial:
     extra: dict[int, float] = field(default_factory=dict)  # amount freed per node
     shrinks: list[tuple[_Running, int]] = field(default_factory=list)
     preemptions: list[_Running] = field(default_factory=list)
-    freed: dict[str, Held] = field(default_factory=dict)  # tenant → what its victims give up
-    protected: tuple[float, str] | None = None  # (when it may give way, job id): the soonest protected victim
+    freed: dict[str, Held] = field(default_factory=dict)  # tenant → what its jobs give up
+    passed_over: bool = False  # the job the taker made way for was among the victims, and was left alone
 
 
 class _Pass:
@@ -169,12 +250,7 @@ class _Pass:
             sum(node.total_cpus for node in state.nodes if node.drain_deadline is None),
         )
         self.tenants = {view.name: _Tenant(view) for view in state.tenants}
-        self.running = [
-            _Running(job, [index[node] for node in job.nodes], _pool_of(job.shape), _need_of(job.shape))
-            for job in state.running
-        ]
-        for running in self.running:
-            self.tenant(running.job.tenant).add(running.job.shape, running.job.workers, 1)
+        self.running = [self._running(job, index) for job in state.running]
         active = {job.tenant for job in state.queued} | {job.tenant for job in state.running}
         weights = sum(max(self.tenant(name).view.weight, 0.0) for name in active)
         self.fair_standing = 1.0 / weights if weights > 0 else 0.0  # share over weight of a tenant at its share
@@ -189,11 +265,22 @@ class _Pass:
         self.grown: list[_Running] = []
         self.preempted: list[_Running] = []
         self.heads: list[str | None] = [None, None]  # the reserved head of the queue per pool
-        self.version = 0  # counts the changes to capacity and usage: a verdict reached in one version holds in it
-        self.verdicts: dict[tuple[object, ...], tuple[int, str]] = {}
+        self.victims: list[_Victims | None] = [None, None]  # built when a job first tries to take from a pool
+        self.protected: list[list[tuple[float, _Running]] | None] = [None, None]  # (until when, job), soonest first
+        self.reasons: dict[tuple[object, ...], str] = {}
         self.failed_takes: dict[tuple[object, ...], tuple[int, str]] = {}
-        self._slack_order: list[_Running] | None = None
-        self._whole_order: list[_Running] | None = None
+
+    def _running(self, job: RunningJob, index: dict[str, int]) -> _Running:
+        running = _Running(job, [index[node] for node in job.nodes], _pool_of(job.shape), _need_of(job.shape))
+        self.tenant(job.tenant).add(job.shape, job.workers, 1)
+        if self.policy is PolicyName.ELASTIC:
+            running.may_shrink = job.workers > job.min_workers and self._resizable(job)
+            running.group = job.tenant
+        if self.policy in _TAKING:
+            running.may_preempt = job.preemptible and self.now - job.started_at >= self.settings.min_run_s
+        if self.las:
+            running.group = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s)
+        return running
 
     def tenant(self, name: str) -> _Tenant:
         tenant = self.tenants.get(name)
@@ -224,23 +311,13 @@ class _Pass:
     def consider(self, job: QueuedJob) -> str:
         """Admit the job or say why it waits ("" when admitted)."""
         shape = job.shape
-        queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.las else 0
-        verdict_key = (job.tenant, job.priority, job.min_workers, shape, job.preempted_for, queue)
-        known = self.verdicts.get(verdict_key)
-        if known is not None and known[0] == self.version:
-            return known[1]
-        version = self.version
-        reason = self._decide(job)
-        if reason and self.version == version:
-            self.verdicts[verdict_key] = (self.version, reason)
-        return reason
-
-    def _decide(self, job: QueuedJob) -> str:
-        shape, pool_index, need = job.shape, _pool_of(job.shape), _need_of(job.shape)
-        tenant = self.tenant(job.tenant)
-        room, over_quota = self._quota_room(tenant, shape, new_job=True)
-        if room < job.min_workers:
-            return over_quota
+        pool_index, need = (GPU, float(shape.gpus)) if shape.gpus > 0 else (CPU, shape.cpus)
+        tenant = self.tenants.get(job.tenant) or self.tenant(job.tenant)
+        room = _UNBOUNDED
+        if tenant.limited:
+            room, over_quota = self._quota_room(tenant, shape, new_job=True)
+            if room < job.min_workers:
+                return over_quota
         idle = self.idle[pool_index].workers_fitting(need)
         if idle < job.min_workers:
             return f"the cluster's nodes hold only {idle} such workers even idle; it needs {job.min_workers}"
@@ -260,15 +337,20 @@ class _Pass:
         head = self.heads[pool_index]
         if head is None and self.policy in _RESERVING:
             self.heads[pool_index] = job.id
-            short = (job.min_workers - fitting) * need
             pool.hold_back(need)
-            self.version += 1
+            short = (job.min_workers - fitting) * need
             return f"reserved: head of the queue, waits for {_amount(short, pool_index)} more to free{note}"
-        wanted = f"waiting for {_amount(job.min_workers * need, pool_index)}"
-        if head is not None:
-            held = _UNITS[pool_index]
-            return f"{wanted}, behind job {head} at the head of the queue, for which the free {held} are held{note}"
-        return f"{wanted}; {fitting} such workers fit now{note}"
+        reason_key = (pool_index, need, job.min_workers, fitting, head, note)
+        reason = self.reasons.get(reason_key)
+        if reason is None:
+            wanted = f"waiting for {_amount(job.min_workers * need, pool_index)}"
+            if head is not None:
+                units = _UNITS[pool_index]
+                reason = f"{wanted}, behind job {head} at the head of the queue, for which the free {units} are held"
+            else:
+                reason = f"{wanted}; {fitting} such workers fit now"
+            reason = self.reasons[reason_key] = reason + note
+        return reason
 
     def _quota_room(self, tenant: _Tenant, shape: WorkerShape, new_job: bool) -> tuple[int, str]:
         """The most workers of this shape the tenant's quota still allows, and the reason when that is too few."""
@@ -291,32 +373,44 @@ class _Pass:
         self.tenant(job.tenant).add(job.shape, size, 1)
         self.admitted.append(_Admitted(job, nodes, upper, pool_index, need))
         self.order.charge(job.tenant, dominant_share(held_by_workers(job.shape, size), self.capacity))
-        self.version += 1
 
     # --- 3. taking capacity from lower-ranked jobs ----------------------------------------------------------------
 
     def _take_from_lower(self, job: QueuedJob, pool_index: int, need: float, fitting: int, upper: int) -> str | None:
         """Admit the job on capacity that lower-ranked running jobs give up, or say what stops it (None: admitted)."""
         queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.las else 0
-        failure_key = (pool_index, need, job.priority, job.tenant, job.preempted_for, queue)
-        failed = self.failed_takes.get(failure_key)
-        if failed is not None and job.min_workers >= failed[0]:
-            return failed[1]  # what could not free room for fewer workers cannot for more
+        # Under las who may be taken from does not depend on the tenant; the job it made way for only narrows it.
+        failure_key = (pool_index, need, job.priority, None if self.las else job.tenant, queue)
+        for key in (failure_key, (*failure_key, job.preempted_for)):
+            failed = self.failed_takes.get(key)
+            if failed is not None and job.min_workers >= failed[0]:
+                return failed[1]  # what could not free room for fewer workers cannot for more
+        victims = self.victims[pool_index]
+        if victims is None:
+            victims = self.victims[pool_index] = _Victims(
+                [running for running in self.running if running.pool == pool_index and not running.preempted],
+                served_first=self.las,
+            )
         trial = _Trial(count=fitting)
         taker = self.tenant(job.tenant)
         taker_after = self.standing(taker.held().plus(held_by_workers(job.shape, job.min_workers)), taker)
-        if not self.las:
-            self._trial_shrinks(job, trial, pool_index, need, taker_after)
+        keys, could_give = self._victim_keys(job, victims, queue, pool_index, taker_after)
+        if could_give + self.pools[pool_index].total_free + EPSILON >= job.min_workers * need:
+            if not self.las:
+                self._trial_shrinks(job, trial, victims.shrinkable_jobs(keys), need, taker_after)
+            if trial.count < job.min_workers:
+                self._trial_preemptions(job, trial, victims.preemptible_jobs(keys), need, taker_after)
         if trial.count < job.min_workers:
-            self._trial_preemptions(job, trial, pool_index, need, taker_after, queue)
-        if trial.count < job.min_workers:
-            note = ""
+            note = self._protected_note(job, pool_index, queue)
             if trial.count > fitting:
-                note = f"; lower-ranked jobs could make room for only {trial.count} of its {job.min_workers} workers"
-            if trial.protected is not None:
-                until, protected = trial.protected
-                note += f"; job {protected} may give way in {max(until - self.now, 0.0):.0f} s"
-            self.failed_takes[failure_key] = (job.min_workers, note)
+                note = (
+                    f"; lower-ranked jobs could make room for only {trial.count} of its {job.min_workers} workers"
+                    + note
+                )
+            self.failed_takes[(*failure_key, job.preempted_for) if trial.passed_over else failure_key] = (
+                job.min_workers,
+                note,
+            )
             return note
         self._give_back_unneeded(trial, job.min_workers, pool_index, need)
         for victim in trial.preemptions:
@@ -329,20 +423,49 @@ class _Pass:
         self._admit(job, size, upper, pool_index, need)
         return None
 
-    def _victim_kind(self, job: QueuedJob, victim: _Running, pool_index: int, queue: int) -> str | None:
-        """'lower' for a job ranked below the taker, 'borrower' for an equal-priority one of another tenant whose
-        share decides, None for a job it may not take from."""
-        other = victim.job
-        if victim.preempted or victim.pool != pool_index or other.id == job.preempted_for or not victim.nodes:
+    def _victim_keys(
+        self, job: QueuedJob, victims: _Victims, queue: int, pool_index: int, taker_after: float
+    ) -> tuple[list[tuple[int, object]], float]:
+        """The (priority, group)s the taker may take from — every lower priority; at its own, under elastic the tenants
+        above their weighted share (borrowers), under las the queues of more attained service — and an upper bound
+        of what they could give: a borrower gives no more than keeps its standing at the taker's."""
+        keys: list[tuple[int, object]] = []
+        could_give = 0.0
+        for key, amount in victims.bounds.items():
+            priority, group = key
+            if priority < job.priority or (
+                self.las and priority == job.priority and isinstance(group, int) and group > queue
+            ):
+                keys.append(key)
+                could_give += amount
+            elif self.policy is PolicyName.ELASTIC and priority == job.priority and group != job.tenant:
+                lender = self.tenant(str(group))
+                if self.standing(lender.held(), lender) > self.fair_standing + EPSILON:
+                    keys.append(key)
+                    could_give += min(amount, self._lendable(lender, pool_index, taker_after))
+        return keys, could_give
+
+    def _lendable(self, lender: _Tenant, pool_index: int, taker_after: float) -> float:
+        """The most of this pool's resource a borrower could give while its standing stays at least taker_after."""
+        weight = max(lender.view.weight, 1e-9)
+        held = (lender.held_gpus, lender.held_cpus)
+        capacity = (self.capacity.gpus, self.capacity.cpus)
+        other = 1 - pool_index
+        if capacity[other] > 0 and held[other] / capacity[other] / weight >= taker_after - EPSILON:
+            return _UNBOUNDED  # its other resource alone keeps its standing
+        return max(held[pool_index] - taker_after * weight * capacity[pool_index], 0.0)
+
+    def _victim_kind(self, job: QueuedJob, victim: _Running, trial: _Trial) -> str | None:
+        """'lower' for a job of lower priority (or, under las, in a later queue), 'borrower' for an equal-priority one
+        whose tenant's share decides, None for one it may not take from. The victims come from _victim_keys."""
+        if victim.preempted or not victim.nodes:
             return None
-        if other.priority < job.priority:
+        if victim.job.id == job.preempted_for:
+            trial.passed_over = True
+            return None
+        if victim.job.priority < job.priority or self.las:
             return "lower"
-        if other.priority > job.priority:
-            return None
-        if self.policy is PolicyName.LAS:
-            queue_of = las_queue(other.attained_gpu_seconds, self.settings.las_thresholds_gpu_s)
-            return "lower" if queue_of > queue else None
-        return "borrower" if other.tenant != job.tenant else None
+        return "borrower"
 
     def _may_borrow(self, trial: _Trial, victim: _Running, freed: Held, taker_after: float) -> bool:
         """An equal-priority victim gives way only while its tenant holds more than its weighted share, and still holds
@@ -353,9 +476,42 @@ class _Pass:
         already = trial.freed.get(owner.view.name, Held())
         return taker_after <= self.standing(owner.held(already.plus(freed)), owner) + EPSILON
 
-    def _note_protected(self, trial: _Trial, until: float, victim: _Running) -> None:
-        if trial.protected is None or until < trial.protected[0]:
-            trial.protected = (until, victim.job.id)
+    def _ranked_below(self, job: QueuedJob, running: _Running, queue: int) -> bool:
+        """Whether the taker could ever take from this running job (its protection aside)."""
+        other = running.job
+        if running.preempted or other.id == job.preempted_for or other.priority > job.priority:
+            return False
+        if other.priority < job.priority:
+            return True
+        if self.las:
+            return isinstance(running.group, int) and running.group > queue
+        return self.policy is PolicyName.ELASTIC and other.tenant != job.tenant
+
+    def _protected_note(self, job: QueuedJob, pool_index: int, queue: int) -> str:
+        """When the soonest running job the taker could take from, but may not yet, gives way."""
+        if self.protected[pool_index] is None:
+            self.protected[pool_index] = sorted(
+                (
+                    (until, running)
+                    for running in self.running
+                    if running.pool == pool_index
+                    for until in self._protected_until(running)
+                ),
+                key=lambda protected: (protected[0], protected[1].job.id),
+            )
+        for until, running in self.protected[pool_index] or ():
+            if self._ranked_below(job, running, queue):
+                return f"; job {running.job.id} may give way in {until - self.now:.0f} s"
+        return ""
+
+    def _protected_until(self, running: _Running) -> list[float]:
+        """When a job now protected from being taken from stops being so: its minimum run time, its resize interval."""
+        times = []
+        if running.job.preemptible and self.policy in _TAKING:
+            times.append(running.job.started_at + self.settings.min_run_s)
+        if self.policy is PolicyName.ELASTIC and len(running.nodes) > running.job.min_workers:
+            times.append((running.job.last_resized_at or 0.0) + self.settings.min_resize_interval_s)
+        return [until for until in times if until > self.now]
 
     def _gain(self, trial: _Trial, node: int, amount: float, need: float, pool: Pool) -> int:
         if not pool.placeable(node):
@@ -363,51 +519,24 @@ class _Pass:
         before = pool.free[node] + trial.extra.get(node, 0.0)
         return workers_in(before + amount, need) - workers_in(before, need)
 
-    def _free_in_trial(self, trial: _Trial, victim: _Running, nodes: list[int], need: float, pool: Pool) -> None:
+    def _free_in_trial(self, trial: _Trial, victim: _Running, nodes: list[int], need: float) -> None:
+        pool = self.pools[victim.pool]
         for node in nodes:
             trial.count += self._gain(trial, node, victim.need, need, pool)
             trial.extra[node] = trial.extra.get(node, 0.0) + victim.need
         owner = victim.job.tenant
         trial.freed[owner] = trial.freed.get(owner, Held()).plus(held_by_workers(victim.job.shape, len(nodes)))
 
-    def _slack_victims(self) -> list[_Running]:
-        if self._slack_order is None:
-            self._slack_order = sorted(
-                self.running,
-                key=lambda r: (r.job.priority, -(r.job.workers - r.job.min_workers), -r.job.started_at, r.job.id),
-            )
-        return self._slack_order
-
-    def _whole_victims(self) -> list[_Running]:
-        if self._whole_order is None:
-            # las: the most served first; elastic: the newest first, which loses the least work.
-            served_first = self.policy is PolicyName.LAS
-            self._whole_order = sorted(
-                self.running,
-                key=lambda r: (
-                    r.job.priority,
-                    -r.job.attained_gpu_seconds if served_first else 0.0,
-                    -r.job.started_at,
-                    r.job.id,
-                ),
-            )
-        return self._whole_order
-
-    def _trial_shrinks(self, job: QueuedJob, trial: _Trial, pool_index: int, need: float, taker_after: float) -> None:
+    def _trial_shrinks(
+        self, job: QueuedJob, trial: _Trial, victims: Iterator[_Running], need: float, taker_after: float
+    ) -> None:
         """Take single workers above workers.min, each from the node where it completes the most bundles."""
-        pool = self.pools[pool_index]
-        for victim in self._slack_victims():
-            if victim.job.priority > job.priority:
-                break
-            kind = self._victim_kind(job, victim, pool_index, 0)
+        for victim in victims:
+            kind = self._victim_kind(job, victim, trial)
             slack = len(victim.nodes) - victim.job.min_workers
             if kind is None or slack <= 0:
                 continue
-            if not self._resizable(victim.job):
-                self._note_protected(
-                    trial, (victim.job.last_resized_at or 0.0) + self.settings.min_resize_interval_s, victim
-                )
-                continue
+            pool = self.pools[victim.pool]
             remaining = dict.fromkeys(victim.nodes, 0)
             for node in victim.nodes:
                 remaining[node] += 1
@@ -423,34 +552,28 @@ class _Pass:
                     ),
                 )
                 remaining[node] -= 1
-                self._free_in_trial(trial, victim, [node], need, pool)
+                self._free_in_trial(trial, victim, [node], need)
                 trial.shrinks.append((victim, node))
                 if trial.count >= job.min_workers:
                     return
 
     def _trial_preemptions(
-        self, job: QueuedJob, trial: _Trial, pool_index: int, need: float, taker_after: float, queue: int
+        self, job: QueuedJob, trial: _Trial, victims: Iterator[_Running], need: float, taker_after: float
     ) -> None:
         """Take whole preemptible jobs that have run their minimum run time."""
-        pool = self.pools[pool_index]
-        for victim in self._whole_victims():
-            if victim.job.priority > job.priority:
-                break
-            kind = self._victim_kind(job, victim, pool_index, queue)
-            if kind is None or not victim.job.preemptible:
+        for victim in victims:
+            kind = self._victim_kind(job, victim, trial)
+            if kind is None:
                 continue
-            if self.now - victim.job.started_at < self.settings.min_run_s:
-                self._note_protected(trial, victim.job.started_at + self.settings.min_run_s, victim)
-                continue
-            shrunk_nodes = [node for shrunk, node in trial.shrinks if shrunk is victim]
             nodes = list(victim.nodes)
-            for node in shrunk_nodes:
-                nodes.remove(node)
+            for shrunk, node in trial.shrinks:
+                if shrunk is victim:
+                    nodes.remove(node)
             if kind == "borrower" and not self._may_borrow(
                 trial, victim, held_by_workers(victim.job.shape, len(nodes)), taker_after
             ):
                 continue
-            self._free_in_trial(trial, victim, nodes, need, pool)
+            self._free_in_trial(trial, victim, nodes, need)
             trial.preemptions.append(victim)
             if trial.count >= job.min_workers:
                 return
@@ -504,7 +627,7 @@ class _Pass:
         if not running.resized:
             running.resized, running.for_job = True, for_job
             self.shrunk.append(running)
-        self.version += 1
+        self._update_victim(running)
 
     def _preempt(self, running: _Running, for_job: str | None) -> None:
         for node in running.nodes:
@@ -513,7 +636,12 @@ class _Pass:
         running.nodes = []
         running.preempted, running.for_job = True, for_job
         self.preempted.append(running)
-        self.version += 1
+        self._update_victim(running)
+
+    def _update_victim(self, running: _Running) -> None:
+        victims = self.victims[running.pool]
+        if victims is not None:
+            victims.update(running)
 
     # --- 4. grow back ---------------------------------------------------------------------------------------------
 
