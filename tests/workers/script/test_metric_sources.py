@@ -1,0 +1,50 @@
+"""A script's metric points, read as their files grow: ringmaster.report's JSON lines, and the scalars of the
+TensorBoard event files it writes (torch's SummaryWriter here), whose tags name the metrics ringmaster keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ringmaster.workers.script.metric_sources import ReportedMetrics, TensorBoardScalars
+from ringmaster.workers.script.report import METRICS_FILE_VARIABLE, report
+
+
+def test_reported_points_are_read_once_each_and_unknown_names_are_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv(METRICS_FILE_VARIABLE, str(path))
+    source = ReportedMetrics(str(path))
+    assert source.read() == []
+    report(0, loss=2.5, accuracy=0.5)
+    report(1, loss=2.0, lr=0.1)
+    points = source.read()
+    assert [{k: v for k, v in point.items() if k != "wall_time"} for point in points] == [
+        {"step": 0, "loss": 2.5},
+        {"step": 1, "loss": 2.0, "lr": 0.1},
+    ]
+    assert "'accuracy' is not a metric ringmaster keeps" in capsys.readouterr().err
+    with path.open("a") as file:
+        file.write('{"step": 2, "loss"')  # a line still being written
+    assert source.read() == []
+
+
+def test_tensorboard_scalars_are_read_as_the_file_grows(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    source = TensorBoardScalars(str(tmp_path))
+    writer.add_scalar("train/loss", 1.5, 10)
+    writer.add_scalar("train/learning_rate", 0.01, 10)
+    writer.add_scalar("train/epoch", 0.1, 10)  # not a metric ringmaster keeps
+    writer.flush()
+    [point] = source.read()
+    assert point["step"] == 10 and point["loss"] == pytest.approx(1.5) and point["lr"] == pytest.approx(0.01)
+    assert set(point) == {"step", "wall_time", "loss", "lr"}
+    writer.add_scalar("eval/loss", 1.25, 20)
+    writer.flush()
+    [later] = source.read()
+    assert later["step"] == 20 and later["val_loss"] == pytest.approx(1.25)
+    writer.close()
