@@ -395,18 +395,17 @@ class _Pass:
         taker = self.tenant(job.tenant)
         taker_after = self.standing(taker.held().plus(held_by_workers(job.shape, job.min_workers)), taker)
         keys, could_give = self._victim_keys(job, victims, queue, pool_index, taker_after)
-        if could_give + self.pools[pool_index].total_free + EPSILON >= job.min_workers * need:
+        at_most = workers_in(could_give + self.pools[pool_index].total_free, need)
+        if at_most >= job.min_workers:
             if not self.las:
                 self._trial_shrinks(job, trial, victims.shrinkable_jobs(keys), need, taker_after)
             if trial.count < job.min_workers:
                 self._trial_preemptions(job, trial, victims.preemptible_jobs(keys), need, taker_after)
         if trial.count < job.min_workers:
             note = self._protected_note(job, pool_index, queue)
-            if trial.count > fitting:
-                note = (
-                    f"; lower-ranked jobs could make room for only {trial.count} of its {job.min_workers} workers"
-                    + note
-                )
+            room = trial.count if at_most >= job.min_workers else at_most
+            if room > fitting:
+                note = f"; lower-ranked jobs could make room for at most {room} of its {job.min_workers} workers{note}"
             self.failed_takes[(*failure_key, job.preempted_for) if trial.passed_over else failure_key] = (
                 job.min_workers,
                 note,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
+from dataclasses import replace
 
 from ringmaster.service.scheduling.model import (
     NodeView,
@@ -126,4 +128,75 @@ def snapshot(
         queued=tuple(queued_jobs),
         tenants=tuple(tenants),
         policy=PolicySettings(name=policy, min_run_s=min_run_s, min_resize_interval_s=min_resize_interval_s),
+    )
+
+
+def random_snapshot(rng: random.Random, policy: PolicyName, nodes: int = 12, queued_jobs: int = 40) -> SchedulingInput:
+    """A busy mixed cluster: 4-GPU nodes (one draining), GPU and CPU jobs, priorities, elastic ranges, protected
+    jobs, quotas near what tenants hold, and jobs preempted earlier."""
+    views = [NodeView(f"n{index}", 4, 8.0, 4, 8.0, 10_300.0 if index == nodes - 1 else None) for index in range(nodes)]
+    free = {view.id: [4, 8.0] for view in views}
+    shapes = (WorkerShape(1, 1.0), WorkerShape(2, 1.0), WorkerShape(0, 2.0))
+    tenant_names = ("a", "b", "c")
+    runs: list[RunningJob] = []
+    for index in range(nodes * 2):
+        shape = rng.choice(shapes)
+        resource, need = (0, shape.gpus) if shape.gpus > 0 else (1, shape.cpus)
+        size = rng.randint(1, 4)
+        placed: list[str] = []
+        start = rng.randrange(nodes)
+        for node in (f"n{(start + offset) % nodes}" for offset in range(nodes)):
+            if len(placed) == size:
+                break
+            while free[node][resource] >= need and len(placed) < size:
+                free[node][resource] -= need
+                placed.append(node)
+        if not placed:
+            continue
+        minimum = rng.randint(1, len(placed))
+        runs.append(
+            running(
+                f"r{index}",
+                placed,
+                priority=rng.randint(0, 3),
+                min_workers=minimum,
+                max_workers=len(placed) + rng.randint(0, 2),
+                tenant=rng.choice(tenant_names),
+                preemptible=rng.random() < 0.8,
+                started_at=rng.choice((9_900.0, 5_000.0)),
+                last_resized_at=rng.choice((None, 9_990.0)),
+                attained_gpu_seconds=rng.choice((0.0, 5e4, 5e5)),
+                shape=shape,
+            )
+        )
+    held: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in tenant_names}
+    for job in runs:
+        held[job.tenant][0] += job.shape.gpus * job.workers
+        held[job.tenant][1] += job.shape.cpus * job.workers
+        held[job.tenant][2] += 1
+    tenants = [
+        TenantView("a", weight=1.0, decayed_share=rng.random()),
+        TenantView("b", weight=2.0, decayed_share=rng.random(), quota_gpus=int(held["b"][0]) + 6),
+        TenantView("c", decayed_share=rng.random(), quota_cpus=held["c"][1] + 4.0, quota_jobs=int(held["c"][2]) + 3),
+    ]
+    waits = []
+    for index in range(queued_jobs):
+        minimum = rng.randint(1, 4)
+        waits.append(
+            queued(
+                f"q{index}",
+                minimum,
+                priority=rng.randint(0, 4),
+                max_workers=minimum + rng.randint(0, 3),
+                tenant=rng.choice(tenant_names),
+                submitted_at=float(rng.randint(0, 50)),
+                preemptible=rng.random() < 0.8,
+                preempted_for=rng.choice([None, None, None, *(job.id for job in runs[:3])]),
+                attained_gpu_seconds=rng.choice((0.0, 5e4)),
+                shape=rng.choice(shapes),
+            )
+        )
+    state = snapshot(views, runs, waits, policy=policy, tenants=tenants)
+    return replace(
+        state, nodes=tuple(replace(node, drain_deadline=view.drain_deadline) for node, view in zip(state.nodes, views))
     )
