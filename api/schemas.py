@@ -135,7 +135,7 @@ class ProgressOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)  # from a jobs.Progress
 
     step: int = Field(description="The newest completed training step (0 before the first).")
-    total_steps: int = Field(description="train.steps of the spec.")
+    total_steps: int | None = Field(description="train.steps of the spec; null for a script job (command).")
     loss: float | None = Field(description="The newest step's training loss.")
     world_size: int | None = Field(description="Workers training at the newest step.")
     samples_per_s: float | None
@@ -192,6 +192,10 @@ class MetricOut(BaseModel):
     lr: float | None
     grad_norm: float | None = Field(description="The global gradient norm of the step, before clipping.")
     world_size: int | None
+    user_metrics: dict[str, float] | None = Field(
+        description="The step's values of the metrics the model's loss_fn returns beside its loss, by name (each the "
+        "mean over the step's micro-batches and data-parallel ranks); null where it returns the loss alone."
+    )
     recorded_at: datetime
 
 

@@ -132,12 +132,13 @@ def watch(
 
 
 def _watch(client: RingmasterClient, job_id: str, every_s: float = 10.0) -> dict[str, Any]:
-    total = client.job(job_id)["spec"]["train"]["steps"]
+    spec = client.job(job_id)["spec"]
+    total = None if spec.get("command") else spec["train"]["steps"]  # a script job's own loop alone knows its steps
     if console.is_terminal:
         columns = [
             TextColumn("[bold]{task.fields[state]}"),
             BarColumn(),
-            TextColumn("step {task.completed}/{task.total}"),
+            TextColumn("step {task.completed}" + ("" if total is None else "/{task.total}")),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("val {task.fields[val_loss]}"),
             TextColumn("{task.fields[speed]} samples/s"),
@@ -157,16 +158,17 @@ def _watch(client: RingmasterClient, job_id: str, every_s: float = 10.0) -> dict
     return job
 
 
-def _watch_in_lines(client: RingmasterClient, job_id: str, total: int, every_s: float) -> None:
+def _watch_in_lines(client: RingmasterClient, job_id: str, total: int | None, every_s: float) -> None:
     """Without a terminal a progress bar shows nothing until it ends: a plain line instead at each state, at most
     every `every_s` while steps arrive, and at the end."""
     fields: dict[str, Any] = {"state": "…", "completed": 0, "loss": "-", "val_loss": "-", "speed": "-"}
     printed, printed_at = None, float("-inf")
+    of_total = "" if total is None else f"/{total}"
 
     def line() -> str:
         return (
-            f"{fields['state']}  step {fields['completed']}/{total}  loss {fields['loss']}  val {fields['val_loss']}  "
-            f"{fields['speed']} samples/s"
+            f"{fields['state']}  step {fields['completed']}{of_total}  loss {fields['loss']}  "
+            f"val {fields['val_loss']}  {fields['speed']} samples/s"
         )
 
     for state, new_rows in _progress(client, job_id):

@@ -42,7 +42,8 @@ def _print_job(job: dict[str, Any]) -> None:
         f"(attempt {job['attempt']}, tenant {escape(job['tenant'])})",
         soft_wrap=True,
     )
-    parts = [f"step {progress['step']}/{progress['total_steps']}"]
+    of_total = "" if progress["total_steps"] is None else f"/{progress['total_steps']}"  # None: a script job
+    parts = [f"step {progress['step']}{of_total}"]
     if progress["loss"] is not None:
         parts.append(f"loss {_loss_text(progress['loss'])}")
     if progress["val_loss"] is not None:

@@ -268,7 +268,7 @@ class Progress:
     active job the time left at its recent pace."""
 
     step: int
-    total_steps: int
+    total_steps: int | None  # None: a script job, whose own loop alone knows its steps
     loss: float | None
     world_size: int | None
     samples_per_s: float | None
@@ -278,7 +278,7 @@ class Progress:
     val_step: int | None = None
 
     @staticmethod
-    def not_started(total_steps: int) -> Progress:
+    def not_started(total_steps: int | None) -> Progress:
         return Progress(0, total_steps, None, None, None, 0, None)
 
 
@@ -286,7 +286,7 @@ _PACE_STEPS = 20  # the ETA's pace: the wall time over this many newest steps
 
 
 def job_progress(session: Session, job: Job) -> Progress:
-    total = int(job.spec.get("train", {}).get("steps", 0))
+    total = None if job.spec.get("command") else int(job.spec.get("train", {}).get("steps", 0))
     newest = list(
         session.scalars(
             select(Metric)
@@ -314,7 +314,13 @@ def job_progress(session: Session, job: Job) -> Progress:
         return replace(Progress.not_started(total), recoveries=recoveries, val_loss=val_loss, val_step=val_step)
     latest, oldest = newest[0], newest[-1]
     eta = None
-    if JobState(job.state) in ACTIVE and latest.wall_time and oldest.wall_time and latest.step > oldest.step:
+    if (
+        total is not None
+        and JobState(job.state) in ACTIVE
+        and latest.wall_time
+        and oldest.wall_time
+        and latest.step > oldest.step
+    ):
         seconds_per_step = (latest.wall_time - oldest.wall_time) / (latest.step - oldest.step)
         eta = max(0.0, (total - latest.step) * seconds_per_step)
     return Progress(

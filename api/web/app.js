@@ -245,7 +245,7 @@ async function jobPage(jobId) {
     const p = job.progress;
     facts.replaceChildren(
       el("span", {}, el("b", {}, "state "), stateCell(job.state)),
-      el("span", {}, el("b", {}, "step "), `${p.step}/${p.total_steps}`),
+      el("span", {}, el("b", {}, "step "), p.total_steps == null ? String(p.step) : `${p.step}/${p.total_steps}`),
       el("span", {}, el("b", {}, "loss "), p.loss == null ? "-" : p.loss.toFixed(4)),
       el("span", {}, el("b", {}, "val loss "), p.val_loss == null ? "-" : `${p.val_loss.toFixed(4)} (step ${p.val_step})`),
       el("span", {}, el("b", {}, "world size "), p.world_size == null ? "-" : String(p.world_size)),

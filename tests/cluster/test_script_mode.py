@@ -189,6 +189,7 @@ def test_a_torchrun_ddp_script_runs_unchanged_and_matches_torchrun(
         assert f"[rank {rank}] step 0 loss {ours_losses[0]:.6f}" in logs, logs[-3000:]
         assert f"[rank {rank}] step {STEPS - 1} loss" in logs
 
+    assert client.job(job["id"])["progress"]["total_steps"] is None, "the script's own loop alone knows its steps"
     transitions = [event["to_state"] for event in client.events(job["id"])["items"] if event["to_state"]]
     assert transitions == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
     rows = {row["step"]: row for row in client.metrics(job["id"])["items"]}
