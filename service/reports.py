@@ -5,11 +5,28 @@ bearer token with every report."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import AllowInfNan, ConfigDict, Field, Strict, StringConstraints, WithJsonSchema
 
 from ringmaster.service.json_types import JsonTyped
+
+# The metrics of a user's own that a model's loss_fn returns beside its loss (workers/trainer/user_metrics.py): names
+# that read as TensorBoard tags and MLflow keys alike, and few enough that a step's all-reduce stays small.
+MAX_USER_METRICS = 32
+USER_METRIC_NAME = r"^[A-Za-z][A-Za-z0-9_.\-/]{0,63}$"
+UserMetrics = Annotated[
+    dict[Annotated[str, StringConstraints(pattern=USER_METRIC_NAME)], Annotated[float, Strict(), AllowInfNan(False)]],
+    Field(max_length=MAX_USER_METRICS),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "maxProperties": MAX_USER_METRICS,
+            "propertyNames": {"pattern": USER_METRIC_NAME},
+            "additionalProperties": {"type": "number"},
+        }
+    ),
+]
 
 
 class MetricPoint(JsonTyped):
@@ -26,6 +43,11 @@ class MetricPoint(JsonTyped):
         default=None, description="The global gradient norm before clipping (train.grad_clip)."
     )
     world_size: int | None = None
+    user_metrics: UserMetrics | None = Field(
+        default=None,
+        description="The step's values of the metrics the model's loss_fn returns beside its loss, by name: each the "
+        "mean over the step's micro-batches and data-parallel ranks, as the loss is.",
+    )
     attempt: int | None = Field(
         default=None,
         ge=1,

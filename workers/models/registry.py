@@ -31,10 +31,12 @@ from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
 from ringmaster.workers.job_input import JobInputError
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
+# A loss alone, or (loss, {name: metric}) with the user's own metrics, each a number or a one-element tensor.
+LossOutput = torch.Tensor | tuple[torch.Tensor, dict[str, Any]]
+LossFn = Callable[[nn.Module, Any], LossOutput]
 TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
 PipelineStageFn = Callable[[nn.Module, int, int], nn.Module]
-OutputLossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+OutputLossFn = Callable[[torch.Tensor, Any], LossOutput]
 
 # A user model may train on a built-in corpus (spec.data, one of the catalogue's); built from the model_options it
 # names.
@@ -50,17 +52,20 @@ class EntrypointError(JobInputError):
 
 @dataclass
 class ModelBundle:
-    """What a model builder hands the trainer. ``loss_fn(model, batch)`` returns the batch's mean
-    loss; datasets are map-style so samples have stable ids. ``val_dataset`` may be None (no
-    validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in corpus or a data source.
+    """What a model builder hands the trainer. ``loss_fn(model, batch)`` returns the batch's mean loss, or
+    ``(loss, {name: value})`` with metrics of the user's own (each the batch's mean, a number or a one-element tensor),
+    which every step reports as its mean as it does the loss; datasets are map-style so samples have stable ids.
+    ``val_dataset`` may be None (no validation); ``train_dataset`` may be None only when ``spec.data`` names a built-in
+    corpus or a data source.
 
     Optional parallelism hooks, plain functions beside the model (tiny_gpt_parallelize.py has the built-in's):
     ``tensor_parallel(model, tp_mesh)`` shards the model in place over the tensor-parallel mesh (e.g. with
     ``parallelize_module``); strategies tensor and 3d with tp > 1 need it.
     ``pipeline_stage(model, stage_index, num_stages)`` returns a new module holding only that stage's
     contiguous part of ``model`` under the unsplit model's parameter names (so checkpoints reshard), and
-    ``output_loss_fn(outputs, targets)`` is the mean loss of the last stage's outputs; strategies pipeline
-    and 3d with pp > 1 need both, and there a batch must be ``(inputs, targets)`` split along dim 0."""
+    ``output_loss_fn(outputs, targets)`` is the mean loss of the last stage's outputs (alone or with metrics, as
+    loss_fn's); strategies pipeline and 3d with pp > 1 need both, and there a batch must be ``(inputs, targets)`` split
+    along dim 0."""
 
     model: nn.Module
     train_dataset: Dataset[Any] | None

@@ -41,7 +41,10 @@ from ringmaster.workers.strategies.param_groups import GroupRule, check_rules_ma
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
 from ringmaster.workers.trainer.optimizer_step import OptimizerStep, lr_schedule
+from ringmaster.workers.trainer.user_metrics import PipelineLossMetrics, StepUserMetrics, split_loss
 from ringmaster.workers.trainer.validator import Validator
+
+_BUILT_IN_STATS = 3  # the step's all-reduced loss sum and votes, before the user's metrics' sums
 
 
 class Trainer:
@@ -74,6 +77,9 @@ class Trainer:
             groups=tuple(GroupRule(tuple(g.params), g.weight_decay, g.lr_scale) for g in chosen.groups),
         )
         check_rules_match(bundle.model, optimizer.groups)
+        self._pipeline_metrics = PipelineLossMetrics()
+        if bundle.output_loss_fn is not None:
+            bundle.output_loss_fn = self._pipeline_metrics.wrap(bundle.output_loss_fn)
         self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
@@ -114,9 +120,11 @@ class Trainer:
                 num_workers=_data_workers(spec),
             )
         )
-        # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot]: one all-reduce per step carries
-        # them. Only loss-holding ranks (last pipeline stage, first tp rank) add losses, so each counts once.
-        self._step_stats = torch.zeros(3, device=ctx.device)
+        # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot, then the sum of each of the
+        # user's metrics]: one all-reduce per step carries them. Only loss-holding ranks (last pipeline stage, first tp
+        # rank) add losses and metrics, so each counts once.
+        self._step_stats = torch.zeros(_BUILT_IN_STATS, device=ctx.device)
+        self._user_metrics = StepUserMetrics(ctx.device)
         self._reduced_stats: list[float] = []  # the step's all-reduced stats, on the host
         self._memory_reported = False
         self.step = 0
@@ -187,7 +195,7 @@ class Trainer:
         driver asked the group to stop after it (and it was not the last step)."""
         started = time.perf_counter()
         self._step_stats.zero_()
-        loss_sum, stop_votes = self._step_stats[0], self._step_stats[1]
+        loss_sum = self._step_stats[0]
         sample_ids: list[int] = []
         for micro_step in range(self._accumulation):
             batch = to_device(self._stream.next_batch(), self.ctx.device)
@@ -195,11 +203,18 @@ class Trainer:
                 sample_ids += self._stream.last_sample_ids
             # Gradients are synchronised only on the last micro-step; earlier ones accumulate locally.
             with self.parallel.accumulate_locally() if micro_step < self._accumulation - 1 else nullcontext():
-                micro_loss = _forward_backward(
-                    self.parallel, self._bundle.loss_fn, batch, self._accumulation, self._autocast
+                micro = _forward_backward(
+                    self.parallel,
+                    self._bundle.loss_fn,
+                    self._pipeline_metrics,
+                    batch,
+                    self._accumulation,
+                    self._autocast,
                 )
-            if micro_loss is not None:
-                loss_sum.add_(micro_loss)
+            if micro is not None:
+                loss_sum.add_(micro[0])
+                self._user_metrics.add(micro[1])
+        self._step_stats = self._user_metrics.into(self._step_stats, _BUILT_IN_STATS)
         self._checkpointer.before_state_changes()
         self._snapshots.before_state_changes()
         for stage in self.parallel.stages:
@@ -207,7 +222,7 @@ class Trainer:
         for tied in self.parallel.tied:
             tied.sync_gradients()
         if self.ctx.sink.stop_requested():
-            stop_votes.fill_(1.0)
+            self._step_stats[1].fill_(1.0)
         self._optimizer.clip()
         completed = self.step
         # The snapshots put the step's end in the order they need (StepSnapshots.end_step).
@@ -246,6 +261,9 @@ class Trainer:
         step_time = time.perf_counter() - started
         self.step += 1
         self.loss = summed_loss / (self._accumulation * self._dims.dp)
+        user_metrics = self._user_metrics.means(
+            self._reduced_stats[_BUILT_IN_STATS:], self._accumulation * self._dims.dp
+        )
         if not math.isfinite(self.loss):
             # The all-reduced sum is NaN or infinite on every rank alike, so every rank stops here, before this step
             # reaches a snapshot or a checkpoint; a save of an earlier step still in flight is committed first.
@@ -268,6 +286,7 @@ class Trainer:
                     lr=lr,
                     grad_norm=cast(torch.Tensor, self._optimizer.grad_norm).item(),  # clip() took it this step
                     world_size=self.ctx.world_size,
+                    user_metrics=user_metrics,
                 ),
                 hold=True,
             )  # sent with the step's validation, if it has one
@@ -348,21 +367,29 @@ def run_training(spec: JobSpec, ctx: TrainContext) -> TrainResult:
 
 
 def _forward_backward(
-    parallel: ParallelModel, loss_fn: LossFn, batch: Any, accumulation: int, autocast: torch.autocast
-) -> torch.Tensor | None:
-    """One micro-step's forward and backward; returns its mean loss where this rank holds losses."""
+    parallel: ParallelModel,
+    loss_fn: LossFn,
+    pipeline_metrics: PipelineLossMetrics,
+    batch: Any,
+    accumulation: int,
+    autocast: torch.autocast,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """One micro-step's forward and backward; returns its mean loss and the user's metrics (each its mean) where this
+    rank holds losses."""
     if parallel.schedule is not None:
         inputs, targets = batch
         losses: list[torch.Tensor] = []
+        pipeline_metrics.clear()
         with autocast:  # the schedule runs forward and backward together, so both sit inside autocast
             parallel.schedule.step(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
-        return torch.stack(losses).detach().mean() if parallel.holds_loss else None
+        metrics = pipeline_metrics.mean()
+        return (torch.stack(losses).detach().mean(), metrics) if parallel.holds_loss else None
     with autocast:
-        loss = loss_fn(parallel.parts[0], batch)
+        loss, metrics = split_loss(loss_fn(parallel.parts[0], batch))
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise JobInputError(_not_a_loss(loss))
     (loss / accumulation).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-    return loss.detach() if parallel.holds_loss else None
+    return (loss.detach(), metrics) if parallel.holds_loss else None
 
 
 def _not_a_loss(returned: Any) -> str:
@@ -375,7 +402,7 @@ def _not_a_loss(returned: Any) -> str:
         what = "a tensor that autograd does not track (made under torch.no_grad, or with .detach() or .item())"
     return (
         f"the model's loss_fn returned {what}: it must return the batch's mean loss, one number as a tensor that "
-        f"autograd tracks (for per-sample losses, their .mean())"
+        f"autograd tracks (for per-sample losses, their .mean()), alone or as (loss, {{name: metric}})"
     )
 
 

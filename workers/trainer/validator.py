@@ -14,6 +14,7 @@ from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.strategies import ParallelModel
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
+from ringmaster.workers.trainer.user_metrics import split_loss
 
 VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-batch is cheap
 
@@ -87,8 +88,8 @@ class Validator:
                     inputs, targets = batch
                     losses: list[torch.Tensor] = []
                     schedule.eval(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
-                else:
-                    losses = [self._loss_fn(parallel.parts[0], batch)]
+                else:  # the user's metrics the loss_fn may return beside the loss are the training steps' alone
+                    losses = [split_loss(self._loss_fn(parallel.parts[0], batch))[0]]
             if parallel.holds_loss:
                 totals[0] += sum(loss.double() * samples for loss, samples in zip(losses, counted) if samples)
                 totals[1] += sum(counted)

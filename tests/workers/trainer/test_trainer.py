@@ -288,5 +288,6 @@ def test_a_loss_fn_that_returns_no_trainable_scalar_is_named_as_the_fault(
         run_training(spec, TrainContext(0, 1, torch.device("cpu"), "bad-loss", str(tmp_path)))
     assert raised.value.reason == (
         f"the model's loss_fn returned {returned}: it must return the batch's mean loss, one "
-        "number as a tensor that autograd tracks (for per-sample losses, their .mean())"
+        "number as a tensor that autograd tracks (for per-sample losses, their .mean()), alone or as (loss, {name: "
+        "metric})"
     )

@@ -1,0 +1,195 @@
+"""A model's loss_fn may return (loss, {name: value}): each step reports each metric as its mean over the step's
+micro-batches and data-parallel ranks, exactly as the loss, under every strategy; anything else fails the job in one
+line that says what to return."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset, default_collate
+
+from harness.process_group import run_on_ranks
+from harness.sinks import CallbackSink
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.data.stream import epoch_order
+from ringmaster.workers.job_input import JobInputError
+from ringmaster.workers.models import ModelBundle, build_bundle
+from ringmaster.workers.trainer import TrainContext, run_training
+
+LR = 0.5
+STEPS = 4
+GLOBAL_BATCH = 16
+STRATEGIES = ["ddp", "fsdp"]
+
+
+def _classifier_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    inputs, labels = batch
+    logits = model(inputs)
+    return nn.functional.cross_entropy(logits, labels), {
+        "accuracy": (logits.argmax(-1) == labels).float().mean(),  # a tensor
+        "confidence": logits.softmax(-1).amax(-1).mean().item(),  # a number
+    }
+
+
+def classifier(loss_fn: Any = _classifier_loss) -> ModelBundle:
+    """A user model whose loss_fn reports accuracy and confidence beside the loss."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(128, 4, generator=generator)
+    labels = (inputs[:, 0] > 0).long() + (inputs[:, 1] > 0.5).long()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    return ModelBundle(model, TensorDataset(inputs, labels), None, loss_fn)
+
+
+def _spec(name: str, builder: str = "classifier", **extra: Any) -> JobSpec:
+    return JobSpec(
+        name=name,
+        model=f"{__name__}:{builder}",
+        data="user",
+        train={
+            "steps": STEPS,
+            "global_batch_size": GLOBAL_BATCH,
+            "micro_batch_size": 4,
+            "lr": LR,
+            "seed": 5,
+            "optimizer": {"name": "sgd"},
+        },
+        **extra,
+    )
+
+
+def _one_process_metrics(spec: JobSpec) -> list[tuple[float, float, float]]:
+    """(loss, accuracy, confidence) of each step's whole global batch, trained by plain torch on one process."""
+    torch.manual_seed(spec.train.seed)
+    bundle = build_bundle(spec)
+    optimizer = torch.optim.SGD(bundle.model.parameters(), lr=LR)
+    order = epoch_order(len(bundle.train_dataset), spec.train.seed, 0).tolist()
+    steps = []
+    for step in range(STEPS):
+        batch = default_collate(
+            [bundle.train_dataset[i] for i in order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]]
+        )
+        loss, metrics = bundle.loss_fn(bundle.model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append((loss.item(), metrics["accuracy"].item(), metrics["confidence"]))
+    return steps
+
+
+def differing_names() -> ModelBundle:
+    """Each rank's loss_fn names its metric after the rank: the ranks cannot agree."""
+    return classifier(lambda model, batch: (_classifier_loss(model, batch)[0], {f"rank{dist.get_rank()}": 1.0}))
+
+
+def _trained_metrics(rank: int, world_size: int, root: str, out: str) -> None:
+    """Each strategy in turn, then ranks that disagree, in one pair of processes (each spawn costs a torch import)."""
+    workers = {"min": world_size, "max": world_size}
+    reported: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        points: list = []
+        run_training(
+            _spec(f"metrics-{strategy}", strategy=strategy, workers=workers),
+            TrainContext(
+                rank,
+                world_size,
+                torch.device("cpu"),
+                strategy,
+                f"{root}/{strategy}",
+                sink=CallbackSink(on_metric=points.append),
+            ),
+        )
+        reported[strategy] = [(p.loss, p.user_metrics["accuracy"], p.user_metrics["confidence"]) for p in points]
+    try:
+        run_training(
+            _spec("metrics-differ", "differing_names", strategy="ddp", workers=workers),
+            TrainContext(rank, world_size, torch.device("cpu"), "differ", f"{root}/differ"),
+        )
+    except JobInputError as error:
+        reported["differing"] = error.reason
+    torch.save(reported, f"{out}.{rank}")
+
+
+def test_user_metrics_are_the_global_batch_mean_under_ddp_and_fsdp(tmp_path: Path) -> None:
+    out = tmp_path / "metrics.pt"
+    run_on_ranks(_trained_metrics, 2, str(tmp_path / "root"), str(out))
+    expected = _one_process_metrics(_spec("one-process"))
+    reported = torch.load(f"{out}.0")
+    for strategy in STRATEGIES:
+        assert len(reported[strategy]) == STEPS, strategy
+        for step, (got, want) in enumerate(zip(reported[strategy], expected), start=1):
+            assert got == pytest.approx(want, abs=1e-6), f"{strategy}, step {step}"
+    for rank in (0, 1):  # every rank fails alike, so none waits for the others in the step's all-reduce
+        assert torch.load(f"{out}.{rank}")["differing"] == (
+            "the model's loss_fn returned different metrics on different ranks (rank 0: ['rank0']; rank 1: "
+            "['rank1']): it must return the same names on every rank"
+        )
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _classifier_loss(model, batch)[0]
+
+
+def metrics_in_a_list() -> ModelBundle:
+    return classifier(lambda model, batch: (_loss(model, batch), [0.5]))
+
+
+def per_sample_metric() -> ModelBundle:
+    return classifier(lambda model, batch: (_loss(model, batch), {"accuracy": torch.ones(4)}))
+
+
+def a_name_of_ringmasters() -> ModelBundle:
+    return classifier(lambda model, batch: (_loss(model, batch), {"grad_norm": 1.0}))
+
+
+def a_name_with_a_space() -> ModelBundle:
+    return classifier(lambda model, batch: (_loss(model, batch), {"top 5": 1.0}))
+
+
+def too_many_metrics() -> ModelBundle:
+    return classifier(lambda model, batch: (_loss(model, batch), {f"m{index}": 1.0 for index in range(33)}))
+
+
+def names_that_change() -> ModelBundle:
+    calls = iter(range(1_000))
+    return classifier(lambda model, batch: (_loss(model, batch), {"accuracy" if next(calls) < 2 else "acc": 1.0}))
+
+
+RETURN = 'return the loss alone, or (loss, {"name": value, …}) with each value a number or a one-element tensor'
+
+
+@pytest.mark.parametrize(
+    ("builder", "message"),
+    [
+        ("metrics_in_a_list", f"the model's loss_fn returned a tuple of (Tensor, list): {RETURN}"),
+        ("per_sample_metric", f"the model's loss_fn returned metric 'accuracy' as a tensor of shape (4,): {RETURN}"),
+        (
+            "a_name_of_ringmasters",
+            "the model's loss_fn returned a metric named 'grad_norm', which ringmaster reports itself: name it "
+            "otherwise",
+        ),
+        (
+            "a_name_with_a_space",
+            "the model's loss_fn returned a metric named 'top 5': a metric's name is 1 to 64 letters, digits, '_', "
+            "'.', '-' or '/', starting with a letter",
+        ),
+        ("too_many_metrics", "the model's loss_fn returned 33 metrics: a job reports at most 32"),
+        (
+            "names_that_change",
+            "the model's loss_fn returned metrics ['acc'] after returning ['accuracy']: it must return the same names "
+            "at every step",
+        ),
+    ],
+)
+def test_a_loss_fn_returning_metrics_wrongly_fails_in_one_line_saying_what_to_return(
+    tmp_path: Path, single_rank_group: None, builder: str, message: str
+) -> None:
+    spec = _spec("bad-metrics", builder)
+    spec.train.global_batch_size = 8  # two micro-batches a step: names_that_change changes within the second step
+    with pytest.raises(JobInputError) as raised:
+        run_training(spec, TrainContext(0, 1, torch.device("cpu"), "bad-metrics", str(tmp_path)))
+    assert raised.value.reason == message
