@@ -33,8 +33,14 @@ class Pool:
         self.total_free = 0.0  # over the placeable nodes: no set of bundles larger than this fits
         for node, amount in enumerate(self.free):
             if placeable[node]:
-                self._enter(node, amount)
                 self.total_free += amount
+                key = round(amount, _KEY_DIGITS)
+                if key > EPSILON:
+                    bucket = self._buckets.get(key)
+                    if bucket is None:
+                        bucket = self._buckets[key] = {}
+                    bucket[node] = None
+        self._amounts = sorted(self._buckets)
 
     def _key(self, amount: float) -> float:
         return round(amount, _KEY_DIGITS)

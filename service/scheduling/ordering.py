@@ -68,7 +68,8 @@ class PlanOrder:
         return iter(sorted(self._queued, key=lambda job: (-job.priority, job.submitted_at, job.id)))
 
     def _by_fair_share(self) -> Iterator[QueuedJob]:
-        """Per priority level, merge the tenants' age-ordered queues, taking next from the lowest standing."""
+        """Per priority level, merge the tenants' age-ordered queues, taking next from the lowest standing. A tenant
+        goes on while its next job still ranks before every other tenant's (no admission raised its standing)."""
         levels: dict[int, dict[str, list[QueuedJob]]] = {}
         for job in self._queued:
             levels.setdefault(job.priority, {}).setdefault(job.tenant, []).append(job)
@@ -83,15 +84,16 @@ class PlanOrder:
                 (self.standing(tenant), jobs[0].submitted_at, jobs[0].id, tenant) for tenant, jobs in queues.items()
             ]
             heapq.heapify(heads)
-            taken = dict.fromkeys(queues, 0)
+            start = dict.fromkeys(queues, 0)
             while heads:
-                tenant = heads[0][3]
+                _, _, _, tenant = heapq.heappop(heads)
                 jobs = queues[tenant]
-                job = jobs[taken[tenant]]
-                yield job
-                taken[tenant] += 1
-                if taken[tenant] == len(jobs):
-                    heapq.heappop(heads)
-                else:
-                    following = jobs[taken[tenant]]
-                    heapq.heapreplace(heads, (self.standing(tenant), following.submitted_at, following.id, tenant))
+                for index in range(start[tenant], len(jobs)):
+                    job = jobs[index]
+                    if index > start[tenant]:
+                        key = (self.standing(tenant), job.submitted_at, job.id, tenant)
+                        if heads and heads[0] < key:
+                            start[tenant] = index
+                            heapq.heappush(heads, key)
+                            break
+                    yield job

@@ -21,8 +21,10 @@ The pass, in order:
    share over weight) into what is left, never into a head's hold, never a job resized this pass.
 
 A pass costs the sorting of the queue plus, per queued job, work independent of the cluster's size: capacity is
-counted per distinct free amount (capacity.py), and a job that waits for the same reason as one before it (same
-tenant, shape, size and priority, nothing admitted in between) reuses its verdict.
+counted per distinct free amount (capacity.py); a job like one already turned away since the last change (same
+tenant, priority, shape and size) reuses its verdict; and the running jobs a waiting job may take from are kept per
+(priority, tenant or queue) with a bound on what they could give, so a take that cannot succeed is refused without
+walking them, and one that failed is not tried again for a larger job of the same kind.
 """
 
 from __future__ import annotations
@@ -69,14 +71,6 @@ def plan(state: SchedulingInput) -> Plan:
     return scheduling_pass.result(tuple(positions))
 
 
-def _pool_of(shape: WorkerShape) -> int:
-    return GPU if shape.gpus > 0 else CPU
-
-
-def _need_of(shape: WorkerShape) -> float:
-    return float(shape.gpus) if shape.gpus > 0 else shape.cpus
-
-
 def _amount(amount: float, pool: int) -> str:
     return f"{amount:g} {_UNITS[pool]}"
 
@@ -96,12 +90,14 @@ class _Tenant:
         self.held_cpus = 0.0
 
     def add(self, shape: WorkerShape, workers: int, jobs: int) -> None:
-        self.gpus += shape.gpus * workers
-        self.cpus += shape.cpus * workers
+        gpus, cpus = shape.gpus * workers, shape.cpus * workers
+        self.gpus += gpus
+        self.cpus += cpus
         self.jobs += jobs
-        held = held_by_workers(shape, workers)
-        self.held_gpus += held.gpus
-        self.held_cpus += held.cpus
+        if gpus:  # as fair_share.held_by_workers counts it
+            self.held_gpus += gpus
+        else:
+            self.held_cpus += cpus
 
     def held(self, minus: Held | None = None) -> Held:
         if minus is None:
@@ -251,6 +247,7 @@ class _Pass:
         )
         self.tenants = {view.name: _Tenant(view) for view in state.tenants}
         self.running = [self._running(job, index) for job in state.running]
+        self.running_by_id = {running.job.id: running for running in self.running}
         active = {job.tenant for job in state.queued} | {job.tenant for job in state.running}
         weights = sum(max(self.tenant(name).view.weight, 0.0) for name in active)
         self.fair_standing = 1.0 / weights if weights > 0 else 0.0  # share over weight of a tenant at its share
@@ -266,13 +263,18 @@ class _Pass:
         self.preempted: list[_Running] = []
         self.heads: list[str | None] = [None, None]  # the reserved head of the queue per pool
         self.victims: list[_Victims | None] = [None, None]  # built when a job first tries to take from a pool
-        self.protected: list[list[tuple[float, _Running]] | None] = [None, None]  # (until when, job), soonest first
+        # Per pool and (priority, group): the jobs that may not give way yet, as (until when, job id), soonest first.
+        self.protected: list[dict[tuple[int, object], list[tuple[float, str]]] | None] = [None, None]
         self.reasons: dict[tuple[object, ...], str] = {}
+        self.version = 0  # counts the changes to capacity and usage: a verdict reached in one version holds in it
+        self.verdicts: dict[tuple[object, ...], tuple[int, str]] = {}
         self.failed_takes: dict[tuple[object, ...], tuple[int, str]] = {}
 
     def _running(self, job: RunningJob, index: dict[str, int]) -> _Running:
-        running = _Running(job, [index[node] for node in job.nodes], _pool_of(job.shape), _need_of(job.shape))
-        self.tenant(job.tenant).add(job.shape, job.workers, 1)
+        shape = job.shape
+        pool, need = (GPU, float(shape.gpus)) if shape.gpus > 0 else (CPU, shape.cpus)
+        running = _Running(job, [index[node] for node in job.nodes], pool, need)
+        (self.tenants.get(job.tenant) or self.tenant(job.tenant)).add(shape, len(job.nodes), 1)
         if self.policy is PolicyName.ELASTIC:
             running.may_shrink = job.workers > job.min_workers and self._resizable(job)
             running.group = job.tenant
@@ -309,7 +311,29 @@ class _Pass:
     # --- 2. admission ---------------------------------------------------------------------------------------------
 
     def consider(self, job: QueuedJob) -> str:
-        """Admit the job or say why it waits ("" when admitted)."""
+        """Admit the job or say why it waits ("" when admitted). A job like one already turned away since the last
+        change (same tenant, priority, shape, size, and job it made way for) waits for the same reason."""
+        shape = job.shape
+        queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.las else 0
+        blocker = self._blocker(job) if job.preempted_for is not None else None
+        kind = (job.tenant, job.priority, shape.gpus, shape.cpus, job.min_workers, blocker, queue)
+        known = self.verdicts.get(kind)
+        if known is not None and known[0] == self.version:
+            return known[1]
+        version = self.version
+        reason = self._decide(job)
+        if reason and version == self.version:
+            self.verdicts[kind] = (version, reason)
+        return reason
+
+    def _blocker(self, job: QueuedJob) -> str | None:
+        """The job this one made way for, where it could matter: a running job it might otherwise take from."""
+        blocker = self.running_by_id.get(job.preempted_for) if job.preempted_for is not None else None
+        if blocker is None or blocker.preempted or blocker.job.priority > job.priority:
+            return None
+        return blocker.job.id
+
+    def _decide(self, job: QueuedJob) -> str:
         shape = job.shape
         pool_index, need = (GPU, float(shape.gpus)) if shape.gpus > 0 else (CPU, shape.cpus)
         tenant = self.tenants.get(job.tenant) or self.tenant(job.tenant)
@@ -338,6 +362,7 @@ class _Pass:
         if head is None and self.policy in _RESERVING:
             self.heads[pool_index] = job.id
             pool.hold_back(need)
+            self.version += 1
             short = (job.min_workers - fitting) * need
             return f"reserved: head of the queue, waits for {_amount(short, pool_index)} more to free{note}"
         reason_key = (pool_index, need, job.min_workers, fitting, head, note)
@@ -373,6 +398,7 @@ class _Pass:
         self.tenant(job.tenant).add(job.shape, size, 1)
         self.admitted.append(_Admitted(job, nodes, upper, pool_index, need))
         self.order.charge(job.tenant, dominant_share(held_by_workers(job.shape, size), self.capacity))
+        self.version += 1
 
     # --- 3. taking capacity from lower-ranked jobs ----------------------------------------------------------------
 
@@ -381,7 +407,7 @@ class _Pass:
         queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.las else 0
         # Under las who may be taken from does not depend on the tenant; the job it made way for only narrows it.
         failure_key = (pool_index, need, job.priority, None if self.las else job.tenant, queue)
-        for key in (failure_key, (*failure_key, job.preempted_for)):
+        for key in (failure_key, (*failure_key, self._blocker(job))):
             failed = self.failed_takes.get(key)
             if failed is not None and job.min_workers >= failed[0]:
                 return failed[1]  # what could not free room for fewer workers cannot for more
@@ -406,7 +432,7 @@ class _Pass:
             room = trial.count if at_most >= job.min_workers else at_most
             if room > fitting:
                 note = f"; lower-ranked jobs could make room for at most {room} of its {job.min_workers} workers{note}"
-            self.failed_takes[(*failure_key, job.preempted_for) if trial.passed_over else failure_key] = (
+            self.failed_takes[(*failure_key, self._blocker(job)) if trial.passed_over else failure_key] = (
                 job.min_workers,
                 note,
             )
@@ -475,33 +501,34 @@ class _Pass:
         already = trial.freed.get(owner.view.name, Held())
         return taker_after <= self.standing(owner.held(already.plus(freed)), owner) + EPSILON
 
-    def _ranked_below(self, job: QueuedJob, running: _Running, queue: int) -> bool:
-        """Whether the taker could ever take from this running job (its protection aside)."""
-        other = running.job
-        if running.preempted or other.id == job.preempted_for or other.priority > job.priority:
-            return False
-        if other.priority < job.priority:
-            return True
-        if self.las:
-            return isinstance(running.group, int) and running.group > queue
-        return self.policy is PolicyName.ELASTIC and other.tenant != job.tenant
-
     def _protected_note(self, job: QueuedJob, pool_index: int, queue: int) -> str:
         """When the soonest running job the taker could take from, but may not yet, gives way."""
-        if self.protected[pool_index] is None:
-            self.protected[pool_index] = sorted(
-                (
-                    (until, running)
-                    for running in self.running
-                    if running.pool == pool_index
-                    for until in self._protected_until(running)
-                ),
-                key=lambda protected: (protected[0], protected[1].job.id),
-            )
-        for until, running in self.protected[pool_index] or ():
-            if self._ranked_below(job, running, queue):
-                return f"; job {running.job.id} may give way in {until - self.now:.0f} s"
-        return ""
+        protected = self.protected[pool_index]
+        if protected is None:
+            protected = self.protected[pool_index] = {}
+            for running in self.running:
+                if running.pool == pool_index:
+                    for until in self._protected_until(running):
+                        protected.setdefault((running.job.priority, running.group), []).append((until, running.job.id))
+            for entries in protected.values():
+                entries.sort()
+        soonest: tuple[float, str] | None = None
+        for (priority, group), entries in protected.items():
+            if priority > job.priority:
+                continue
+            if priority == job.priority and not (
+                (self.las and isinstance(group, int) and group > queue)
+                or (self.policy is PolicyName.ELASTIC and group != job.tenant)
+            ):
+                continue
+            for until, job_id in entries:
+                if job_id != job.preempted_for:
+                    if soonest is None or (until, job_id) < soonest:
+                        soonest = (until, job_id)
+                    break
+        if soonest is None:
+            return ""
+        return f"; job {soonest[1]} may give way in {soonest[0] - self.now:.0f} s"
 
     def _protected_until(self, running: _Running) -> list[float]:
         """When a job now protected from being taken from stops being so: its minimum run time, its resize interval."""
@@ -627,6 +654,7 @@ class _Pass:
             running.resized, running.for_job = True, for_job
             self.shrunk.append(running)
         self._update_victim(running)
+        self.version += 1
 
     def _preempt(self, running: _Running, for_job: str | None) -> None:
         for node in running.nodes:
@@ -636,6 +664,7 @@ class _Pass:
         running.preempted, running.for_job = True, for_job
         self.preempted.append(running)
         self._update_victim(running)
+        self.version += 1
 
     def _update_victim(self, running: _Running) -> None:
         victims = self.victims[running.pool]
@@ -646,21 +675,19 @@ class _Pass:
 
     def grow(self) -> None:
         """Grow jobs below their max into what nobody queued could use, highest priority first."""
+        standings = {name: self.standing(tenant.held(), tenant) for name, tenant in self.tenants.items()}
+        has_room = [pool.total_free > EPSILON for pool in self.pools]
         candidates: list[tuple[tuple[float, float, float, str], _Running | _Admitted]] = []
         for running in self.running:
             job = running.job
-            if running.preempted or running.resized or len(running.nodes) >= job.max_workers:
+            if not has_room[running.pool] or running.preempted or running.resized:
                 continue
-            if self._resizable(job):
-                owner = self.tenant(job.tenant)
-                candidates.append(
-                    ((-job.priority, self.standing(owner.held(), owner), job.started_at, job.id), running)
-                )
+            if len(running.nodes) < job.max_workers and self._resizable(job):
+                candidates.append(((-job.priority, standings[job.tenant], job.started_at, job.id), running))
         for admitted in self.admitted:
             if len(admitted.nodes) < admitted.upper:
-                job_queued, owner = admitted.job, self.tenant(admitted.job.tenant)
-                rank = (-job_queued.priority, self.standing(owner.held(), owner), self.now, job_queued.id)
-                candidates.append((rank, admitted))
+                waited = admitted.job
+                candidates.append(((-waited.priority, standings[waited.tenant], self.now, waited.id), admitted))
         candidates.sort(key=lambda candidate: candidate[0])
         for _, candidate in candidates:
             shape, current, tenant = candidate.job.shape, candidate.nodes, self.tenant(candidate.job.tenant)
