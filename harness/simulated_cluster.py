@@ -52,6 +52,22 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+@contextmanager
+def _own_metrics_ports() -> Iterator[None]:
+    """Free ports for the head's dashboard and autoscaler monitor metrics, which this process starts, as the embedded
+    head has (service/embedded_ray.py): on Ray's fixed ones (44227, 44217), held by another head on this machine, its
+    dashboard never comes up ('Module MetricsHead failed to start')."""
+    chosen = {"DASHBOARD_METRIC_PORT": str(free_port()), "AUTOSCALER_METRIC_PORT": str(free_port())}
+    before = {name: os.environ.get(name) for name in chosen}
+    os.environ.update({name: port for name, port in chosen.items() if before[name] is None})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
 class SimulatedCluster:
     def __init__(self, nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0) -> None:
         self.dashboard_port = free_port()
@@ -60,17 +76,18 @@ class SimulatedCluster:
         # Cluster also records the head's address in Ray's default temp dir (/tmp/ray/ray_current_cluster), which a
         # fresh machine does not have yet.
         os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "temp_dir": self.temp_dir,
-                "include_dashboard": True,
-                "dashboard_host": "127.0.0.1",
-                "dashboard_port": self.dashboard_port,
-                "_system_config": CLUSTER_SYSTEM_CONFIG,
-            },
-        )
+        with _own_metrics_ports():
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 0,
+                    "temp_dir": self.temp_dir,
+                    "include_dashboard": True,
+                    "dashboard_host": "127.0.0.1",
+                    "dashboard_port": self.dashboard_port,
+                    "_system_config": CLUSTER_SYSTEM_CONFIG,
+                },
+            )
         self.cpus_per_node, self.gpus_per_node = cpus_per_node, gpus_per_node
         self._nodes_added = 0
         self.nodes = [self.add_node() for _ in range(nodes)]
