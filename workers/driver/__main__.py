@@ -144,6 +144,7 @@ def _script_controller(spec: JobSpec, args: argparse.Namespace, submission_id: s
         reporter,
         group=group,
         bundles=Bundles(args.placement_group, spec.workers),
+        ray=LiveRay(),
         clock=SystemClock(),
         tenant=args.tenant,
     ).run()

@@ -24,7 +24,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from ringmaster.service.naming import TENSORBOARD_DIR
@@ -32,7 +31,7 @@ from ringmaster.service.reports import MetricPoint
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.driver.collaborators import JobBundles
 from ringmaster.workers.driver.policies import FormGroup, GiveUp, ScalingPolicy
-from ringmaster.workers.driver.ray_facade import Clock
+from ringmaster.workers.driver.ray_facade import Clock, RayFacade
 from ringmaster.workers.driver.script_policy import (
     AllSucceeded,
     FailScript,
@@ -103,6 +102,7 @@ class ScriptController:
     reporter: Reporter
     group: WorkerGroup
     bundles: JobBundles
+    ray: RayFacade
     clock: Clock
     tenant: str = "default"
 
@@ -173,12 +173,11 @@ class ScriptController:
             return Failed(decision.reason)
         if not isinstance(decision, FormGroup):
             for worker in added:
-                ray.kill(worker.actor, no_restart=True)
-            self.group.workers = survivors
+                self.ray.kill(worker.actor)
             self.clock.sleep(CAPACITY_LOOK_S)
             return placing
         for extra in members[decision.size :]:
-            ray.kill(extra.actor, no_restart=True)
+            self.ray.kill(extra.actor)
         self.group.rank(members[: decision.size])
         return self._start_processes(placing.restart_count)
 
@@ -186,7 +185,7 @@ class ScriptController:
         """Start the command on every rank of the group, with torchrun's environment."""
         workers = self.group.workers
         master = workers[0]
-        port = ray.get(master.actor.free_port.remote())
+        port = self.ray.get(master.actor.free_port.remote())
         environments = environment_for_ranks(
             [RankPlace(worker.node_id, worker.gpu_ids) for worker in workers],
             master_addr=master.ip,
@@ -198,7 +197,7 @@ class ScriptController:
             omp_num_threads_given=self._omp_given,
         )
         paths = asdict(self.paths)
-        pids = ray.get(
+        pids = self.ray.get(
             [
                 worker.actor.start.remote(self.command, variables, paths, worker.rank)
                 for worker, variables in zip(workers, environments, strict=True)
@@ -265,12 +264,12 @@ class ScriptController:
         """Print every rank's new output, prefixed with its rank, forward rank 0's metric points, note the exits;
         returns the workers that did not answer (dead, or their node frozen)."""
         polls = {worker.actor.poll.remote(): worker for worker in self.group.workers}
-        ready, not_ready = ray.wait(list(polls), num_returns=len(polls), timeout=POLL_TIMEOUT_S)
+        ready, not_ready = self.ray.wait(list(polls), len(polls), POLL_TIMEOUT_S)
         lost = [polls[ref] for ref in not_ready]
         for ref in ready:
             worker = polls[ref]
             try:
-                polled = ray.get(ref)
+                polled = self.ray.get(ref)
             except (RayActorError, RayTaskError):
                 lost.append(worker)
                 continue
@@ -306,7 +305,10 @@ class ScriptController:
         (which ends the attempt past max_failures) before placing the next run."""
         survivors = [worker for worker in self.group.workers if worker not in restarting.lost]
         self._stop_all(self.spec.stop_grace_s, survivors)
-        self.bundles.lost_nodes |= {worker.node_id for worker in restarting.lost}
+        # A worker whose process alone died (its node lives) leaves a bundle a new worker can take at once.
+        self.bundles.lost_nodes |= {
+            worker.node_id for worker in restarting.lost if not self.ray.died_on_a_live_node(worker.actor_id)
+        }
         before = self.group.world_size
         seq = self._report(
             state="RECOVERING",
@@ -336,12 +338,12 @@ class ScriptController:
         printed."""
         workers = self.group.workers if workers is None else workers
         stops = [worker.actor.stop.remote(grace_s) for worker in workers]
-        ray.wait(stops, num_returns=len(stops), timeout=grace_s + STOP_MARGIN_S)
+        self.ray.wait(stops, len(stops), grace_s + STOP_MARGIN_S)
         polls = {worker.actor.poll.remote(): worker for worker in workers}
-        ready, _ = ray.wait(list(polls), num_returns=len(polls), timeout=POLL_TIMEOUT_S)
+        ready, _ = self.ray.wait(list(polls), len(polls), POLL_TIMEOUT_S)
         for ref in ready:
             try:
-                polled = ray.get(ref)
+                polled = self.ray.get(ref)
             except (RayActorError, RayTaskError):
                 continue
             self._print(polls[ref].rank, polled["lines"], polled["dropped"])
