@@ -124,6 +124,7 @@ def read_batch(session: Session, job_id: str, cursor: Cursor, limit: int = 500) 
                     "lr",
                     "grad_norm",
                     "world_size",
+                    "user_metrics",
                 )
             }
             data["recorded_at"] = _iso(row.recorded_at)

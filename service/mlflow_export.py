@@ -55,6 +55,13 @@ def metric_rows_after(session: Session, job_id: str, cursor: int, limit: int = _
     )
 
 
+def _mlflow_values(metric: Metric) -> dict[str, float]:
+    """A metric row's values by MLflow key: its fields', then the user's own metrics under their names (which the
+    trainer keeps apart from the fields')."""
+    values = {field: float(getattr(metric, field)) for field in _METRIC_FIELDS if getattr(metric, field) is not None}
+    return values | (metric.user_metrics or {})
+
+
 class MlflowExporter:
     def __init__(self, sessions: sessionmaker[Session], tracking_uri: str, experiment: str) -> None:
         from mlflow.tracking import MlflowClient
@@ -122,15 +129,9 @@ class MlflowExporter:
                     self.client.log_batch(row.run_id, params=params[start : start + _BATCH_PARAMS])
             metrics = metric_rows_after(session, job_id, row.metric_cursor)
             batch = [
-                MlflowMetric(
-                    field,
-                    float(getattr(metric, field)),
-                    int((metric.wall_time or metric.recorded_at.timestamp()) * 1000),
-                    metric.step,
-                )
+                MlflowMetric(key, value, int((metric.wall_time or metric.recorded_at.timestamp()) * 1000), metric.step)
                 for metric in metrics
-                for field in _METRIC_FIELDS
-                if getattr(metric, field) is not None
+                for key, value in _mlflow_values(metric).items()
             ]
             for start in range(0, len(batch), _BATCH_METRICS):
                 self.client.log_batch(row.run_id, metrics=batch[start : start + _BATCH_METRICS])

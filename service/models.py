@@ -214,6 +214,9 @@ class Metric(Base):
     lr: Mapped[float | None] = mapped_column(Float)
     grad_norm: Mapped[float | None] = mapped_column(Float)
     world_size: Mapped[int | None] = mapped_column(Integer)
+    # The user's own metrics by name (MetricPoint.user_metrics); SQL NULL, not JSON null, where a step has none, so
+    # that a later report for the step keeps them (jobs._metric_upsert's COALESCE).
+    user_metrics: Mapped[dict[str, float] | None] = mapped_column(JSON(none_as_null=True))
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     __table_args__ = (

@@ -339,6 +339,22 @@ def test_later_report_merges_val_loss_into_the_existing_step(client: TestClient)
     ]
 
 
+def test_user_metrics_come_back_from_metrics_and_a_later_point_of_the_step_keeps_them(client: TestClient) -> None:
+    job_id = _submit(client)["id"]
+    _admit(client, job_id)
+    user_metrics = {"accuracy": 0.75, "top-5/accuracy": 1}
+    _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 3, "loss": 0.5, "user_metrics": user_metrics}]})
+    _report(client, job_id, {"metrics": [{"step": 3, "val_loss": 0.7}, {"step": 4, "loss": 0.4}]})
+    rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [(m["step"], m["val_loss"], m["user_metrics"]) for m in rows] == [
+        (3, 0.7, {"accuracy": 0.75, "top-5/accuracy": 1.0}),
+        (4, None, None),
+    ]
+    refused = _report(client, job_id, {"metrics": [{"step": 5, "loss": 0.3, "user_metrics": {"top 5": 1.0}}]})
+    assert refused.status_code == 422, refused.text
+    assert [error["field"] for error in refused.json()["detail"]] == ["metrics.0.user_metrics.top 5.[key]"]
+
+
 def test_a_step_reported_twice_in_one_report_is_one_row_with_both_points_values(client: TestClient) -> None:
     # A validated step's training point and its val_loss point travel in the same report.
     job_id = _submit(client)["id"]

@@ -49,3 +49,18 @@ def test_downgrade_to_base_removes_every_table(db_url: str) -> None:
             assert set(inspect(connection).get_table_names()) == {"alembic_version"}
     finally:
         engine.dispose()
+
+
+def test_downgrade_one_revision_drops_the_user_metrics_column_and_upgrade_restores_it(db_url: str) -> None:
+    upgrade_schema(db_url)
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0009")
+        with engine.connect() as connection:
+            assert "user_metrics" not in {column["name"] for column in inspect(connection).get_columns("metrics")}
+        upgrade_schema(db_url)
+        with engine.connect() as connection:
+            assert "user_metrics" in {column["name"] for column in inspect(connection).get_columns("metrics")}
+    finally:
+        engine.dispose()

@@ -116,6 +116,7 @@ def test_a_job_is_a_run_with_its_spec_metrics_checkpoints_and_final_state(
                 samples_per_s=100.0,
                 world_size=1,
                 wall_time=now + step,
+                user_metrics={"accuracy": 0.25 * step},
             )
             for step in (1, 2)
         ],
@@ -150,6 +151,8 @@ def test_a_job_is_a_run_with_its_spec_metrics_checkpoints_and_final_state(
     assert sorted(losses) == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_loss")] == [(3, 0.4)]
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "grad_norm")) == [1, 2]
+    accuracy = client.get_metric_history(run.info.run_id, "accuracy")  # the user's own metric, under its name
+    assert sorted((m.step, m.value) for m in accuracy) == [(1, 0.25), (2, 0.5)]
     assert [m.timestamp for m in client.get_metric_history(run.info.run_id, "world_size")] == [
         int((now + step) * 1000) for step in (1, 2, 3)
     ]

@@ -188,6 +188,8 @@ class TensorBoardEvents:
             scalars = {tag: getattr(point, field) for field, tag in _TENSORBOARD_TAGS.items()}
             if point.loss is not None:
                 scalars["train/recoveries"] = recoveries
+            # The user's own metrics, beside the loss (the trainer keeps their names apart from the tags above).
+            scalars.update({f"train/{name}": value for name, value in (point.user_metrics or {}).items()})
             values = [
                 summary_pb2.Summary.Value(tag=tag, simple_value=value)
                 for tag, value in scalars.items()

@@ -38,6 +38,7 @@ def test_every_batch_of_points_is_readable_as_written_before_the_file_is_closed(
             samples_per_s=700.5,
             world_size=2,
             wall_time=time.time(),
+            user_metrics={"accuracy": float(rng.random())},
         )
         for step in range(1, 101)
     ]
@@ -56,6 +57,7 @@ def test_every_batch_of_points_is_readable_as_written_before_the_file_is_closed(
         assert read[point.step]["train/samples_per_s"] == np.float32(700.5)
         assert read[point.step]["train/world_size"] == 2.0
         assert read[point.step]["train/recoveries"] == (0.0 if point.step <= 50 else 1.0)
+        assert read[point.step]["train/accuracy"] == np.float32(point.user_metrics["accuracy"])  # the user's own
     assert read[100]["train/val_loss"] == 3.25
     assert "train/val_loss" not in read[99]
 
