@@ -224,6 +224,17 @@ async function jobPage(jobId) {
     world: chart("World size (red: recoveries)", [{ label: "workers", stroke: "#34495e" }], "chart-world-size",
       { stepped: true, marks: () => recoveries }),
   };
+  const chartsBox = el("div", { class: "charts" }, Object.values(charts).map(c => c.box));
+  // The metrics of the user's own that the model's loss_fn returns beside its loss: a chart each, added as its name
+  // first arrives (in charts too, so that every redraw covers it).
+  const userChart = name => {
+    const key = `user:${name}`;
+    if (!charts[key]) {
+      charts[key] = chart(name, [{ label: name, stroke: "#2c3e50" }], `chart-user-${name}`);
+      chartsBox.append(charts[key].box);
+    }
+    return charts[key];
+  };
   const facts = el("div", { class: "facts", id: "facts" });
   const events = el("tbody", { id: "events" });
   const checkpoints = el("tbody", { id: "checkpoints" });
@@ -234,7 +245,7 @@ async function jobPage(jobId) {
   const links = el("p", { id: "links" });
   show(
     el("h1", {}, `${job.name} `, el("span", { class: "muted mono" }, job.id)),
-    facts, links, el("div", { class: "charts" }, Object.values(charts).map(c => c.box)),
+    facts, links, chartsBox,
     el("h2", {}, "Events"), el("table", {}, el("thead", {}, el("tr", {}, ["at", "state", "message"].map(h => el("th", {}, h)))), events),
     el("h2", {}, "Checkpoints"),
     el("table", {}, el("thead", {}, el("tr", {}, ["step", "world size", "final", "uri"].map(h => el("th", {}, h)))), checkpoints),
@@ -295,6 +306,7 @@ async function jobPage(jobId) {
         charts.world.add(data.step, [data.world_size]);
       }
       charts.loss.add(data.step, [data.loss, data.val_loss]);
+      for (const [name, value] of Object.entries(data.user_metrics || {})) userChart(name).add(data.step, [value]);
       redraw();
     } else if (kind === "state" || kind === "event") {
       if (data.to_state === "RECOVERING") recoveries.push(lastStep);
