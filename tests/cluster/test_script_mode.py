@@ -89,7 +89,7 @@ def main():
         losses.append(mean)
         print(f"step {{step}} loss {{mean:.6f}}", flush=True)
         if rank == 0:
-            ringmaster.report(step, loss=mean)
+            ringmaster.report(step, loss=mean, loss_x2=2 * mean)
             if tensorboard is not None:
                 tensorboard.add_scalar("train/learning_rate", 0.05 * (step + 1), step)
     if tensorboard is not None:
@@ -194,9 +194,12 @@ def test_a_torchrun_ddp_script_runs_unchanged_and_matches_torchrun(
     assert transitions == ["QUEUED", "ADMITTED", "RUNNING", "SUCCEEDED"]
     rows = {row["step"]: row for row in client.metrics(job["id"])["items"]}
     assert sorted(rows) == list(range(STEPS))
-    # loss from ringmaster.report(), the learning rate from the script's TensorBoard file alone.
+    # loss and a metric of the script's own from ringmaster.report(), the learning rate from its TensorBoard file alone.
     assert [rows[step]["loss"] for step in range(STEPS)] == pytest.approx(ours_losses, abs=1e-9)
     assert [rows[step]["lr"] for step in range(STEPS)] == pytest.approx([0.05 * (s + 1) for s in range(STEPS)])
+    assert [rows[step]["user_metrics"]["loss_x2"] for step in range(STEPS)] == pytest.approx(
+        [2 * loss for loss in ours_losses]
+    )
 
 
 NONZERO_ON_RANK_1 = """

@@ -24,6 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
 from ringmaster.service.naming import TENSORBOARD_DIR
@@ -274,8 +275,7 @@ class ScriptController:
                 lost.append(worker)
                 continue
             self._print(worker.rank, polled["lines"], polled["dropped"])
-            if polled["metrics"]:
-                self._report(metrics=[self._point(point) for point in polled["metrics"]])
+            self._forward(polled["metrics"])
             if polled["exit"] is not None and worker.rank not in running.exits:
                 running.exits[worker.rank] = RankExit.of(
                     worker.rank, worker.node_id, worker.training_pid, polled["exit"], polled["stderr_tail"]
@@ -295,8 +295,16 @@ class ScriptController:
             sys.stdout.flush()
             sys.stderr.flush()
 
-    def _point(self, point: dict[str, Any]) -> MetricPoint:
-        return MetricPoint(**point, world_size=self.group.world_size)
+    def _forward(self, points: list[dict[str, Any]]) -> None:
+        """Rank 0's metric points to the control plane; one the control plane would refuse is said in the log."""
+        forwarded = []
+        for point in points:
+            try:
+                forwarded.append(MetricPoint(**point, world_size=self.group.world_size))
+            except ValidationError as error:
+                log.warning("a metric point of the script left out (step %s): %s", point.get("step"), error)
+        if forwarded:
+            self._report(metrics=forwarded)
 
     # -- restarting and stopping ------------------------------------------------------------------
 
@@ -347,8 +355,7 @@ class ScriptController:
             except (RayActorError, RayTaskError):
                 continue
             self._print(polls[ref].rank, polled["lines"], polled["dropped"])
-            if polled["metrics"]:
-                self._report(metrics=[self._point(point) for point in polled["metrics"]])
+            self._forward(polled["metrics"])
 
     def _report(
         self,

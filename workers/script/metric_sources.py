@@ -63,6 +63,9 @@ class ReportedMetrics:
                 continue  # not written by ringmaster.report
             if isinstance(point, dict) and isinstance(point.get("step"), int) and point["step"] >= 0:
                 kept = {name: point[name] for name in KEPT_METRICS if isinstance(point.get(name), (int, float))}
+                own = point.get("user_metrics")
+                if isinstance(own, dict) and own:
+                    kept["user_metrics"] = own
                 points.append({"step": point["step"], "wall_time": point.get("wall_time"), **kept})
         return points
 

@@ -11,21 +11,21 @@ from ringmaster.workers.script.metric_sources import ReportedMetrics, TensorBoar
 from ringmaster.workers.script.report import METRICS_FILE_VARIABLE, report
 
 
-def test_reported_points_are_read_once_each_and_unknown_names_are_left_out(
+def test_reported_points_are_read_once_each_with_the_scripts_own_metrics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "metrics.jsonl"
     monkeypatch.setenv(METRICS_FILE_VARIABLE, str(path))
     source = ReportedMetrics(str(path))
     assert source.read() == []
-    report(0, loss=2.5, accuracy=0.5)
+    report(0, loss=2.5, accuracy=0.5, **{"no spaces": 1.0})
     report(1, loss=2.0, lr=0.1)
     points = source.read()
     assert [{k: v for k, v in point.items() if k != "wall_time"} for point in points] == [
-        {"step": 0, "loss": 2.5},
+        {"step": 0, "loss": 2.5, "user_metrics": {"accuracy": 0.5}},
         {"step": 1, "loss": 2.0, "lr": 0.1},
     ]
-    assert "'accuracy' is not a metric ringmaster keeps" in capsys.readouterr().err
+    assert "ringmaster.report: 'no spaces' ignored: a metric name is a letter" in capsys.readouterr().err
     with path.open("a") as file:
         file.write('{"step": 2, "loss"')  # a line still being written
     assert source.read() == []
