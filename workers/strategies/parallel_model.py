@@ -92,6 +92,8 @@ class ParallelModel:
     # Every rank holds the whole model and optimizer state, and the optimizer step runs no collective (ddp): a rank's
     # live state is a copy of every peer's, which in-memory snapshots need not copy again (LiveStateSnapshots).
     state_replicated: bool = False
+    # What the composition decided (decisions.py): blocks, FSDP units, pipeline stages, the tp plan's source, ...
+    decisions: dict[str, Any] = field(default_factory=dict)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ringmaster.service.catalogue import STRATEGIES, StrategyEntry
 from ringmaster.workers.models.registry import ModelBundle
 from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.strategies.ddp import wrap_ddp
+from ringmaster.workers.strategies.decisions import decisions
 from ringmaster.workers.strategies.fsdp import apply_fsdp, apply_replicate, without_gradient_sync
 from ringmaster.workers.strategies.parallel_model import ParallelModel, ParallelSetup
 from ringmaster.workers.strategies.per_block import apply_activation_checkpointing, compile_blocks
@@ -40,6 +41,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
     pipelined = dims.pp > 1
     shared = shared_parameters(bundle.model) if pipelined else []
     indices, modules = split_stages(bundle, setup) if pipelined else ([], [bundle.model])
+    decided = decisions(bundle, setup, entry, indices, modules)
     if dims.tp > 1:
         for module in modules:
             apply_tensor_parallel(module, bundle, setup)
@@ -63,6 +65,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
             holds_loss=first_tp_rank,
             accumulate_locally=local_accumulation(parts[0]),
             state_replicated=replicated,
+            decisions=decided,
         )
     # The schedule runs a step's micro-batches itself; each of its backward passes syncs.
     schedule, stages = build_schedule(parts, indices, bundle, setup)
@@ -73,6 +76,7 @@ def parallelize(bundle: ModelBundle, setup: ParallelSetup) -> ParallelModel:
         schedule=schedule,
         stages=stages,
         tied=tied_across_stages(shared, parts, setup),
+        decisions=decided,
     )
 
 

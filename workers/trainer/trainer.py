@@ -37,6 +37,7 @@ from ringmaster.workers.models import build_bundle
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.parallel_dims import ParallelDims
 from ringmaster.workers.strategies import OptimizerConfig, ParallelModel, ParallelSetup, parallelize
+from ringmaster.workers.strategies.decisions import summary
 from ringmaster.workers.strategies.param_groups import GroupRule, check_rules_match
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
@@ -81,6 +82,8 @@ class Trainer:
         if bundle.output_loss_fn is not None:
             bundle.output_loss_fn = self._pipeline_metrics.wrap(bundle.output_loss_fn)
         self.parallel = parallelize(bundle, ParallelSetup(spec, dims, mesh, ctx.device, optimizer))
+        if ctx.rank == 0:
+            ctx.sink.event(summary(self.parallel.decisions), {"parallel_layout": self.parallel.decisions})
         self._dims, self._dp_rank = dims, dims.dp_rank(mesh)
         self._bundle = bundle
         self._optimizer = OptimizerStep(
