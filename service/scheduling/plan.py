@@ -246,7 +246,7 @@ class _Pass:
             sum(node.total_cpus for node in state.nodes if node.drain_deadline is None),
         )
         self.tenants = {view.name: _Tenant(view) for view in state.tenants}
-        self.running = [self._running(job, index) for job in state.running]
+        self.running = self._running_jobs(state.running, index)
         self.running_by_id = {running.job.id: running for running in self.running}
         active = {job.tenant for job in state.queued} | {job.tenant for job in state.running}
         weights = sum(max(self.tenant(name).view.weight, 0.0) for name in active)
@@ -270,19 +270,30 @@ class _Pass:
         self.verdicts: dict[tuple[object, ...], tuple[int, str]] = {}
         self.failed_takes: dict[tuple[object, ...], tuple[int, str]] = {}
 
-    def _running(self, job: RunningJob, index: dict[str, int]) -> _Running:
-        shape = job.shape
-        pool, need = (GPU, float(shape.gpus)) if shape.gpus > 0 else (CPU, shape.cpus)
-        running = _Running(job, [index[node] for node in job.nodes], pool, need)
-        (self.tenants.get(job.tenant) or self.tenant(job.tenant)).add(shape, len(job.nodes), 1)
-        if self.policy is PolicyName.ELASTIC:
-            running.may_shrink = job.workers > job.min_workers and self._resizable(job)
-            running.group = job.tenant
-        if self.policy in _TAKING:
-            running.may_preempt = job.preemptible and self.now - job.started_at >= self.settings.min_run_s
-        if self.las:
-            running.group = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s)
-        return running
+    def _running_jobs(self, jobs: tuple[RunningJob, ...], index: dict[str, int]) -> list[_Running]:
+        """The running jobs as the pass plans them, counted in their tenants' usage, each marked with whether it may
+        give up slack or be preempted now and the group that decides who may take from it."""
+        elastic, taking = self.policy is PolicyName.ELASTIC, self.policy in _TAKING
+        earliest_start = self.now - self.settings.min_run_s
+        latest_resize = self.now - self.settings.min_resize_interval_s
+        thresholds = self.settings.las_thresholds_gpu_s
+        planned = []
+        for job in jobs:
+            shape = job.shape
+            pool, need = (GPU, float(shape.gpus)) if shape.gpus > 0 else (CPU, shape.cpus)
+            running = _Running(job, [index[node] for node in job.nodes], pool, need)
+            (self.tenants.get(job.tenant) or self.tenant(job.tenant)).add(shape, len(job.nodes), 1)
+            if elastic:
+                running.group = job.tenant
+                running.may_shrink = len(job.nodes) > job.min_workers and (
+                    job.last_resized_at is None or job.last_resized_at <= latest_resize
+                )
+            if taking:
+                running.may_preempt = job.preemptible and job.started_at <= earliest_start
+            if self.las:
+                running.group = las_queue(job.attained_gpu_seconds, thresholds)
+            planned.append(running)
+        return planned
 
     def tenant(self, name: str) -> _Tenant:
         tenant = self.tenants.get(name)
@@ -297,10 +308,13 @@ class _Pass:
     # --- 1. drain -------------------------------------------------------------------------------------------------
 
     def drain(self) -> None:
+        gone = {node for node in range(len(self.node_ids)) if not self.pools[GPU].placeable(node)}
+        if not gone:
+            return
         for running in self.running:
-            leaving = [node for node in running.nodes if not self.pools[running.pool].placeable(node)]
-            if not leaving:
+            if gone.isdisjoint(running.nodes):
                 continue
+            leaving = [node for node in running.nodes if node in gone]
             staying = len(running.nodes) - len(leaving)
             if self.policy is PolicyName.ELASTIC and staying >= running.job.min_workers:
                 for node in leaving:
@@ -556,11 +570,13 @@ class _Pass:
     def _trial_shrinks(
         self, job: QueuedJob, trial: _Trial, victims: Iterator[_Running], need: float, taker_after: float
     ) -> None:
-        """Take single workers above workers.min, each from the node where it completes the most bundles."""
+        """Take single workers above workers.min, each from the node where it completes the most bundles. A borrowing
+        tenant that may give no more is passed over for the rest of the trial."""
+        refused: set[str] = set()
         for victim in victims:
             kind = self._victim_kind(job, victim, trial)
             slack = len(victim.nodes) - victim.job.min_workers
-            if kind is None or slack <= 0:
+            if kind is None or slack <= 0 or victim.job.tenant in refused:
                 continue
             pool = self.pools[victim.pool]
             remaining = dict.fromkeys(victim.nodes, 0)
@@ -569,6 +585,7 @@ class _Pass:
             one_worker = held_by_workers(victim.job.shape, 1)
             for _ in range(slack):
                 if kind == "borrower" and not self._may_borrow(trial, victim, one_worker, taker_after):
+                    refused.add(victim.job.tenant)
                     break
                 node = max(
                     (node for node, count in remaining.items() if count > 0),
