@@ -339,7 +339,7 @@ class Dispatcher:
             "name": job.name,
             "tenant": job.tenant,
             "attempt": str(attempt),
-            "strategy": spec.strategy,
+            "strategy": "script" if spec.is_script else spec.strategy,  # a script job splits its model itself
             "world_size": str(world_size),
             "ringmaster_url": f"{self.settings.resolved_api_url()}/ui/jobs/{job.id}",
         }

@@ -120,7 +120,8 @@ class MlflowExporter:
                     tags={
                         "ringmaster.job_id": job.id,
                         "ringmaster.tenant": job.tenant,
-                        "ringmaster.strategy": job.spec.get("strategy", ""),
+                        # A script job (command) splits its model itself: "script" says so.
+                        "ringmaster.strategy": "script" if job.spec.get("command") else job.spec.get("strategy", ""),
                     },
                 )
                 row.run_id = run.info.run_id

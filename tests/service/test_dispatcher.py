@@ -269,6 +269,28 @@ def test_cancel_stops_the_ray_job_and_frees_the_placement_group(db, dispatcher):
     assert cluster.stopped == [f"ringmaster-{job_id}-1"], "a closed attempt is not stopped twice"
 
 
+def test_a_cancelled_script_job_keeps_its_processes_for_stop_grace_s_then_is_stopped(db, dispatcher):
+    """Its driver sends SIGTERM and waits stop_grace_s before SIGKILL: stopping the Ray job, or releasing its bundles,
+    sooner would kill a script that saves on SIGTERM before it saved."""
+    dispatcher, cluster = dispatcher
+    spec = JobSpec.model_validate(
+        {"name": "script", "command": ["python", "train.py"], "workers": {"min": 2, "max": 2}, "stop_grace_s": 20}
+    )
+    job_id = _submit(db, spec)
+    dispatcher.run_once()
+    submission_id = f"ringmaster-{job_id}-1"
+    assert cluster.metadata[submission_id]["strategy"] == "script"
+    with db.sessions() as session, session.begin():
+        jobs.cancel_job(session, job_id)
+    dispatcher.run_once()
+    assert cluster.stopped == [] and cluster.free_cpus == 2, "stopped before the script's grace"
+    with db.sessions() as session, session.begin():
+        job = session.get(Job, job_id)
+        job.finished_at -= timedelta(seconds=spec.stop_grace_s + 16)
+    dispatcher.run_once()
+    assert cluster.stopped == [submission_id] and cluster.free_cpus == 4
+
+
 def test_two_dispatchers_never_admit_the_same_job(db):
     cluster = FakeCluster(cpus=64)
     settings = Settings(api_url="http://cp", storage_uri="/ckpt")
