@@ -385,7 +385,7 @@ def _forward_backward(
         pipeline_metrics.clear()
         with autocast:  # the schedule runs forward and backward together, so both sit inside autocast
             parallel.schedule.step(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
-        metrics = pipeline_metrics.mean()
+        metrics = pipeline_metrics.mean(len(losses))
         return (torch.stack(losses).detach().mean(), metrics) if parallel.holds_loss else None
     with autocast:
         loss, metrics = split_loss(loss_fn(parallel.parts[0], batch))

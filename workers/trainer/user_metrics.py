@@ -144,9 +144,10 @@ class PipelineLossMetrics:
     def clear(self) -> None:
         self._returned.clear()
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The mean over the micro-batches since `clear` (the schedule's step), by name."""
-        returned, self._returned = self._returned, []
+    def mean(self, microbatches: int) -> dict[str, torch.Tensor]:
+        """The mean over the schedule step's `microbatches` micro-batches (the last calls since `clear`: a schedule's
+        first step also calls the loss on the outputs of its shape inference), by name."""
+        returned, self._returned = self._returned[-microbatches:] if microbatches else [], []
         if not returned:
             return {}
         first = returned[0].keys()

@@ -18,7 +18,8 @@ from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
 from ringmaster.workers.data.stream import epoch_order
 from ringmaster.workers.job_input import JobInputError
-from ringmaster.workers.models import ModelBundle, build_bundle
+from ringmaster.workers.models import ModelBundle, build_bundle, tiny_gpt
+from ringmaster.workers.models.registry import logits_loss
 from ringmaster.workers.trainer import TrainContext, run_training
 
 LR = 0.5
@@ -81,6 +82,31 @@ def _one_process_metrics(spec: JobSpec) -> list[tuple[float, float, float]]:
     return steps
 
 
+def gpt_with_metrics(**options: Any) -> ModelBundle:
+    """tiny-gpt whose pipeline loss also reports the loss again, as a metric of the user's own."""
+    bundle = tiny_gpt.build(**options)
+
+    def output_loss(outputs: torch.Tensor, targets: torch.Tensor) -> Any:
+        loss = logits_loss(outputs, targets)
+        return loss, {"loss_again": loss}
+
+    bundle.output_loss_fn = output_loss
+    return bundle
+
+
+def _pipeline_spec(world_size: int) -> JobSpec:
+    return JobSpec(
+        name="metrics-pipeline",
+        model=f"{__name__}:gpt_with_metrics",
+        model_options={"n_layers": 2, "dim": 16, "n_heads": 2, "seq_len": 16, "max_corpus_bytes": 16_384},
+        data="user",
+        strategy="pipeline",
+        parallel={"pp": 2, "microbatches": 2},
+        workers={"min": world_size, "max": world_size},
+        train={"steps": 2, "global_batch_size": 8, "micro_batch_size": 2},
+    )
+
+
 def differing_names() -> ModelBundle:
     """Each rank's loss_fn names its metric after the rank: the ranks cannot agree."""
     return classifier(lambda model, batch: (_classifier_loss(model, batch)[0], {f"rank{dist.get_rank()}": 1.0}))
@@ -104,6 +130,19 @@ def _trained_metrics(rank: int, world_size: int, root: str, out: str) -> None:
             ),
         )
         reported[strategy] = [(p.loss, p.user_metrics["accuracy"], p.user_metrics["confidence"]) for p in points]
+    points = []
+    run_training(
+        _pipeline_spec(world_size),
+        TrainContext(
+            rank,
+            world_size,
+            torch.device("cpu"),
+            "pipeline",
+            f"{root}/pipeline",
+            sink=CallbackSink(on_metric=points.append),
+        ),
+    )
+    reported["pipeline"] = [(p.loss, p.user_metrics["loss_again"]) for p in points if p.loss is not None]
     try:
         run_training(
             _spec("metrics-differ", "differing_names", strategy="ddp", workers=workers),
@@ -114,7 +153,7 @@ def _trained_metrics(rank: int, world_size: int, root: str, out: str) -> None:
     torch.save(reported, f"{out}.{rank}")
 
 
-def test_user_metrics_are_the_global_batch_mean_under_ddp_and_fsdp(tmp_path: Path) -> None:
+def test_user_metrics_are_the_global_batch_mean_under_ddp_fsdp_and_pipeline(tmp_path: Path) -> None:
     out = tmp_path / "metrics.pt"
     run_on_ranks(_trained_metrics, 2, str(tmp_path / "root"), str(out))
     expected = _one_process_metrics(_spec("one-process"))
@@ -123,6 +162,10 @@ def test_user_metrics_are_the_global_batch_mean_under_ddp_and_fsdp(tmp_path: Pat
         assert len(reported[strategy]) == STEPS, strategy
         for step, (got, want) in enumerate(zip(reported[strategy], expected), start=1):
             assert got == pytest.approx(want, abs=1e-6), f"{strategy}, step {step}"
+    # Through the pipeline schedule's output_loss_fn, averaged over its micro-batches as the loss is.
+    assert len(reported["pipeline"]) == 2
+    for loss, loss_again in reported["pipeline"]:
+        assert loss_again == pytest.approx(loss, abs=1e-6)
     for rank in (0, 1):  # every rank fails alike, so none waits for the others in the step's all-reduce
         assert torch.load(f"{out}.{rank}")["differing"] == (
             "the model's loss_fn returned different metrics on different ranks (rank 0: ['rank0']; rank 1: "
