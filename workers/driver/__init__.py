@@ -12,4 +12,8 @@ workers.max] whose workers are ready now, and resumes from the newest step in th
 latest committed checkpoint. Workers still to be started (a replacement node, returning capacity) warm up while the
 group trains (standby.py), and the group grows to them at a step boundary once they are warm; only a group that would
 be below workers.min waits for cold workers.
+
+A script job (JobSpec.command) has a controller of its own (script_controller.py, its decisions in script_policy.py)
+over the same worker group, bundles and scaling policy: each worker runs the team's script once as torchrun would,
+and a lost worker restarts every process of the group at the size the scaling policy decides.
 """
