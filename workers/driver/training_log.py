@@ -75,6 +75,7 @@ class TrainingLog:
         latest = self._recent[-1]
         of_total = f"/{self.total_steps}" if self.total_steps is not None else ""
         parts = [f"step {latest.step}{of_total}", f"loss {latest.loss:.4f}"]
+        parts += [f"{name} {value:.4g}" for name, value in (latest.user_metrics or {}).items()]  # the loss_fn's own
         if latest.samples_per_s is not None:
             parts.append(f"{latest.samples_per_s:.1f} samples/s")
         if latest.lr is not None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from ringmaster.service.reports import MetricPoint
-from ringmaster.workers.driver.training_log import TensorBoardEvents
+from ringmaster.service.spec import JobSpec
+from ringmaster.workers.driver.training_log import TensorBoardEvents, TrainingLog
 
 
 def _read(directory: Path) -> dict[int, dict[str, float]]:
@@ -100,3 +101,9 @@ def test_a_failed_copy_to_remote_storage_is_logged_and_retried_not_raised(tmp_pa
     (tmp_path / "copy").mkdir()
     fsspec.filesystem("memory").get_file(name, str(tmp_path / "copy" / Path(name).name))
     assert sorted(_read(tmp_path / "copy")) == [1, 2]
+
+
+def test_the_progress_line_shows_the_loss_fns_own_metrics_after_the_loss() -> None:
+    training_log = TrainingLog(JobSpec(name="progress", model="mlp", train={"steps": 10}), "job", 1, "default")
+    training_log.metrics([MetricPoint(step=3, loss=0.5, user_metrics={"accuracy": 0.8125, "top-5": 1.0})], 2)
+    assert training_log.progress_line(world_size=2) == "step 3/10  loss 0.5000  accuracy 0.8125  top-5 1  world size 2"
