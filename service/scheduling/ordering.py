@@ -11,10 +11,15 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Iterator, Mapping, Sequence
+from operator import attrgetter
 
 from ringmaster.service.scheduling.model import PolicyName, QueuedJob, TenantView
 
 _SMALLEST_WEIGHT = 1e-9  # a tenant of weight 0 goes last among its equals, without dividing by zero
+
+
+def _higher_priority_first(job: QueuedJob) -> int:
+    return -job.priority
 
 
 def las_queue(attained_gpu_seconds: float, thresholds: Sequence[float]) -> int:
@@ -65,7 +70,7 @@ class PlanOrder:
                     ),
                 )
             )
-        return iter(sorted(self._queued, key=lambda job: (-job.priority, job.submitted_at, job.id)))
+        return iter(sorted(sorted(self._queued, key=attrgetter("submitted_at", "id")), key=_higher_priority_first))
 
     def _by_fair_share(self) -> Iterator[QueuedJob]:
         """Per priority level, merge the tenants' age-ordered queues, taking next from the lowest standing. A tenant
@@ -73,10 +78,11 @@ class PlanOrder:
         levels: dict[int, dict[str, list[QueuedJob]]] = {}
         for job in self._queued:
             levels.setdefault(job.priority, {}).setdefault(job.tenant, []).append(job)
+        by_age = attrgetter("submitted_at", "id")
         for priority in sorted(levels, reverse=True):
             queues = levels[priority]
             for jobs in queues.values():
-                jobs.sort(key=lambda job: (job.submitted_at, job.id))
+                jobs.sort(key=by_age)
             if len(queues) == 1:
                 yield from next(iter(queues.values()))
                 continue
@@ -88,12 +94,13 @@ class PlanOrder:
             while heads:
                 _, _, _, tenant = heapq.heappop(heads)
                 jobs = queues[tenant]
-                for index in range(start[tenant], len(jobs)):
+                first = start[tenant]
+                for index in range(first, len(jobs)):
                     job = jobs[index]
-                    if index > start[tenant]:
-                        key = (self.standing(tenant), job.submitted_at, job.id, tenant)
-                        if heads and heads[0] < key:
+                    if index > first and heads:
+                        standing, top = self.standing(tenant), heads[0]
+                        if standing > top[0] or (standing == top[0] and (job.submitted_at, job.id) > top[1:3]):
                             start[tenant] = index
-                            heapq.heappush(heads, key)
+                            heapq.heappush(heads, (standing, job.submitted_at, job.id, tenant))
                             break
                     yield job
