@@ -134,6 +134,7 @@ class _Job:
     resumes: bool = False  # it was preempted: its next start pays the restart
     version: int = 0  # bumped whenever its completion time moves; older completion events are stale
     queued_view: QueuedJob | None = None
+    node_names: tuple[str, ...] | None = None  # its workers' node ids as the plan sees them, until they change
 
 
 class Simulation:
@@ -275,7 +276,7 @@ class Simulation:
                     f"the {self.policy.name} plan starts none of {len(self.queued)} queued jobs on an "
                     f"idle cluster at t={self.now:.0f} s"
                 )
-            self._request_pass(self.now + self.settings.quiet_pass_interval_s)
+            self._request_pass(self.now + self.settings.scheduling_interval_s)
 
     # What the plan sees
 
@@ -290,18 +291,20 @@ class Simulation:
 
     def _running_view(self, job: _Job) -> RunningJob:
         trace = job.trace
+        if job.node_names is None:
+            job.node_names = tuple([self.node_ids[node] for node in job.nodes])
         return RunningJob(
-            id=trace.job_id,
-            tenant=trace.tenant,
-            priority=trace.priority,
-            shape=GPU_WORKER,
-            nodes=tuple(self.node_ids[node] for node in job.nodes),
-            min_workers=job.min_workers,
-            max_workers=trace.gpus,
-            preemptible=trace.preemptible,
-            started_at=job.attempt_started_at,
-            last_resized_at=job.last_resized_at,
-            attained_gpu_seconds=job.attained_gpu_s + len(job.nodes) * (self.now - job.updated_at),
+            trace.job_id,
+            trace.tenant,
+            trace.priority,
+            GPU_WORKER,
+            job.node_names,
+            job.min_workers,
+            trace.gpus,
+            trace.preemptible,
+            job.attempt_started_at,
+            job.last_resized_at,
+            job.attained_gpu_s + len(job.nodes) * (self.now - job.updated_at),
         )
 
     def _queued_view(self, job: _Job) -> QueuedJob:
@@ -445,6 +448,7 @@ class Simulation:
                 )
             self.free_gpus[index] -= 1
             job.nodes.append(index)
+        job.node_names = None
         self.busy_gpus += len(nodes)
         self.tenant_busy[job.trace.tenant] += len(nodes)
 
@@ -458,6 +462,7 @@ class Simulation:
                     "has none"
                 ) from None
             self.free_gpus[index] += 1
+        job.node_names = None
         self.busy_gpus -= len(nodes)
         self.tenant_busy[job.trace.tenant] -= len(nodes)
 

@@ -18,14 +18,13 @@ _POLICY_DEFAULTS = PolicySettings()
 @dataclass(frozen=True, slots=True)
 class SimulationSettings:
     job_model: JobModel = field(default_factory=JobModel)
-    # The least time between two scheduling passes. A pass runs as soon as a job arrives or ends on a cluster that was
-    # not planned for in the last interval, so a job alone starts at its submit time; bursts share one pass. The live
-    # dispatcher plans every RINGMASTER_DISPATCH_INTERVAL_S (0.5 s); a coarser interval keeps long traces fast and
-    # delays a start by at most this much, small beside jobs of minutes to days.
-    scheduling_interval_s: float = 10.0
-    # With jobs queued and nothing arriving or ending, the plan is asked again this often: what it decides may change
-    # with time alone (a job's minimum run time passing, fair shares decaying, attained service).
-    quiet_pass_interval_s: float = 60.0
+    # The least time between two scheduling passes, and how often the plan is asked again while jobs wait with
+    # nothing arriving or ending (what it decides may change with time alone: a minimum run time passing, shares
+    # decaying). A job that arrives or ends on a cluster not planned for in the last interval is planned for at once,
+    # so a job alone starts at its submit time. The live dispatcher plans every RINGMASTER_DISPATCH_INTERVAL_S
+    # (0.5 s); a pass costs the same there and here, so a coarser interval keeps a trace of weeks fast, at the price of
+    # starts up to this much later after a job ends on a busy cluster, small beside jobs of minutes to days.
+    scheduling_interval_s: float = 60.0
     min_run_s: float = _POLICY_DEFAULTS.min_run_s
     min_resize_interval_s: float = _POLICY_DEFAULTS.min_resize_interval_s
     fair_share_half_life_s: float = _POLICY_DEFAULTS.fair_share_half_life_s
@@ -88,7 +87,7 @@ def _value(name: str, text: str) -> Any:
         raise SimulationInputError(f"setting {name} takes a number ≥ 0, got {text!r}")
     if name == "serial_fraction" and number >= 1:
         raise SimulationInputError(f"setting serial_fraction is below 1, got {text!r}")
-    if name in ("scheduling_interval_s", "quiet_pass_interval_s", "fair_share_half_life_s") and number == 0:
+    if name in ("scheduling_interval_s", "fair_share_half_life_s") and number == 0:
         raise SimulationInputError(f"setting {name} takes a number > 0, got {text!r}")
     return number
 

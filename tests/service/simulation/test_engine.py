@@ -20,6 +20,7 @@ from ringmaster.service.simulation.settings import parse_settings
 from ringmaster.service.simulation.trace import TraceJob
 
 ONE_NODE = ClusterShape(nodes=1, gpus_per_node=8)
+LIVE_INTERVAL = "scheduling_interval_s=0.5"  # the live dispatcher's: passes at arrivals and completions, to the second
 
 
 def _run(jobs: list[TraceJob], policy: PolicyName, *settings: str, planner=plan, cluster=ONE_NODE) -> SimulationRun:
@@ -32,7 +33,7 @@ def _by_id(run: SimulationRun) -> dict[str, object]:
 
 @pytest.mark.parametrize("policy", list(PolicyName))
 def test_a_job_alone_on_the_cluster_completes_in_exactly_its_duration(policy: PolicyName) -> None:
-    run = _run([TraceJob("alone", 37.0, 1234.5, 6, min_gpus=2)], policy)
+    run = _run([TraceJob("alone", 37.0, 1234.5, 6, min_gpus=2)], policy)  # at the default interval
     (job,) = run.jobs
     assert job.first_started_at == 37.0
     assert job.completion_time == 1234.5
@@ -41,7 +42,7 @@ def test_a_job_alone_on_the_cluster_completes_in_exactly_its_duration(policy: Po
 
 
 def test_fifo_runs_two_whole_cluster_jobs_one_after_the_other() -> None:
-    run = _run([TraceJob("a", 0.0, 1000.0, 8), TraceJob("b", 100.0, 500.0, 8)], PolicyName.FIFO)
+    run = _run([TraceJob("a", 0.0, 1000.0, 8), TraceJob("b", 100.0, 500.0, 8)], PolicyName.FIFO, LIVE_INTERVAL)
     a, b = run.jobs
     assert (a.first_started_at, a.finished_at) == (0.0, 1000.0)
     assert (b.first_started_at, b.finished_at) == (1000.0, 1500.0)
@@ -54,7 +55,7 @@ def test_elastic_shrinks_a_lower_priority_job_to_admit_another_and_grows_it_back
     pauses 10 s, B waits for that shrink; when B ends A grows back and pauses 5 s. A: 100 s at full speed, 400 s at
     half (200 s of work) from 110 to 510, then the last 700 s from 515: done at 1215. B: 110 to 510."""
     jobs = [TraceJob("a", 0.0, 1000.0, 8, min_gpus=4), TraceJob("b", 100.0, 400.0, 4, priority=1)]
-    run = _run(jobs, PolicyName.ELASTIC, "shrink_s=10", "grow_s=5")
+    run = _run(jobs, PolicyName.ELASTIC, "shrink_s=10", "grow_s=5", LIVE_INTERVAL)
     a, b = run.jobs
     assert (b.first_started_at, b.finished_at) == (100.0, 510.0)
     assert a.finished_at == pytest.approx(1215.0)
@@ -66,7 +67,7 @@ def test_a_preempted_job_that_is_not_elastic_redoes_the_work_since_its_checkpoin
     loses the 500 s since its checkpoint at 2000 s; B runs 2500–2600; A restarts (20 s) with 3000 s left: done at
     5620."""
     jobs = [TraceJob("a", 0.0, 5000.0, 8), TraceJob("b", 2500.0, 100.0, 8, priority=1)]
-    run = _run(jobs, PolicyName.ELASTIC, "checkpoint_interval_s=1000", "preemption_s=0", "restart_s=20")
+    run = _run(jobs, PolicyName.ELASTIC, "checkpoint_interval_s=1000", "preemption_s=0", "restart_s=20", LIVE_INTERVAL)
     a, b = run.jobs
     assert (b.first_started_at, b.finished_at) == (2500.0, 2600.0)
     assert a.preemptions == 1 and a.lost_s == pytest.approx(500.0)
@@ -78,7 +79,7 @@ def test_a_preempted_elastic_job_loses_nothing() -> None:
     """As above with A elastic (down to 4): B needs all 8 GPUs, so A is preempted whole, and resumes from memory
     with its 2500 s left: done at 2600 + 20 + 2500."""
     jobs = [TraceJob("a", 0.0, 5000.0, 8, min_gpus=4), TraceJob("b", 2500.0, 100.0, 8, priority=1)]
-    run = _run(jobs, PolicyName.ELASTIC, "checkpoint_interval_s=1000", "preemption_s=0", "restart_s=20")
+    run = _run(jobs, PolicyName.ELASTIC, "checkpoint_interval_s=1000", "preemption_s=0", "restart_s=20", LIVE_INTERVAL)
     a, b = run.jobs
     assert b.finished_at == 2600.0
     assert a.lost_s == 0.0
@@ -104,7 +105,6 @@ def test_a_shrink_slows_a_job_by_its_lost_workers_under_amdahl() -> None:
         "serial_fraction=0.5",
         "shrink_s=0",
         "scheduling_interval_s=100",
-        "quiet_pass_interval_s=100",
         planner=decide,  # a decision the real plan would not take: a shrink for nobody
     )
     (a,) = run.jobs

@@ -12,6 +12,8 @@ from ringmaster.service.simulation.metrics import jain_index, measure, ratios, u
 from ringmaster.service.simulation.settings import SimulationSettings
 from ringmaster.service.simulation.trace import TraceJob
 
+LIVE_INTERVAL = SimulationSettings(scheduling_interval_s=0.5)  # passes at arrivals and completions, to the second
+
 
 @pytest.mark.parametrize(
     ("values", "expected"),
@@ -31,7 +33,7 @@ def test_jains_index_of_known_vectors(values: list[float], expected: float) -> N
 def _two_jobs_one_after_the_other():
     """On 8 GPUs: x's job of 8 GPUs runs 0–1000, y's of 8 GPUs arrives at 100 and runs 1000–1500."""
     jobs = (TraceJob("a", 0.0, 1000.0, 8, tenant="x"), TraceJob("b", 100.0, 500.0, 8, tenant="y"))
-    return Simulation(jobs, ClusterShape(1, 8), SimulationSettings(), PolicyName.FIFO, plan).run()
+    return Simulation(jobs, ClusterShape(1, 8), LIVE_INTERVAL, PolicyName.FIFO, plan).run()
 
 
 def test_the_figures_of_a_run_checked_by_hand() -> None:
@@ -53,7 +55,7 @@ def test_the_figures_of_a_run_checked_by_hand() -> None:
 
 def test_tenant_weights_scale_their_usage_in_jains_index() -> None:
     jobs = (TraceJob("a", 0.0, 1000.0, 8, tenant="x"), TraceJob("b", 100.0, 500.0, 8, tenant="y"))
-    settings = SimulationSettings(tenant_weights=(("x", 2.0),))
+    settings = SimulationSettings(scheduling_interval_s=0.5, tenant_weights=(("x", 2.0),))
     run = Simulation(jobs, ClusterShape(1, 8), settings, PolicyName.FIFO, plan).run()
     assert measure(run).jain_index == pytest.approx(1.0)  # x used twice y's, at twice the weight
 
