@@ -107,11 +107,8 @@ class StepUserMetrics:
         return {name: value for name, value in means.items() if math.isfinite(value)}
 
     def _agreed_names(self) -> tuple[str, ...]:
-        """Collective, once: the names every loss-holding rank returned, which must be the same."""
-        if self._returned is not None and len(self._returned) > MAX_USER_METRICS:
-            raise JobInputError(
-                f"the model's loss_fn returned {len(self._returned)} metrics: a job reports at most {MAX_USER_METRICS}"
-            )
+        """Collective, once: the names every loss-holding rank returned, which must be the same. Every rank judges the
+        same gathered names, so all fail alike and none is left waiting in a collective."""
         returned: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(returned, self._returned)
         distinct = {names for names in returned if names is not None}
@@ -123,7 +120,12 @@ class StepUserMetrics:
                 f"the model's loss_fn returned different metrics on different ranks ({by_rank}): it must return the "
                 "same names on every rank"
             )
-        return distinct.pop() if distinct else ()
+        agreed = distinct.pop() if distinct else ()
+        if len(agreed) > MAX_USER_METRICS:
+            raise JobInputError(
+                f"the model's loss_fn returned {len(agreed)} metrics: a job reports at most {MAX_USER_METRICS}"
+            )
+        return agreed
 
 
 class PipelineLossMetrics:
