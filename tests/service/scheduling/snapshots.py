@@ -38,6 +38,7 @@ def running(
     last_resized_at: float | None = None,
     attained_gpu_seconds: float = 0.0,
     shape: WorkerShape = ONE_GPU,
+    submitted_at: float | None = None,
 ) -> RunningJob:
     placed = tuple(nodes)
     return RunningJob(
@@ -52,6 +53,7 @@ def running(
         started_at=started_at,
         last_resized_at=last_resized_at,
         attained_gpu_seconds=attained_gpu_seconds,
+        submitted_at=submitted_at,
     )
 
 
