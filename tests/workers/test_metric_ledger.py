@@ -53,3 +53,14 @@ def test_a_held_point_takes_its_steps_later_values_and_is_sent_once_in_its_place
     assert [(point.step, point.val_loss) for point in sent] == [(1, 2.5), (2, None), (3, None)]
     acknowledged[0] = 2  # one acknowledgement per point sent: the merged validation took no place of its own
     assert [point["step"] for point in metrics.for_checkpoint()] == [3]
+
+
+def test_a_checkpoint_keeps_the_loss_fns_own_metrics_and_a_resumed_attempt_replays_them() -> None:
+    metrics = RankMetrics(1, lambda point: None, lambda: 0, keep_for_checkpoints=True)
+    metrics.record(MetricPoint(step=1, loss=1.0, user_metrics={"accuracy": 0.5}), hold=True)
+    metrics.record(MetricPoint(step=1, val_loss=2.0))  # the step's validation merges in, keeping them
+    kept = json.loads(metrics.for_checkpoint_json())
+    assert kept == [{"attempt": 1, "step": 1, "loss": 1.0, "val_loss": 2.0, "user_metrics": {"accuracy": 0.5}}]
+    replayed: list[MetricPoint] = []
+    RankMetrics(2, replayed.append, lambda: 0, keep_for_checkpoints=True).replay(kept)
+    assert [(point.attempt, point.user_metrics) for point in replayed] == [(1, {"accuracy": 0.5})]
