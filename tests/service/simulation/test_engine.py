@@ -152,3 +152,11 @@ def test_the_plan_sees_each_tenants_decayed_share_and_weight() -> None:
     assert tenants["x"].decayed_share == pytest.approx(0.5)
     assert tenants["y"].decayed_share == 0.0
     assert (tenants["x"].weight, tenants["y"].weight) == (1.0, 2.0)
+
+
+def test_passes_are_at_least_one_scheduling_interval_apart() -> None:
+    """A starts at 0 (a pass at its arrival); B arrives 30 s later and waits for the pass one interval after A's."""
+    run = _run([TraceJob("a", 0.0, 1000.0, 1), TraceJob("b", 30.0, 100.0, 1)], PolicyName.FIFO)
+    a, b = run.jobs
+    assert a.first_started_at == 0.0
+    assert b.first_started_at == 60.0 and b.waited_s == 30.0
