@@ -234,9 +234,11 @@ class ParallelSpec(_Strict):
 class KeepBestSpec(_Strict):
     """Keep the checkpoint with the best value of a metric besides the newest ``keep``."""
 
-    metric: Literal["val_loss", "loss"] = Field(
+    metric: str = Field(
+        pattern=r"^[A-Za-z][A-Za-z0-9_.\-/]{0,31}$",
         description="val_loss: the validation set evaluated at each checkpoint; "
-        "loss: the training loss of the step the checkpoint is taken at."
+        "loss: the training loss of the step the checkpoint is taken at; any other name: that metric of the model's "
+        "loss_fn's own (its (loss, {name: value}) return) at that step.",
     )
     mode: Literal["min", "max"] = Field(default="min", description="Whether the lowest or the highest value is best.")
 

@@ -128,6 +128,7 @@ class Trainer:
         # rank) add losses and metrics, so each counts once.
         self._step_stats = torch.zeros(_BUILT_IN_STATS, device=ctx.device)
         self._user_metrics = StepUserMetrics(ctx.device)
+        self._newest_user_metrics: dict[str, float] = {}  # the newest step's, for keep_best by one of them
         self._reduced_stats: list[float] = []  # the step's all-reduced stats, on the host
         self._memory_reported = False
         self.step = 0
@@ -218,6 +219,7 @@ class Trainer:
                 loss_sum.add_(micro[0])
                 self._user_metrics.add(micro[1])
         self._step_stats = self._user_metrics.into(self._step_stats, _BUILT_IN_STATS)
+        self._check_keep_best_metric()
         self._checkpointer.before_state_changes()
         self._snapshots.before_state_changes()
         for stage in self.parallel.stages:
@@ -267,6 +269,7 @@ class Trainer:
         user_metrics = self._user_metrics.means(
             self._reduced_stats[_BUILT_IN_STATS:], self._accumulation * self._dims.dp
         )
+        self._newest_user_metrics = user_metrics or {}
         if not math.isfinite(self.loss):
             # The all-reduced sum is NaN or infinite on every rank alike, so every rank stops here, before this step
             # reaches a snapshot or a checkpoint; a save of an earlier step still in flight is committed first.
@@ -327,11 +330,28 @@ class Trainer:
         return value
 
     def _checkpoint_metric(self) -> float | None:
-        """This checkpoint's value of checkpoint.keep_best's metric (collective for val_loss)."""
+        """This checkpoint's value of checkpoint.keep_best's metric (collective for val_loss); None for one of the
+        loss_fn's own that the newest step left out (not finite) or that no step of this training call reported."""
         keep_best = self.spec.checkpoint.keep_best
         if keep_best is None:
             return None
-        return self.loss if keep_best.metric == "loss" else self._validate()
+        if keep_best.metric == "loss":
+            return self.loss
+        if keep_best.metric == "val_loss":
+            return self._validate()
+        return self._newest_user_metrics.get(keep_best.metric)
+
+    def _check_keep_best_metric(self) -> None:
+        """checkpoint.keep_best may name a metric of the loss_fn's own, which every rank knows once the first step
+        agreed on their names."""
+        keep_best = self.spec.checkpoint.keep_best
+        names = self._user_metrics.names
+        if keep_best is not None and keep_best.metric not in ("loss", "val_loss", *names):
+            returned = f"the metrics {list(names)}" if names else "no metrics of its own"
+            raise JobInputError(
+                f"checkpoint.keep_best.metric {keep_best.metric!r} is neither loss, val_loss nor a metric the model's "
+                f"loss_fn returns (it returns {returned}, as (loss, {{name: value}}))"
+            )
 
     def _sample_audit(self) -> SampleAudit:
         """The sample-id record lives in the job's storage root, which must then be a local directory."""

@@ -147,7 +147,7 @@ def test_val_loss_without_a_validation_set_is_refused_before_training(tmp_path: 
 @pytest.mark.parametrize(
     ("checkpoint", "message"),
     [
-        ({"every_steps": 10, "keep_best": {"metric": "accuracy"}}, "checkpoint.keep_best.metric"),
+        ({"every_steps": 10, "keep_best": {"metric": "top 5"}}, "checkpoint.keep_best.metric"),
         ({"every_steps": 10, "keep_best": {"metric": "loss", "mode": "lowest"}}, "checkpoint.keep_best.mode"),
         ({"every_steps": 10, "keep_best": {"metric": "loss", "window": 3}}, "checkpoint.keep_best.window"),
         ({"every_steps": 0, "keep_best": {"metric": "loss"}}, "checkpoint.keep_best needs periodic checkpoints"),

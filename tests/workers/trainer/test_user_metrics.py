@@ -236,3 +236,29 @@ def test_a_loss_fn_returning_metrics_wrongly_fails_in_one_line_saying_what_to_re
     with pytest.raises(JobInputError) as raised:
         run_training(spec, TrainContext(0, 1, torch.device("cpu"), "bad-metrics", str(tmp_path)))
     assert raised.value.reason == message
+
+
+def test_keep_best_by_a_metric_of_the_loss_fns_own_keeps_the_checkpoint_of_its_best_step(
+    tmp_path: Path, single_rank_group: None
+) -> None:
+    spec = _spec(
+        "best-accuracy", checkpoint={"every_steps": 1, "keep": 1, "keep_best": {"metric": "confidence", "mode": "max"}}
+    )
+    points: list = []
+    records: list = []
+    sink = CallbackSink(on_metric=points.append, on_checkpoint=records.append)
+    run_training(spec, TrainContext(0, 1, torch.device("cpu"), "best-accuracy", str(tmp_path), sink=sink))
+    confidence = {point.step: point.user_metrics["confidence"] for point in points if point.user_metrics}
+    assert [(record.step, record.metric, record.metric_value) for record in records] == [
+        (step, "confidence", pytest.approx(confidence[step])) for step in range(1, STEPS + 1)
+    ]
+    best = max(confidence, key=confidence.__getitem__)
+    assert records[-1].best_uri.endswith(f"step-{best:08d}")
+
+    unknown = _spec("best-precision", checkpoint={"every_steps": 1, "keep_best": {"metric": "precision"}})
+    with pytest.raises(JobInputError) as raised:
+        run_training(unknown, TrainContext(0, 1, torch.device("cpu"), "best-precision", str(tmp_path / "unknown")))
+    assert raised.value.reason == (
+        "checkpoint.keep_best.metric 'precision' is neither loss, val_loss nor a metric the model's loss_fn returns "
+        "(it returns the metrics ['accuracy', 'confidence'], as (loss, {name: value}))"
+    )
