@@ -7,6 +7,9 @@ submit: the fault is in the job's input, and a traceback through ringmaster woul
 
 from __future__ import annotations
 
+import inspect
+import os
+
 
 class JobInputError(ValueError):
     """The message names the JobSpec field at fault (data.path, model_options.pretrained, …) and what is wrong."""
@@ -19,3 +22,18 @@ class JobInputError(ValueError):
         if text.startswith("Caught ") and "\nOriginal Traceback" in text:
             return text.rstrip("\n").rsplit("\n", 1)[-1].partition(": ")[2] or text
         return text
+
+
+def defined_at(obj: object) -> str:
+    """Where the job's code defines a class or function, as FILE:LINE (relative to the job's code directory, the
+    working directory Ray unpacked it into), so a contract error points its author at their own line; '' where the
+    source cannot be found (a built-in, a C extension)."""
+    try:
+        path = inspect.getsourcefile(obj)  # type: ignore[arg-type]  # any class or function; TypeError otherwise
+        _, line = inspect.getsourcelines(obj)  # type: ignore[arg-type]
+    except (TypeError, OSError):
+        return ""
+    if path is None:
+        return ""
+    relative = os.path.relpath(path)
+    return f"{relative if not relative.startswith('..') else path}:{line}"

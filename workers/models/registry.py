@@ -29,7 +29,7 @@ from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.data.pysource import pysource_splits
 from ringmaster.workers.data.sources import data_source_splits
 from ringmaster.workers.data.synthetic import synthetic_regression_splits
-from ringmaster.workers.job_input import JobInputError
+from ringmaster.workers.job_input import JobInputError, defined_at
 
 # A loss alone, or (loss, {name: metric}) with the user's own metrics, each a number or a one-element tensor.
 LossOutput = torch.Tensor | tuple[torch.Tensor, dict[str, Any]]
@@ -88,15 +88,17 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
         builder = partial(hf.build, model.removeprefix(HF_PREFIX), corpus=not isinstance(spec.data, DataSourceSpec))
     else:
         builder = resolve_entrypoint(entrypoint)
+    where = defined_at(builder)  # in the job's own code: where its author looks when an error names it
+    named = f"{entrypoint!r} (defined at {where})" if where else repr(entrypoint)
     try:
         inspect.signature(builder).bind(**spec.model_options)
     except TypeError as error:
         raise EntrypointError(
-            f"model {entrypoint!r} does not accept model_options {sorted(spec.model_options)}: {error}"
+            f"model {named} does not accept model_options {sorted(spec.model_options)}: {error}"
         ) from None
     # Where the data is not token windows, it is a corpus's name or 'user' (JobSpec always sets it).
     token_windows = isinstance(spec.data, DataSourceSpec) or spec.data == "pysource"
-    bundle = _as_bundle(builder(**spec.model_options), entrypoint, None if token_windows else cast(str, spec.data))
+    bundle = _as_bundle(builder(**spec.model_options), named, None if token_windows else cast(str, spec.data))
     _with_hf_hooks(bundle)
     config = getattr(bundle.model, "config", None)  # a transformers model's
     if isinstance(spec.data, DataSourceSpec):
@@ -193,11 +195,12 @@ def _with_hf_hooks(bundle: ModelBundle) -> None:
 
 def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) -> ModelBundle:
     """Accept a ModelBundle, a tuple (model, train_dataset, loss_fn[, val_dataset]), or a model alone unless
-    `data_needing_a_bundle` names the job's data (one a model alone cannot train on: not token windows)."""
+    `data_needing_a_bundle` names the job's data (one a model alone cannot train on: not token windows). `entrypoint`:
+    the entrypoint as the messages name it, with where the job's code defines it."""
     if isinstance(result, nn.Module):
         if data_needing_a_bundle is not None:
             raise EntrypointError(
-                f"model entrypoint {entrypoint!r} returned a {type(result).__name__} alone, and with data "
+                f"model entrypoint {entrypoint} returned a {type(result).__name__} alone, and with data "
                 f"{data_needing_a_bundle!r} it must also return its datasets and loss: a ModelBundle or a tuple "
                 "(model, train_dataset, loss_fn[, val_dataset]). A model alone trains on token windows with the "
                 "next-token loss of its logits: name a data source (data: {kind: tokens | hf_dataset, ...}) or data: "
@@ -209,16 +212,16 @@ def _as_bundle(result: Any, entrypoint: str, data_needing_a_bundle: str | None) 
         result = ModelBundle(model, train_dataset, rest[0] if rest else None, loss_fn)
     if not isinstance(result, ModelBundle):
         raise EntrypointError(
-            f"model entrypoint {entrypoint!r} returned {type(result).__name__}; expected a ModelBundle, "
+            f"model entrypoint {entrypoint} returned {type(result).__name__}; expected a ModelBundle, "
             "a tuple (model, train_dataset, loss_fn[, val_dataset]), or a torch.nn.Module alone (on token windows)"
         )
     if not isinstance(result.model, nn.Module):
         raise EntrypointError(
-            f"model entrypoint {entrypoint!r}: model is a {type(result.model).__name__}, not a torch.nn.Module"
+            f"model entrypoint {entrypoint}: model is a {type(result.model).__name__}, not a torch.nn.Module"
         )
     if not callable(result.loss_fn):
         raise EntrypointError(
-            f"model entrypoint {entrypoint!r}: loss_fn is a {type(result.loss_fn).__name__}, not callable"
+            f"model entrypoint {entrypoint}: loss_fn is a {type(result.loss_fn).__name__}, not callable"
         )
     return result
 

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from ringmaster.workers.job_input import JobInputError, defined_at
+
 
 def repeated_blocks(model: nn.Module, class_names: Sequence[str] | None = None) -> list[nn.Module]:
     """The model's blocks in forward order (module registration order); [] for a model without repeated blocks."""
@@ -16,8 +18,8 @@ def repeated_blocks(model: nn.Module, class_names: Sequence[str] | None = None) 
         blocks = list(_outermost(model, set(names)))
         if class_names and not blocks:
             present = sorted({type(module).__name__ for module in model.modules()})
-            raise ValueError(
-                f"parallel.blocks {list(class_names)}: the model has no module of these classes; "
+            raise JobInputError(
+                f"parallel.blocks {list(class_names)}: model {named_model(model)} has no module of these classes; "
                 f"its classes are {present}"
             )
         if blocks:
@@ -52,3 +54,9 @@ def _largest_uniform_container(model: nn.Module) -> list[nn.Module]:
             if len(children) > len(best) and len({type(child) for child in children}) == 1:
                 best = children
     return best
+
+
+def named_model(model: nn.Module) -> str:
+    """A model's class, and where the job's code defines it."""
+    where = defined_at(type(model))
+    return f"{type(model).__name__} (defined at {where})" if where else type(model).__name__

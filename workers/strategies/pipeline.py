@@ -14,7 +14,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.nn.parallel import DistributedDataParallel
 
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import ModelBundle
+from ringmaster.workers.strategies.blocks import named_model
 from ringmaster.workers.strategies.parallel_model import ParallelSetup, local_tensor
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
@@ -25,9 +27,10 @@ def split_stages(bundle: ModelBundle, setup: ParallelSetup) -> tuple[list[int], 
     Returns their indices and modules, each holding its blocks under the unsplit model's names."""
     parallel = setup.spec.parallel
     if bundle.pipeline_stage is None or bundle.output_loss_fn is None:
-        raise ValueError(
+        raise JobInputError(
             f"strategy {setup.spec.strategy!r} with parallel.pp = {parallel.pp} needs ModelBundle.pipeline_stage and "
-            f"ModelBundle.output_loss_fn, but model {setup.spec.model!r} does not supply both"
+            f"ModelBundle.output_loss_fn, but model {setup.spec.model!r}, a {named_model(bundle.model)}, does not "
+            "supply both"
         )
     pp_rank = setup.mesh.get_local_rank("pp")
     indices = [pp_rank + virtual * parallel.pp for virtual in range(_stages_per_rank(setup))]
@@ -108,7 +111,7 @@ def tied_across_stages(
             continue  # one stage holds every name: the parameter stays shared inside it
         copies = list(held.values())
         if not copies and setup.dims.dp > 1 and setup.spec.strategy == "3d":
-            raise ValueError(
+            raise JobInputError(
                 f"{names} are one parameter held by the first and last of {setup.dims.pp} pipeline stages, "
                 "which the stages between cannot relay while FSDP shards it; use parallel.pp = 2 or untie it"
             )

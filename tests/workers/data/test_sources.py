@@ -5,6 +5,7 @@ the exactly-once, resumable sample order; bad input is a 422 at submit or a clea
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -208,8 +209,8 @@ def test_a_user_model_returned_alone_trains_on_the_data_sources_windows_with_the
         (
             "build_embedding_alone",
             {},
-            "model entrypoint '{module}:build_embedding_alone' returned a Embedding alone, and "
-            "with data 'user' it must also return its datasets and loss",
+            "model entrypoint '{module}:build_embedding_alone' (defined at {here}:{line}) returned a Embedding alone, "
+            "and with data 'user' it must also return its datasets and loss",
         ),
         (
             "build_embedding_alone",
@@ -232,7 +233,8 @@ def test_a_model_alone_where_it_cannot_train_is_a_clear_error(
     with pytest.raises(EntrypointError) as raised:
         build_bundle(JobSpec(name="alone", model=f"{__name__}:{entrypoint}", **fields))
 
-    assert message.format(module=__name__) in str(raised.value)
+    line = build_embedding_alone.__code__.co_firstlineno
+    assert message.format(module=__name__, here=os.path.relpath(__file__), line=line) in str(raised.value)
 
 
 def test_token_windows_pickle_as_their_path_not_their_tokens(tmp_path: Path) -> None:

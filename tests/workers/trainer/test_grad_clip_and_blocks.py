@@ -16,6 +16,7 @@ from harness.activation_memory import peak_activation_bytes
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
+from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.strategies.blocks import repeated_blocks
 from ringmaster.workers.trainer import TrainContext, run_training
 from tests.support.strategy_reference import GLOBAL_BATCH, strategy_spec, train_reference
@@ -117,8 +118,14 @@ def test_hugging_face_no_split_modules_name_the_blocks() -> None:
 def test_parallel_blocks_override_and_a_class_the_model_lacks_is_named() -> None:
     model = Nested()
     assert repeated_blocks(model, ["Encoder"]) == [model.transformer]
-    with pytest.raises(ValueError, match=r"parallel.blocks \['Decoder'\].*'Encoder'"):
+    with pytest.raises(JobInputError) as raised:
         repeated_blocks(model, ["Decoder"])
+    line = Nested.__init__.__code__.co_firstlineno - 1  # the class statement, which inspect names
+    assert str(raised.value).startswith(
+        "parallel.blocks ['Decoder']: model Nested (defined at "
+        f"tests/workers/trainer/test_grad_clip_and_blocks.py:{line}) has no module of these classes; its classes are "
+        "['Encoder', "
+    )
     with pytest.raises(ValidationError, match="Python class name"):
         JobSpec(name="b", model="mlp", parallel={"blocks": ["not a name"]})
 
