@@ -52,10 +52,12 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def _zip(entries: dict[str, bytes]) -> bytes:
+    """The same bytes whenever it is built: a parameter's test id holds them, and every pytest-xdist worker must
+    collect the same ids (writestr by name would stamp each entry with the time of collection)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for name, data in entries.items():
-            archive.writestr(name, data)
+            archive.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), data, zipfile.ZIP_DEFLATED)
     return buffer.getvalue()
 
 
