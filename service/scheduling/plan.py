@@ -123,6 +123,7 @@ class _Running:
     preempted: bool = False
     for_job: str | None = None
     resized: bool = False  # shrunk this pass: it grows no sooner than its resize interval allows
+    protected_until: list[float] = field(default_factory=list)  # when its resize interval or minimum run time ends
 
     def can_give(self) -> float:
         """The most it could give up: all of it if it may be preempted, else its slack."""
@@ -156,16 +157,18 @@ class _Victims:
         self.given: dict[int, float] = {}  # id(job) → its can_give() as counted in bounds
         self.bounds: dict[tuple[int, object], float] = {}
         for job in running:
+            if not (job.may_shrink or job.may_preempt):
+                continue
             key = (job.job.priority, job.group)
             # Elastic slack: lowest priority, then largest slack first. Whole jobs: under las the most served first;
             # under elastic the newest first, which loses the least work.
-            slack = job.job.workers - job.job.min_workers
-            job.shrink_rank = (job.job.priority, -slack, -job.job.started_at, job.job.id)
-            served = -job.job.attained_gpu_seconds if served_first else 0.0
-            job.preempt_rank = (job.job.priority, served, -job.job.started_at, job.job.id)
             if job.may_shrink:
+                slack = job.job.workers - job.job.min_workers
+                job.shrink_rank = (job.job.priority, -slack, -job.job.started_at, job.job.id)
                 self.shrinkable.setdefault(key, []).append(job)
             if job.may_preempt:
+                served = -job.job.attained_gpu_seconds if served_first else 0.0
+                job.preempt_rank = (job.job.priority, served, -job.job.started_at, job.job.id)
                 self.preemptible.setdefault(key, []).append(job)
             self.update(job)
         for jobs in self.shrinkable.values():
@@ -285,11 +288,16 @@ class _Pass:
             (self.tenants.get(job.tenant) or self.tenant(job.tenant)).add(shape, len(job.nodes), 1)
             if elastic:
                 running.group = job.tenant
-                running.may_shrink = len(job.nodes) > job.min_workers and (
-                    job.last_resized_at is None or job.last_resized_at <= latest_resize
-                )
-            if taking:
-                running.may_preempt = job.preemptible and job.started_at <= earliest_start
+                if len(job.nodes) > job.min_workers:
+                    if job.last_resized_at is None or job.last_resized_at <= latest_resize:
+                        running.may_shrink = True
+                    else:
+                        running.protected_until.append(job.last_resized_at + self.settings.min_resize_interval_s)
+            if taking and job.preemptible:
+                if job.started_at <= earliest_start:
+                    running.may_preempt = True
+                else:
+                    running.protected_until.append(job.started_at + self.settings.min_run_s)
             if self.las:
                 running.group = las_queue(job.attained_gpu_seconds, thresholds)
             planned.append(running)
@@ -521,8 +529,8 @@ class _Pass:
         if protected is None:
             protected = self.protected[pool_index] = {}
             for running in self.running:
-                if running.pool == pool_index:
-                    for until in self._protected_until(running):
+                if running.pool == pool_index and running.protected_until and not running.preempted:
+                    for until in running.protected_until:
                         protected.setdefault((running.job.priority, running.group), []).append((until, running.job.id))
             for entries in protected.values():
                 entries.sort()
@@ -543,15 +551,6 @@ class _Pass:
         if soonest is None:
             return ""
         return f"; job {soonest[1]} may give way in {soonest[0] - self.now:.0f} s"
-
-    def _protected_until(self, running: _Running) -> list[float]:
-        """When a job now protected from being taken from stops being so: its minimum run time, its resize interval."""
-        times = []
-        if running.job.preemptible and self.policy in _TAKING:
-            times.append(running.job.started_at + self.settings.min_run_s)
-        if self.policy is PolicyName.ELASTIC and len(running.nodes) > running.job.min_workers:
-            times.append((running.job.last_resized_at or 0.0) + self.settings.min_resize_interval_s)
-        return [until for until in times if until > self.now]
 
     def _gain(self, trial: _Trial, node: int, amount: float, need: float, pool: Pool) -> int:
         if not pool.placeable(node):
