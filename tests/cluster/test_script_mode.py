@@ -8,7 +8,6 @@ reads as much as it can from one job: the cluster tests' time is CI's scarcest."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -50,6 +49,7 @@ TORCHRUN_VARIABLES = (
 DDP_SCRIPT = f"""
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -94,8 +94,8 @@ def main():
                 tensorboard.add_scalar("train/learning_rate", 0.05 * (step + 1), step)
     if tensorboard is not None:
         tensorboard.close()
-    results = Path(os.environ["RESULTS_DIR"])
-    seen = {{name: os.environ.get(name) for name in VARIABLES}} | {{"cwd": os.getcwd()}}
+    results = Path(sys.argv[1])
+    seen = {{name: os.environ.get(name) for name in VARIABLES}}
     (results / f"env-{{rank}}.json").write_text(json.dumps(seen))
     if rank == 0:
         (results / "losses.json").write_text(json.dumps(losses))
@@ -139,23 +139,14 @@ def _wait_for_file(path: Path, timeout_s: float = 60) -> str:
 def test_a_torchrun_ddp_script_runs_unchanged_and_matches_torchrun(
     client: RingmasterClient, ray_server, tmp_path: Path
 ) -> None:
-    project = _project(tmp_path / "project", {"train.py": DDP_SCRIPT})
+    script = _project(tmp_path / "project", {"train.py": DDP_SCRIPT}) / "train.py"
     ours, theirs = _results(tmp_path / "ringmaster"), _results(tmp_path / "torchrun")
-    job = client.submit(
-        _script_spec(
-            "script-ddp",
-            ["python", "train.py"],
-            max_failures=0,
-            runtime_env={"env_vars": {"RESULTS_DIR": str(ours)}},
-        ),
-        code=project,
-    )
+    # The script by its path, in the cluster's shared env: the tests below ship code (--code) and check its directory.
+    job = client.submit(_script_spec("script-ddp", ["python", str(script), str(ours)], max_failures=0))
     # The same script under torchrun meanwhile, with the same seed.
     torchrun_command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     torchrun = subprocess.Popen(
-        [*torchrun_command, "--master_port", str(free_port()), "train.py"],
-        cwd=project,
-        env={**os.environ, "RESULTS_DIR": str(theirs)},
+        [*torchrun_command, "--master_port", str(free_port()), str(script), str(theirs)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -180,7 +171,6 @@ def test_a_torchrun_ddp_script_runs_unchanged_and_matches_torchrun(
         assert seen["RINGMASTER_CHECKPOINT_DIR"].endswith(f"/{job['id']}/checkpoints")
         assert Path(seen["RINGMASTER_CHECKPOINT_DIR"]).is_dir()
         assert seen["RINGMASTER_TENSORBOARD_DIR"] == seen["TENSORBOARD_LOGGING_DIR"]
-        assert Path(seen["cwd"]).name.startswith("_ray_pkg_"), "the script runs in the job's code directory"
     assert environments[0]["MASTER_ADDR"] == environments[1]["MASTER_ADDR"]
     assert environments[0]["MASTER_PORT"] == environments[1]["MASTER_PORT"]
 
@@ -261,7 +251,8 @@ step = 0
 
 
 def save_and_exit(signum, frame):
-    (checkpoints / f"rank-{os.environ['RANK']}.txt").write_text(f"saved at step {step} on signal {signum}")
+    saved = f"{os.getcwd()}\\nsaved at step {step} on signal {signum}"
+    (checkpoints / f"rank-{os.environ['RANK']}.txt").write_text(saved)
     sys.exit(0)
 
 
@@ -282,6 +273,8 @@ def test_cancel_sends_sigterm_and_the_scripts_save_is_kept(
     deadline = time.monotonic() + 60
     while not client.metrics(job["id"])["items"]:
         assert time.monotonic() < deadline, "the script reported no step"
+        ended = client.job(job["id"])
+        assert ended["state"] == "RUNNING", ended["error"]
         time.sleep(0.2)
     assert client.cancel(job["id"])["state"] == "CANCELLED"
     running = next(event["data"] for event in client.events(job["id"])["items"] if event["to_state"] == "RUNNING")
@@ -289,5 +282,6 @@ def test_cancel_sends_sigterm_and_the_scripts_save_is_kept(
     checkpoints = Path(running["checkpoint_dir"])
     assert checkpoints.parts[-2:] == (job["id"], "checkpoints")
     for rank in (0, 1):
-        saved = _wait_for_file(checkpoints / f"rank-{rank}.txt", timeout_s=30)
+        cwd, saved = _wait_for_file(checkpoints / f"rank-{rank}.txt", timeout_s=30).splitlines()
         assert saved.startswith("saved at step ") and saved.endswith("on signal 15"), saved
+        assert Path(cwd).name.startswith("_ray_pkg_"), "the script runs in the job's code directory (--code)"
