@@ -82,7 +82,7 @@ def simulate(
         if not reading.jobs:
             _fail(f"{trace} has no job the simulator can use ({_unusable_text(reading) or 'no rows'})")
         if plot is not None:
-            _check_plotting()
+            _check_plotting(plot)
         runs = _run_all(reading, cluster, settings, policies, quiet=as_json)
     except (SimulationInputError, PlanViolation) as error:
         _fail(str(error))
@@ -272,11 +272,14 @@ def _document(
     }
 
 
-def _check_plotting() -> None:
+def _check_plotting(path: Path) -> None:
+    """Before minutes of simulation: matplotlib is there, and so is the folder the picture goes in."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         _fail("--plot needs matplotlib: pip install 'ringmaster[simulate]'")
+    if not path.parent.is_dir():
+        _fail(f"cannot write {path}: no folder {path.parent}")
 
 
 def _plot(runs: dict[PolicyName, SimulationRun], path: Path) -> None:

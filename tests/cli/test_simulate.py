@@ -93,6 +93,7 @@ def _malformed(tmp_path: Path) -> str:
         (["--trace", str(SMALL_TRACE), *CLUSTER, "--policy", "fifo", "--setting", "grow_s=x"], "takes a number"),
         (["--trace", str(SMALL_TRACE), "--nodes", "0", "--gpus-per-node", "4", "--policy", "fifo"], "≥ 1 node"),
         (["--trace", "MALFORMED", *CLUSTER, "--policy", "fifo"], "bad.csv line 2: duration is not a number"),
+        (["--trace", str(SMALL_TRACE), *CLUSTER, "--policy", "fifo", "--plot", "/nonexistent/p.png"], "no folder"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, arguments: list[str], expected: str) -> None:
