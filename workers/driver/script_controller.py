@@ -175,6 +175,7 @@ class ScriptController:
         if not isinstance(decision, FormGroup):
             for worker in added:
                 self.ray.kill(worker.actor)
+            self._keep_alive()  # its answer says whether the job was cancelled meanwhile
             self.clock.sleep(CAPACITY_LOOK_S)
             return placing
         for extra in members[decision.size :]:
@@ -256,10 +257,15 @@ class ScriptController:
             )
             return Finished(succeeded=True)
         assert isinstance(decision, KeepRunning)
-        if self.clock.monotonic() - self._reported_at >= KEEPALIVE_S:
-            self._report()
+        self._keep_alive()
         self.clock.sleep(POLL_INTERVAL_S)
         return running
+
+    def _keep_alive(self) -> None:
+        """An empty report when nothing else was reported for a while: its answer says whether the job was cancelled
+        (Reporter.ended), and it shows the reconciler the driver alive."""
+        if self.clock.monotonic() - self._reported_at >= KEEPALIVE_S:
+            self._report()
 
     def _poll(self, running: ScriptRunning) -> list[RankedWorker]:
         """Print every rank's new output, prefixed with its rank, forward rank 0's metric points, note the exits;
