@@ -65,7 +65,8 @@ class ModelBundle:
     contiguous part of ``model`` under the unsplit model's parameter names (so checkpoints reshard), and
     ``output_loss_fn(outputs, targets)`` is the mean loss of the last stage's outputs (alone or with metrics, as
     loss_fn's); strategies pipeline and 3d with pp > 1 need both, and there a batch must be ``(inputs, targets)`` split
-    along dim 0."""
+    along dim 0. Without them, output_loss_fn is the logits' next-token loss where loss_fn is next_token_loss, and a
+    model whose forward is the chain embeddings → blocks → norm → head is split at its blocks (chain_stages.py)."""
 
     model: nn.Module
     train_dataset: Dataset[Any] | None
@@ -100,6 +101,8 @@ def build_bundle(spec: JobSpec) -> ModelBundle:
     token_windows = isinstance(spec.data, DataSourceSpec) or spec.data == "pysource"
     bundle = _as_bundle(builder(**spec.model_options), named, None if token_windows else cast(str, spec.data))
     _with_hf_hooks(bundle)
+    if bundle.output_loss_fn is None and bundle.loss_fn is next_token_loss:
+        bundle.output_loss_fn = logits_loss  # a pipeline's last stage: the same loss of the logits it outputs
     config = getattr(bundle.model, "config", None)  # a transformers model's
     if isinstance(spec.data, DataSourceSpec):
         vocab_size: int | None

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import ModelBundle
 from ringmaster.workers.strategies.blocks import named_model
+from ringmaster.workers.strategies.chain_stages import chain_pipeline_stage
 from ringmaster.workers.strategies.parallel_model import ParallelSetup, local_tensor
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
@@ -24,8 +25,12 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": Sc
 
 def split_stages(bundle: ModelBundle, setup: ParallelSetup) -> tuple[list[int], list[nn.Module]]:
     """This rank's stages of pp × (virtual stages per rank): stage i sits on pp rank i % pp (looped placement).
-    Returns their indices and modules, each holding its blocks under the unsplit model's names."""
+    Returns their indices and modules, each holding its blocks under the unsplit model's names. A model without a
+    pipeline_stage hook is split as the chain embeddings → blocks → head where that gives its own output."""
     parallel = setup.spec.parallel
+    num_stages = parallel.pp * _stages_per_rank(setup)
+    if bundle.pipeline_stage is None and bundle.output_loss_fn is not None:
+        bundle.pipeline_stage = chain_pipeline_stage(bundle, num_stages)
     if bundle.pipeline_stage is None or bundle.output_loss_fn is None:
         raise JobInputError(
             f"strategy {setup.spec.strategy!r} with parallel.pp = {parallel.pp} needs ModelBundle.pipeline_stage and "
@@ -34,7 +39,6 @@ def split_stages(bundle: ModelBundle, setup: ParallelSetup) -> tuple[list[int], 
         )
     pp_rank = setup.mesh.get_local_rank("pp")
     indices = [pp_rank + virtual * parallel.pp for virtual in range(_stages_per_rank(setup))]
-    num_stages = parallel.pp * _stages_per_rank(setup)
     return indices, [bundle.pipeline_stage(bundle.model, index, num_stages) for index in indices]
 
 
