@@ -127,7 +127,9 @@ class SimulatedCluster:
         while (
             sum(
                 1
-                for node in list_nodes(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+                for node in list_nodes(
+                    address=self.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+                )
                 if node.resources_total.get("CPU")
             )
             < count

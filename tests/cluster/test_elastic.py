@@ -78,7 +78,9 @@ def _losses(client: RingmasterClient, job_id: str) -> list[float]:
 
 
 def _worker_node(cluster: SimulatedCluster):
-    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    actors = list_actors(
+        address=cluster.dashboard_url, filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")]
+    )
     return cluster.node_by_id(sorted(actor["node_id"] for actor in actors)[-1])
 
 
@@ -228,7 +230,9 @@ def test_warm_standby_replaces_a_lost_worker_and_resumes_exactly(cluster, uninte
         assert time.monotonic() < deadline, "no standby worker became ready"
         time.sleep(0.1)
     standby_node = ready[0]["data"]["standby_node"]
-    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    actors = list_actors(
+        address=cluster.dashboard_url, filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")]
+    )
     cluster.kill_node(
         cluster.node_by_id(next(actor["node_id"] for actor in actors if actor["node_id"] != standby_node))
     )

@@ -177,7 +177,9 @@ def _assert_killed_mid_run(cluster, job_id: str, steps: int = STEPS) -> int:
 
 
 def _worker_nodes(cluster) -> list:
-    actors = list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+    actors = list_actors(
+        address=cluster.dashboard_url, filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")]
+    )
     return [cluster.node_by_id(node_id) for node_id in sorted({actor["node_id"] for actor in actors})]
 
 

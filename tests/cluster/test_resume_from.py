@@ -101,6 +101,8 @@ def test_spec_hash_unchanged_without_resume_from() -> None:
             "resume_from": True,
             "code": True,
             "runtime_env": True,
+            "command": True,
+            "stop_grace_s": True,
             "checkpoint": {"keep_best", "in_memory"},
             "parallel": {"blocks"},
             "train": {
