@@ -56,6 +56,22 @@ def _wait(what: str, condition, timeout_s: float = 60.0):
     return result
 
 
+def _read_when_shown(browser, what: str, selector: str, read):
+    """read(element) of the first element the selector finds, once there is one. The page re-renders as the job's
+    stream updates it: an element found a moment ago may be gone by the time it is read, and is then found again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    def found_and_read():
+        try:
+            elements = browser.find_elements(By.CSS_SELECTOR, selector)
+            return [read(elements[0])] if elements else None
+        except StaleElementReferenceException:
+            return None
+
+    return _wait(what, found_and_read)[0]
+
+
 def _wait_for_element(browser, by: str, value: str, timeout_s: float = 30.0):
     """The element once the page has it. A CI run once found no token field just after `get` returned; if that
     recurs, the failure says which page the browser was on and keeps its screenshot."""
@@ -151,7 +167,6 @@ def test_jobs_page_a_live_job_page_and_tenants_apart(ray_server, browser) -> Non
 
 def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser) -> None:
     """The job's input at fault: its one-line error; the user's code raised: the exception its traceback ends in."""
-    from selenium.webdriver.common.by import By
 
     client = ray_server.client()
     missing = "/nonexistent/web-ui/train.bin"
@@ -177,10 +192,9 @@ def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser)
     _use_token(browser, ray_server.url, ray_server.token)
     browser.get(f"{ray_server.url}/ui")
     reasons = {
-        job_id: _wait(
-            f"job {job_id} listed",
-            lambda job_id=job_id: browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{job_id}"] td.reason'),
-        )[0].text
+        job_id: _read_when_shown(
+            browser, f"job {job_id} listed", f'tr[data-job-id="{job_id}"] td.reason', lambda cell: cell.text
+        )
         for job_id in done
     }
     assert (
@@ -194,9 +208,14 @@ def test_a_failed_job_is_listed_with_its_reason_in_one_line(ray_server, browser)
     _shot(browser, "jobs-failed")
     # On the job's page, the whole traceback, line for line, in a monospace block.
     browser.get(f"{ray_server.url}/ui/jobs/{raising['id']}")
-    shown = _wait("the error on the job page", lambda: browser.find_elements(By.CSS_SELECTOR, "pre.error"))[0]
-    assert shown.text.strip() == done[raising["id"]]["error"].strip(), shown.text
-    assert "monospace" in shown.value_of_css_property("font-family"), shown.value_of_css_property("font-family")
+    text, font = _read_when_shown(
+        browser,
+        "the error on the job page",
+        "pre.error",
+        lambda block: (block.text, block.value_of_css_property("font-family")),
+    )
+    assert text.strip() == done[raising["id"]]["error"].strip(), text
+    assert "monospace" in font, font
 
 
 def test_the_plan_and_submit_pages_answer_from_the_api(ray_server, browser) -> None:
