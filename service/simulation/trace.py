@@ -133,10 +133,9 @@ def _numbered(reader: csv.DictReader[str]) -> Iterator[tuple[int, dict[str | Non
 def _ringmaster_job(row: dict[str | None, str | None], where: str) -> TraceJob | str:
     duration = _optional_float(row, "duration", where)
     gpus = _int(row, "gpus", where)
-    if duration is None or duration <= 0:
-        return NO_DURATION
-    if gpus <= 0:
-        return ZERO_GPUS
+    usable = _usable_duration(duration, gpus)
+    if isinstance(usable, str):
+        return usable
     min_gpus = _optional_int(row, "min_gpus", where)
     if min_gpus is not None and not 1 <= min_gpus <= gpus:
         raise SimulationInputError(f"{where}: min_gpus {min_gpus} must be between 1 and gpus ({gpus})")
@@ -146,13 +145,22 @@ def _ringmaster_job(row: dict[str | None, str | None], where: str) -> TraceJob |
     return TraceJob(
         job_id=_text(row, "job_id", where),
         submit_time=submit_time,
-        duration=duration,
+        duration=usable,
         gpus=gpus,
         tenant=(row.get("tenant") or "").strip() or DEFAULT_TENANT,
         priority=_optional_int(row, "priority", where) or 0,
         min_gpus=min_gpus,
         preemptible=_bool(row, "preemptible", where),
     )
+
+
+def _usable_duration(duration: float | None, gpus: int) -> float | str:
+    """A row's duration where either format's row can be simulated, else the name of the cause it cannot."""
+    if duration is None or duration <= 0:
+        return NO_DURATION
+    if gpus <= 0:
+        return ZERO_GPUS
+    return duration
 
 
 def _helios_job(row: dict[str | None, str | None], where: str) -> TraceJob | str:
@@ -162,17 +170,16 @@ def _helios_job(row: dict[str | None, str | None], where: str) -> TraceJob | str
     if duration is None:
         start, end = _optional_time(row, "start_time", where), _optional_time(row, "end_time", where)
         duration = end - start if start is not None and end is not None else None
-    if duration is None or duration <= 0:
-        return NO_DURATION
-    if gpus <= 0:
-        return ZERO_GPUS
+    usable = _usable_duration(duration, gpus)
+    if isinstance(usable, str):
+        return usable
     submit_time = _optional_time(row, "submit_time", where)
     if submit_time is None:
         raise SimulationInputError(f"{where}: submit_time is empty")
     return TraceJob(
         job_id=_text(row, "job_id", where),
         submit_time=submit_time,
-        duration=duration,
+        duration=usable,
         gpus=gpus,
         tenant=(row.get("vc") or "").strip() or DEFAULT_TENANT,
     )
