@@ -268,6 +268,14 @@ class ReportAck(BaseModel):
     accepted: bool = Field(
         description="False when the report came from a superseded attempt or a finished job and was ignored."
     )
+    preempting: bool = Field(
+        default=False,
+        description="True while the attempt is asked to stop: the driver saves its state at the next step, reports "
+        "PREEMPTED and ends; the job goes back to the queue and resumes.",
+    )
+    preempted_for: str | None = Field(
+        default=None, description="The job it is preempted for; null when its node is draining."
+    )
 
 
 class Health(BaseModel):

@@ -79,6 +79,10 @@ class ReportResult:
 
     state: JobState
     accepted: bool
+    # True while the dispatcher asks this attempt to stop (for preempted_for's job; None: its node drains): the driver
+    # saves its state at its next step, reports PREEMPTED and ends.
+    preempting: bool = False
+    preempted_for: str | None = None
 
 
 def _plausible_id(job_id: str) -> bool:
@@ -185,6 +189,8 @@ def transition(session: Session, job: Job, target: JobState, message: str, data:
     check_transition(current, target)
     now = utcnow()
     job.state = target
+    if target != JobState.QUEUED:
+        job.queue_position = None  # a place in the queue is the dispatcher's to give, at its next plan
     if target == JobState.ADMITTED:
         job.admitted_at = now
     elif target == JobState.RUNNING and job.started_at is None:
@@ -396,13 +402,23 @@ def apply_driver_report(session: Session, job_id: str, attempt_number: int, repo
             # The attempt is over: the answer (not accepted) tells its driver to stop.
             transition(session, job, JobState.FAILED, f"{message}; {exhausted}", details)
             return ReportResult(state=JobState(job.state), accepted=False)
+        if target == JobState.PREEMPTED:
+            job.preempt_requested_at = None
         transition(session, job, target, message, details)
+        if target == JobState.PREEMPTED:
+            return ReportResult(state=JobState(job.state), accepted=False)  # stopped: the attempt is over
     elif report.message:
         session.add(JobEvent(job_id=job.id, at=utcnow(), kind="info", message=report.message, data=details))
     restore_s = report.details.get("restore_s")
     if isinstance(restore_s, (int, float)) and not isinstance(restore_s, bool):
         telemetry.record_checkpoint_timing(session, restore_s=float(restore_s))
-    return ReportResult(state=JobState(job.state), accepted=True)
+    preempting = job.preempt_requested_at is not None
+    return ReportResult(
+        state=JobState(job.state),
+        accepted=True,
+        preempting=preempting,
+        preempted_for=job.preempted_for if preempting else None,
+    )
 
 
 def _upsert_metrics(session: Session, job: Job, report: DriverReport) -> None:
@@ -606,10 +622,56 @@ def requeue(session: Session, job: Job, message: str, *, failure: bool = False) 
     return transition(session, job, JobState.QUEUED, message, {"attempt": job.attempt, "failures": job.failures})
 
 
+def request_preemption(session: Session, job: Job, for_job: str | None, reason: str) -> bool:
+    """Ask a running job's driver to save and stop, for `for_job` (None: its node is draining); False when the job is
+    no longer running (ended, or asked already)."""
+    job = lock_job(session, job.id)
+    if job.state not in ACTIVE or job.preempt_requested_at is not None:
+        return False
+    job.preempt_requested_at = utcnow()
+    job.preempted_for = for_job
+    session.add(
+        JobEvent(
+            job_id=job.id,
+            at=job.preempt_requested_at,
+            kind="info",
+            message=f"preempting: {reason}; it saves its state and stops at its next step",
+            data={"attempt": job.attempt, "preempted_for": for_job},
+        )
+    )
+    return True
+
+
+def preempted(session: Session, job: Job, message: str) -> Job:
+    """The dispatcher's end of a preemption its driver did not report in time: the attempt is stopped, and the job
+    resumes from its latest checkpoint."""
+    job = lock_job(session, job.id)
+    job.preempt_requested_at = None
+    return transition(session, job, JobState.PREEMPTED, message, {"attempt": job.attempt})
+
+
+def queue_again(session: Session, job: Job) -> Job:
+    """A preempted job whose attempt is closed goes back to the queue in its old place (its created_at), not counted
+    as a failure."""
+    job = lock_job(session, job.id)
+    job.preemptions += 1
+    job.lease_owner = job.lease_expires_at = None
+    for_job = f" for job {job.preempted_for}" if job.preempted_for else ""
+    return transition(
+        session,
+        job,
+        JobState.QUEUED,
+        f"preempted{for_job}: queued again in its place; it resumes from the state it saved",
+        {"attempt": job.attempt, "preemptions": job.preemptions, "preempted_for": job.preempted_for},
+    )
+
+
 def attempts_to_close(session: Session) -> list[Attempt]:
     """Open attempts that are no longer the live attempt of a live job: their Ray job and placement group must go."""
     superseded: ColumnElement[bool] = or_(
-        Job.state.in_(TERMINAL), Job.state == JobState.QUEUED, Job.attempt != Attempt.number
+        Job.state.in_(TERMINAL),
+        Job.state.in_([JobState.QUEUED, JobState.PREEMPTED]),
+        Job.attempt != Attempt.number,
     )
     query = select(Attempt).join(Job, Job.id == Attempt.job_id).where(Attempt.ended_at.is_(None), superseded)
     return list(session.scalars(query.order_by(Attempt.id)))

@@ -77,7 +77,29 @@ class Tenant(Base):
     quota_gpus: Mapped[int | None] = mapped_column(Integer)
     quota_cpus: Mapped[float | None] = mapped_column(Float)
     quota_jobs: Mapped[int | None] = mapped_column(Integer)
+    # Its weight in fair share: among jobs of equal priority, capacity goes to the tenant furthest below its weighted
+    # share of the cluster.
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TenantShare(Base):
+    """A tenant's standing as the dispatcher saw it at one pass: what its jobs held, its share of the cluster (dominant
+    resource: the larger of its GPU and CPU fractions), the decayed share fair share orders by, and its weighted
+    entitlement. Written every few passes, as the series the queue view draws."""
+
+    __tablename__ = "tenant_shares"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    tenant: Mapped[str] = mapped_column(String(64))
+    held_gpus: Mapped[int] = mapped_column(Integer, default=0)
+    held_cpus: Mapped[float] = mapped_column(Float, default=0.0)
+    share: Mapped[float] = mapped_column(Float, default=0.0)  # of the cluster now, 0..1
+    decayed_share: Mapped[float] = mapped_column(Float, default=0.0)  # over the recent past (half-life setting)
+    entitled_share: Mapped[float] = mapped_column(Float, default=0.0)  # weight / the weights of tenants with work
+
+    __table_args__ = (Index("ix_tenant_shares_at", "at"),)
 
 
 class ApiToken(Base):
@@ -145,6 +167,13 @@ class Job(Base):
     tenant: Mapped[str] = mapped_column(String(64), server_default=DEFAULT_TENANT)
     # Why the dispatcher left it QUEUED at its last pass (over quota, no capacity); cleared on admission.
     waiting_reason: Mapped[str | None] = mapped_column(Text)
+    # Its place in the dispatcher's last plan (1 = next to start); None when not queued.
+    queue_position: Mapped[int | None] = mapped_column(Integer)
+    # The job whose admission preempts (or preempted) this one: set when the dispatcher asks its driver to stop, kept
+    # once it is queued again so that it never preempts that job back (no cycles).
+    preempted_for: Mapped[str | None] = mapped_column(String(32))
+    preempt_requested_at: Mapped[datetime | None]  # when its driver was asked to stop; None once it stopped
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (
         Index("ix_jobs_created_at", "created_at"),

@@ -521,6 +521,12 @@ class JobSpec(_Strict):
         description="Script mode: seconds a stopped script's processes have between SIGTERM and SIGKILL (on cancel, "
         "and when the group restarts).",
     )
+    preemptible: bool = Field(
+        default=True,
+        description="Whether a job of higher priority (or a tenant owed its fair share) may stop this one to start: "
+        "it saves its state, goes back to the queue in its place and resumes, with at most one step redone and no "
+        "failure counted. An elastic job is shrunk toward workers.min before it is stopped whole.",
+    )
     data: _DataField | None = Field(
         default=None,
         description="Built-in corpus ('pysource', 'synthetic'), "
@@ -851,6 +857,7 @@ class JobSpec(_Strict):
         if fields["checkpoint"]["keep_best"] is None:
             del fields["checkpoint"]["keep_best"]
         del fields["checkpoint"]["in_memory"]  # where state is kept between steps changes nothing trained
+        del fields["preemptible"]  # whether it may be stopped and resumed changes nothing trained
         for name, default in TrainSpec().model_dump(mode="json", include=set(_LATER_TRAIN_FIELDS)).items():
             if fields["train"][name] == default:
                 del fields["train"][name]

@@ -13,6 +13,9 @@ class JobState(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    # Stopped to make room for a job of higher priority (or a fairer share): its attempt is being closed, and it goes
+    # back to QUEUED in its old place, resuming from what it saved. Not a failure: max_failures is untouched.
+    PREEMPTED = "PREEMPTED"
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -20,12 +23,24 @@ ACTIVE = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.RECOVERING})
 
 _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.ADMITTED, JobState.CANCELLED, JobState.FAILED}),
-    JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.ADMITTED: frozenset(
+        {JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED}
+    ),
     # QUEUED from a live state: the attempt was lost outside the driver's control and is retried.
     JobState.RUNNING: frozenset(
-        {JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
+        {
+            JobState.RECOVERING,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.QUEUED,
+            JobState.PREEMPTED,
+        }
     ),
-    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
+    JobState.RECOVERING: frozenset(
+        {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED, JobState.PREEMPTED}
+    ),
+    JobState.PREEMPTED: frozenset({JobState.QUEUED, JobState.CANCELLED, JobState.FAILED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

@@ -84,4 +84,9 @@ def _store_report(db: Database, job_id: str, attempt: int, body: DriverReport) -
     _check_metric_attempts(body, attempt)
     with session_scope(db.sessions) as session:
         result = jobs.apply_driver_report(session, job_id, attempt, body)
-    return ReportAck(state=result.state, accepted=result.accepted)
+    return ReportAck(
+        state=result.state,
+        accepted=result.accepted,
+        preempting=result.preempting,
+        preempted_for=result.preempted_for,
+    )

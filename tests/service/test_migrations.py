@@ -22,6 +22,7 @@ TABLES = {
     "api_tokens",
     "code_archives",
     "mlflow_runs",
+    "tenant_shares",
 }
 
 
@@ -47,6 +48,25 @@ def test_downgrade_to_base_removes_every_table(db_url: str) -> None:
             command.downgrade(alembic_config(connection), "base")
         with engine.connect() as connection:
             assert set(inspect(connection).get_table_names()) == {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_downgrading_the_scheduler_drops_its_columns_and_table_and_upgrade_restores_them(db_url: str) -> None:
+    upgrade_schema(db_url)
+    engine = make_engine(db_url)
+    scheduling_columns = {"queue_position", "preempted_for", "preempt_requested_at", "preemptions"}
+    try:
+        with engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0010")
+        with engine.connect() as connection:
+            assert not scheduling_columns & {column["name"] for column in inspect(connection).get_columns("jobs")}
+            assert "weight" not in {column["name"] for column in inspect(connection).get_columns("tenants")}
+            assert "tenant_shares" not in inspect(connection).get_table_names()
+        upgrade_schema(db_url)
+        with engine.connect() as connection:
+            assert scheduling_columns <= {column["name"] for column in inspect(connection).get_columns("jobs")}
+            assert "tenant_shares" in inspect(connection).get_table_names()
     finally:
         engine.dispose()
 

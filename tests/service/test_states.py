@@ -8,7 +8,7 @@ import pytest
 
 from ringmaster.service.states import TERMINAL, IllegalTransition, JobState, check_transition
 
-Q, A, R, V, S, F, C = (
+Q, A, R, V, S, F, C, P = (
     JobState.QUEUED,
     JobState.ADMITTED,
     JobState.RUNNING,
@@ -16,13 +16,15 @@ Q, A, R, V, S, F, C = (
     JobState.SUCCEEDED,
     JobState.FAILED,
     JobState.CANCELLED,
+    JobState.PREEMPTED,
 )
 
 LEGAL = {
     (Q, A), (Q, C), (Q, F),
-    (A, R), (A, Q), (A, F), (A, C),
-    (R, S), (R, F), (R, C), (R, V), (R, Q),
-    (V, R), (V, F), (V, C), (V, Q),
+    (A, R), (A, Q), (A, F), (A, C), (A, P),
+    (R, S), (R, F), (R, C), (R, V), (R, Q), (R, P),
+    (V, R), (V, F), (V, C), (V, Q), (V, P),
+    (P, Q), (P, C), (P, F),
 }  # fmt: skip
 
 
