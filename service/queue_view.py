@@ -1,0 +1,232 @@
+"""What a person sees of the scheduler: the queue in the dispatcher's plan order with why each job waits, each
+tenant's fair-share standing, and the share series the web view charts. Reads only what the dispatcher wrote (the
+jobs' queue_position and waiting_reason, the tenant_shares series); plans nothing itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, delete, func, select
+from sqlalchemy.orm import Session
+
+from ringmaster.service.models import Job, Tenant, TenantShare
+from ringmaster.service.states import JobState
+from ringmaster.service.tenants import Quota
+
+SHARE_RETENTION = timedelta(days=7)
+"""How long the share series is kept: a week of the dispatcher's samples is what the chart can look back on."""
+
+DEFAULT_SERIES_POINTS = 500
+"""Points per tenant a chart gets at most: a week sampled every few seconds is far more than a chart can draw."""
+
+
+@dataclass(frozen=True)
+class WorkerRange:
+    """A queued job's size as its stored spec asks for it."""
+
+    min: int
+    max: int
+    cpus_per_worker: float
+    gpus_per_worker: int
+
+
+@dataclass(frozen=True)
+class QueuedJobView:
+    position: int | None  # None: queued since the dispatcher's last pass, not placed yet
+    id: str
+    name: str
+    tenant: str
+    priority: int
+    workers: WorkerRange
+    queued_since: datetime
+    waiting_reason: str | None
+    preemptions: int
+    preempted_for: str | None
+
+
+@dataclass(frozen=True)
+class QueuePage:
+    """One slice of the queue plus how many jobs match (not service.jobs.Page: telemetry reads this module, and
+    service.jobs reads telemetry)."""
+
+    items: list[QueuedJobView]
+    total: int
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class TenantStanding:
+    """A tenant's weight, quotas and the dispatcher's latest sample of its share (zeros before the first)."""
+
+    name: str
+    weight: float
+    quota: Quota
+    held_gpus: int
+    held_cpus: float
+    share: float
+    decayed_share: float
+    entitled_share: float
+    sampled_at: datetime | None
+
+
+@dataclass(frozen=True)
+class ShareSample:
+    """One tenant's standing at one dispatcher pass: what record_shares stores and share_series returns."""
+
+    tenant: str
+    held_gpus: int = 0
+    held_cpus: float = 0.0
+    share: float = 0.0
+    decayed_share: float = 0.0
+    entitled_share: float = 0.0
+
+
+@dataclass(frozen=True)
+class SharePoint:
+    at: datetime
+    share: float
+    decayed_share: float
+    entitled_share: float
+    held_gpus: int
+    held_cpus: float
+
+
+def _worker_range(spec: dict[str, Any]) -> WorkerRange:
+    """Read from the stored spec as it is (submit validated it; a full JobSpec validation per row would cost more
+    than the whole listing), with JobSpec's defaults for what an older row lacks."""
+    workers = spec.get("workers") or {}
+    smallest = int(workers.get("min", 1))
+    return WorkerRange(
+        min=smallest,
+        max=int(workers.get("max", smallest)),
+        cpus_per_worker=float(workers.get("cpus_per_worker", 1.0)),
+        gpus_per_worker=int(workers.get("gpus_per_worker", 0)),
+    )
+
+
+def queue_page(session: Session, *, tenant: str | None, limit: int, offset: int) -> QueuePage:
+    """The QUEUED jobs in the plan's order (position, then unplaced ones by priority and age); with tenant, only
+    its jobs, their positions still those of the whole queue."""
+    query = select(Job).where(Job.state == JobState.QUEUED)
+    if tenant is not None:
+        query = query.where(Job.tenant == tenant)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    ordered = query.order_by(
+        Job.queue_position.is_(None),  # nulls last, on SQLite and PostgreSQL alike
+        Job.queue_position,
+        Job.priority.desc(),
+        Job.created_at,
+        Job.id,
+    )
+    rows = session.scalars(ordered.limit(limit).offset(offset))
+    items = [
+        QueuedJobView(
+            position=job.queue_position,
+            id=job.id,
+            name=job.name,
+            tenant=job.tenant,
+            priority=job.priority,
+            workers=_worker_range(job.spec),
+            queued_since=job.created_at,
+            waiting_reason=job.waiting_reason,
+            preemptions=job.preemptions,
+            preempted_for=job.preempted_for,
+        )
+        for job in rows
+    ]
+    return QueuePage(items=items, total=total, limit=limit, offset=offset)
+
+
+def _latest_samples(session: Session, tenant: str | None) -> dict[str, TenantShare]:
+    newest = select(TenantShare.tenant, func.max(TenantShare.at).label("at")).group_by(TenantShare.tenant)
+    if tenant is not None:
+        newest = newest.where(TenantShare.tenant == tenant)
+    latest = newest.subquery()
+    query = (
+        select(TenantShare)
+        .join(latest, and_(TenantShare.tenant == latest.c.tenant, TenantShare.at == latest.c.at))
+        .order_by(TenantShare.id)
+    )
+    # Two rows of one tenant at the same instant: the later written wins.
+    return {row.tenant: row for row in session.scalars(query)}
+
+
+def tenant_standing(session: Session, *, tenant: str | None = None) -> list[TenantStanding]:
+    """Every tenant (or the one named) by name, with its latest share sample."""
+    query = select(Tenant).order_by(Tenant.name)
+    if tenant is not None:
+        query = query.where(Tenant.name == tenant)
+    samples = _latest_samples(session, tenant)
+    standing = []
+    for row in session.scalars(query):
+        sample = samples.get(row.name)
+        standing.append(
+            TenantStanding(
+                name=row.name,
+                weight=row.weight,
+                quota=Quota.of(row),
+                held_gpus=sample.held_gpus if sample else 0,
+                held_cpus=sample.held_cpus if sample else 0.0,
+                share=sample.share if sample else 0.0,
+                decayed_share=sample.decayed_share if sample else 0.0,
+                entitled_share=sample.entitled_share if sample else 0.0,
+                sampled_at=sample.at if sample else None,
+            )
+        )
+    return standing
+
+
+def share_series(
+    session: Session, since: datetime, *, tenant: str | None = None, max_points: int = DEFAULT_SERIES_POINTS
+) -> dict[str, list[SharePoint]]:
+    """Each tenant's samples since a time, oldest first, thinned evenly to at most max_points (the newest kept)."""
+    query = select(
+        TenantShare.tenant,
+        TenantShare.at,
+        TenantShare.share,
+        TenantShare.decayed_share,
+        TenantShare.entitled_share,
+        TenantShare.held_gpus,
+        TenantShare.held_cpus,
+    ).where(TenantShare.at >= since)
+    if tenant is not None:
+        query = query.where(TenantShare.tenant == tenant)
+    series: dict[str, list[SharePoint]] = {}
+    for name, at, share, decayed, entitled, gpus, cpus in session.execute(
+        query.order_by(TenantShare.tenant, TenantShare.at, TenantShare.id)
+    ):
+        series.setdefault(name, []).append(SharePoint(at, share, decayed, entitled, gpus, cpus))
+    return {name: _thinned(points, max_points) for name, points in series.items()}
+
+
+def _thinned(points: list[SharePoint], max_points: int) -> list[SharePoint]:
+    if len(points) <= max_points:
+        return points
+    # Every stride-th point counted back from the newest, so the chart always ends at the current standing.
+    stride = -(-len(points) // max_points)
+    return points[::-1][::stride][::-1]
+
+
+def record_shares(
+    session: Session, at: datetime, samples: Iterable[ShareSample], *, retention: timedelta = SHARE_RETENTION
+) -> None:
+    """Store one pass's sample of every tenant's standing, and drop the samples older than the retention."""
+    session.add_all(
+        TenantShare(
+            at=at,
+            tenant=sample.tenant,
+            held_gpus=sample.held_gpus,
+            held_cpus=sample.held_cpus,
+            share=sample.share,
+            decayed_share=sample.decayed_share,
+            entitled_share=sample.entitled_share,
+        )
+        for sample in samples
+    )
+    session.execute(delete(TenantShare).where(TenantShare.at < at - retention))
+    session.flush()
