@@ -5,8 +5,11 @@ observations are applied only after that transaction commits (a rolled-back tran
 only to the Telemetry attached to the session's engine. Each API app owns a CollectorRegistry and a Telemetry
 attached to its own engine, so several apps in one process (tests) never see each other's numbers.
 
-Gauges (queue depth by state, per running job steps/s and loss) are computed at scrape time by
-DatabaseCollector: the database is the only state, so every replica reports the same values.
+The dispatcher records its scheduling decisions the same way (``record_preemption``, ``record_resize``).
+
+Gauges (queue depth by state, per running job steps/s and loss, each tenant's fair share as the dispatcher last
+sampled it) are computed at scrape time by DatabaseCollector: the database is the only state, so every replica reports
+the same values.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, and_, event, func, select
 from sqlalchemy.orm import Session
 
+from ringmaster.service import queue_view
 from ringmaster.service.db import Database, session_scope
 from ringmaster.service.models import Job, JobEvent, Metric
 from ringmaster.service.states import JobState
@@ -32,6 +36,7 @@ from ringmaster.service.states import JobState
 _PENDING = "ringmaster_telemetry"
 # Seconds: from one second (a busy loop) to an hour (a cluster that scales up).
 RECONCILER_ACTIONS = ("resubmitted", "adopted", "attempt_closed", "failed_unstarted")
+RESIZE_DIRECTIONS = ("grow", "shrink")
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
@@ -89,8 +94,23 @@ class Telemetry:
             ["action"],
             registry=registry,
         )
+        self.preemptions = Counter(
+            "ringmaster_preemptions",
+            "Jobs the dispatcher asked to stop for a job of higher priority or a fairer share, by the stopped job's "
+            "tenant.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.resizes = Counter(
+            "ringmaster_resizes",
+            "Running jobs the dispatcher grew into free capacity or shrank to make room, by direction.",
+            ["direction"],
+            registry=registry,
+        )
         for action in RECONCILER_ACTIONS:
             self.reconciler_actions.labels(action=action)
+        for direction in RESIZE_DIRECTIONS:
+            self.resizes.labels(direction=direction)
         for state in JobState:  # every series exists from the start, at 0
             self.transitions.labels(to_state=state.value)
 
@@ -113,6 +133,10 @@ class Telemetry:
             self.checkpoint_restore.observe(observation.value)
         elif observation.kind == "reconciler_action":
             self.reconciler_actions.labels(action=observation.label).inc()
+        elif observation.kind == "preemption":
+            self.preemptions.labels(tenant=observation.label).inc()
+        elif observation.kind == "resize":
+            self.resizes.labels(direction=observation.label).inc()
 
 
 @dataclass(frozen=True)
@@ -193,6 +217,17 @@ def record_reconciler_action(session: Session, action: str) -> None:
     _pending(session).append(Observation("reconciler_action", action))
 
 
+def record_preemption(session: Session, job: Job) -> None:
+    """Called when the dispatcher asks a job's driver to stop for another job; counted once the transaction commits."""
+    _pending(session).append(Observation("preemption", job.tenant))
+
+
+def record_resize(session: Session, from_workers: int, to_workers: int) -> None:
+    """Called when the dispatcher changes a running job's size; a size left as it was counts nothing."""
+    if to_workers != from_workers:
+        _pending(session).append(Observation("resize", "grow" if to_workers > from_workers else "shrink"))
+
+
 @event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
     pending = session.info.pop(_PENDING, None)
@@ -211,7 +246,8 @@ def _after_rollback(session: Session) -> None:
 
 
 class DatabaseCollector(Collector):
-    """Gauges read from the database at each scrape: queue depth by state, and the latest metrics of running jobs."""
+    """Gauges read from the database at each scrape: queue depth by state, the latest metrics of running jobs, and
+    each tenant's fair share from the dispatcher's latest sample."""
 
     def __init__(self, database: Callable[[], Database | None]) -> None:
         self._database = database
@@ -244,7 +280,29 @@ class DatabaseCollector(Collector):
             "Latest step a running job reported in its current attempt.",
             labels=["job_id", "name"],
         )
+        queue_length = GaugeMetricFamily(
+            "ringmaster_queue_length", "Jobs waiting in the queue (QUEUED), every tenant together."
+        )
+        share = GaugeMetricFamily(
+            "ringmaster_tenant_share",
+            "A tenant's dominant share of the cluster (0 to 1) at the dispatcher's latest sample.",
+            labels=["tenant"],
+        )
+        decayed_share = GaugeMetricFamily(
+            "ringmaster_tenant_decayed_share",
+            "A tenant's share over the recent past, which fair share orders by, at the dispatcher's latest sample.",
+            labels=["tenant"],
+        )
+        entitled_share = GaugeMetricFamily(
+            "ringmaster_tenant_entitled_share",
+            "A tenant's weight over the weights of the tenants with work, at the dispatcher's latest sample.",
+            labels=["tenant"],
+        )
         with session_scope(database.sessions) as session:
+            for standing in queue_view.tenant_standing(session):
+                share.add_metric([standing.name], standing.share)
+                decayed_share.add_metric([standing.name], standing.decayed_share)
+                entitled_share.add_metric([standing.name], standing.entitled_share)
             counts: dict[tuple[str, str], int] = {}
             for state, tenant, count in session.execute(
                 select(Job.state, Job.tenant, func.count()).group_by(Job.state, Job.tenant)
@@ -262,7 +320,8 @@ class DatabaseCollector(Collector):
         for tenant in sorted({tenant for _, tenant in counts}) or ["default"]:
             for state in JobState:  # every state of every tenant with jobs, 0 included, so a queue that empties reads 0
                 jobs.add_metric([state.value, tenant], counts.get((state.value, tenant), 0))
-        yield from (jobs, step, steps, samples, loss)
+        queue_length.add_metric([], sum(count for (state, _), count in counts.items() if state == JobState.QUEUED))
+        yield from (jobs, queue_length, share, decayed_share, entitled_share, step, steps, samples, loss)
 
 
 def _latest_running_metrics(session: Session) -> Any:

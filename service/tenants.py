@@ -22,6 +22,7 @@ from ringmaster.service.states import ACTIVE
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
 _NAME = re.compile(NAME_PATTERN)
 _CPU_EPSILON = 1e-9  # cpus_per_worker is fractional: sums of them must not fail a quota by rounding
+MAX_WEIGHT = 1000.0  # a thousandfold between two teams is already more than any fair share means to grant
 
 
 class TenantNotFound(RingmasterError):
@@ -31,7 +32,7 @@ class TenantNotFound(RingmasterError):
 
 
 class InvalidTenant(RingmasterError):
-    """A tenant name or quota that cannot be stored; ``field`` names it (name, gpus, cpus, jobs)."""
+    """A tenant name, quota or weight that cannot be stored; ``field`` names it (name, gpus, cpus, jobs, weight)."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
@@ -97,6 +98,12 @@ def check_quota(quota: Quota) -> Quota:
     return quota
 
 
+def check_weight(weight: float) -> float:
+    if not (0 < weight <= MAX_WEIGHT):  # also refuses NaN
+        raise InvalidTenant(f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {weight}", field="weight")
+    return weight
+
+
 def get_tenant(session: Session, name: str, *, lock: bool = False) -> Tenant:
     tenant = session.get(Tenant, name, with_for_update=lock, populate_existing=lock) if len(name) <= 64 else None
     if tenant is None:
@@ -108,15 +115,20 @@ def list_tenants(session: Session) -> list[Tenant]:
     return list(session.scalars(select(Tenant).order_by(Tenant.name)))
 
 
-def put_tenant(session: Session, name: str, quota: Quota) -> tuple[Tenant, bool]:
-    """Create the tenant or replace its quotas; True when it was created."""
+def put_tenant(session: Session, name: str, quota: Quota, *, weight: float | None = None) -> tuple[Tenant, bool]:
+    """Create the tenant or replace its quotas, and its fair-share weight when given (a new one's is 1); True when
+    it was created."""
     check_quota(quota)
+    if weight is not None:
+        check_weight(weight)
     tenant = session.get(Tenant, check_name(name), with_for_update=True, populate_existing=True)
     created = tenant is None
     if tenant is None:
         tenant = Tenant(name=name)
         session.add(tenant)
     tenant.quota_gpus, tenant.quota_cpus, tenant.quota_jobs = quota.gpus, quota.cpus, quota.jobs
+    if weight is not None:
+        tenant.weight = weight
     session.flush()
     return tenant, created
 
