@@ -25,7 +25,8 @@ def home() -> RedirectResponse:
 @router.get("/ui")
 @router.get("/ui/{page:path}")
 def page(page: str = "") -> FileResponse:
-    """Every page of the view is the one document; its script draws what the path names (jobs, a job, plan, submit)."""
+    """Every page of the view is the one document; its script draws what the path names (jobs, a job, the queue, plan,
+    submit)."""
     return FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
 
 

@@ -1,4 +1,5 @@
-// ringmaster's web view: jobs, a job's live curves (server-sent events), planning and submitting. Plain JS, no build
+// ringmaster's web view: jobs, a job's live curves (server-sent events), the queue with the tenants' fair share,
+// planning and submitting. Plain JS, no build
 // step; charts are uPlot (vendored beside this file). The API token stays in this browser tab's sessionStorage.
 "use strict";
 
@@ -321,6 +322,104 @@ async function jobPage(jobId) {
   leaving.push(stop, () => clearInterval(facts_timer), () => clearInterval(log_timer));
 }
 
+// The queue in the dispatcher's plan order with why each job waits, each tenant's standing, and a chart of each
+// tenant's share of the cluster (solid) against what its weight entitles it to (dashed).
+const SHARE_WINDOWS = [["60", "last hour"], ["360", "last 6 hours"], ["1440", "last day"], ["10080", "last week"]];
+const TENANT_COLOURS = ["#3056d3", "#e67e22", "#1e8e3e", "#8e44ad", "#c0392b", "#16a085", "#34495e", "#d35400"];
+const percent = value => `${(value * 100).toFixed(1)}%`;
+
+function workersText(w) {
+  const sizes = w.min === w.max ? String(w.min) : `${w.min}-${w.max}`;
+  return `${sizes} × ${w.gpus_per_worker ? `${w.gpus_per_worker} GPU` : `${w.cpus_per_worker} CPU`}`;
+}
+
+function whyText(job) {
+  let why = job.waiting_reason || "not planned yet";
+  if (job.preemptions) {
+    why += ` (preempted ${job.preemptions}×${job.preempted_for ? ` for ${job.preempted_for.slice(0, 12)}` : ""})`;
+  }
+  return why;
+}
+
+function shareChart(box, answer) {
+  // One x axis (seconds) for every tenant: the dispatcher samples all tenants at once, so their times line up; a
+  // tenant missing at a time is a gap, which spanGaps draws across.
+  const times = [...new Set(answer.series.flatMap(s => s.points.map(p => Date.parse(p.at) / 1000)))].sort((a, b) => a - b);
+  const index = new Map(times.map((t, i) => [t, i]));
+  const data = [times];
+  const series = [{}];
+  answer.series.forEach((tenant, n) => {
+    const colour = TENANT_COLOURS[n % TENANT_COLOURS.length];
+    const share = new Array(times.length).fill(null);
+    const entitled = new Array(times.length).fill(null);
+    for (const p of tenant.points) {
+      const i = index.get(Date.parse(p.at) / 1000);
+      share[i] = p.share;
+      entitled[i] = p.entitled_share;
+    }
+    data.push(share, entitled);
+    series.push({ label: `${tenant.tenant} share`, stroke: colour, width: 1.5, spanGaps: true, value: (u, v) => v == null ? "-" : percent(v) },
+      { label: `${tenant.tenant} entitled`, stroke: colour, dash: [6, 4], width: 1, spanGaps: true, value: (u, v) => v == null ? "-" : percent(v) });
+  });
+  box.replaceChildren(el("div", { class: "title" }, "Share of the cluster (solid) and entitled share (dashed)"));
+  box.dataset.points = String(times.length);
+  box.dataset.tenants = answer.series.map(s => s.tenant).join(",");
+  if (!times.length) {
+    box.append(el("p", { class: "muted" }, "No samples in this window yet: the dispatcher records them as it plans."));
+    return;
+  }
+  new uPlot({ width: 1100, height: 260, series, scales: { y: { range: [0, 1] } },
+    axes: [{}, { values: (u, splits) => splits.map(percent), size: 60 }] }, data, box);
+}
+
+async function queuePage() {
+  const params = new URLSearchParams(location.search);
+  const window_ = el("select", { id: "share-window" }, SHARE_WINDOWS.map(([minutes, label]) => el("option", { value: minutes }, label)));
+  window_.value = params.get("minutes") || "60";
+  const body = el("tbody");
+  const table = el("table", { id: "queue" },
+    el("thead", {}, el("tr", {}, ["#", "job", "tenant", "priority", "workers", "waiting", "why"].map(h => el("th", {}, h)))), body);
+  const tenantsBody = el("tbody");
+  const tenants = el("table", { id: "tenants" },
+    el("thead", {}, el("tr", {}, ["tenant", "weight", "share now", "decayed share", "entitled share", "held"].map(h => el("th", {}, h)))),
+    tenantsBody);
+  const status = el("p", { class: "muted", id: "queue-status" });
+  const chartBox = el("div", { class: "chart", id: "chart-shares", "data-points": "0" });
+  window_.addEventListener("change", () => { history.replaceState(null, "", `/ui/queue?minutes=${window_.value}`); loadShares(); });
+  show(el("h1", {}, "Queue"), table, status, el("h2", {}, "Tenants"), tenants,
+    el("h2", {}, "Fair share"), el("div", { class: "toolbar" }, "Show ", window_), chartBox);
+  const refresh = async () => {
+    try {
+      const answer = await api("GET", "/v1/queue?limit=500");
+      const now = Date.now();
+      body.replaceChildren(...answer.items.map(job => el("tr", { "data-job-id": job.id },
+        el("td", {}, job.position == null ? "-" : String(job.position)),
+        el("td", {}, link(`/ui/jobs/${job.id}`, job.id.slice(0, 12)), " ", job.name),
+        el("td", {}, job.tenant), el("td", {}, String(job.priority)), el("td", {}, workersText(job.workers)),
+        el("td", { title: when(job.queued_since) }, duration(Math.max(now - Date.parse(job.queued_since), 0) / 1000)),
+        el("td", { class: "why" }, whyText(job)))));
+      tenantsBody.replaceChildren(...answer.tenants.map(t => el("tr", { "data-tenant": t.name },
+        el("td", {}, t.name), el("td", {}, String(t.weight)), el("td", {}, percent(t.share)),
+        el("td", {}, percent(t.decayed_share)), el("td", {}, percent(t.entitled_share)),
+        el("td", {}, `${t.held_gpus} GPU, ${t.held_cpus} CPU`))));
+      status.textContent = answer.total > answer.items.length
+        ? `${answer.items.length} of ${answer.total} queued job(s) shown` : `${answer.total} queued job(s)`;
+    } catch (error) {
+      status.replaceChildren(failure(error));
+    }
+  };
+  const loadShares = async () => {
+    try {
+      shareChart(chartBox, await api("GET", `/v1/queue/shares?minutes=${window_.value}`));
+    } catch (error) {
+      chartBox.replaceChildren(failure(error));
+    }
+  };
+  await Promise.all([refresh(), loadShares()]);
+  const timers = [setInterval(refresh, 5000), setInterval(loadShares, 15000)];
+  leaving.push(() => timers.forEach(clearInterval));
+}
+
 function planPage() {
   const field = (name, label, value, type = "text") => [el("label", { for: name }, label), el("input", { id: name, name, value, type })];
   const precision = el("select", { id: "precision", name: "precision" }, ["mixed", "bf16", "fp32"].map(p => el("option", { value: p }, p)));
@@ -377,6 +476,7 @@ function route() {
   const path = location.pathname.replace(/\/+$/, "");
   const job = path.match(/^\/ui\/jobs\/([0-9a-f]{32})$/);
   if (job) return jobPage(job[1]);
+  if (path === "/ui/queue") return queuePage();
   if (path === "/ui/plan") return planPage();
   if (path === "/ui/submit") return submitPage();
   return jobsPage();
