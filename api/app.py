@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
 from ringmaster.api.limits import JSON_VALUE, BodySizeLimit, json_value_schema, state_document_rules
-from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, tenants, web
+from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, queue, tenants, web
 from ringmaster.service import telemetry
 from ringmaster.service.auth import CheckedReportTokens, ensure_local_admin_token
 from ringmaster.service.db import Database, upgrade_schema
@@ -91,6 +91,7 @@ def create_app(
         per_path={code.UPLOAD_PATH: (settings.max_code_bytes, "RINGMASTER_MAX_CODE_BYTES")},
     )
     app.include_router(jobs.router)
+    app.include_router(queue.router)
     app.include_router(code.router)
     app.include_router(tenants.router)
     app.include_router(plan.router)

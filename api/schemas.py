@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.config import JsonDict
 
 from ringmaster.api.limits import check_document
-from ringmaster.service import code_store, jobs, planner, tenants
+from ringmaster.service import code_store, jobs, planner, queue_view, tenants
 from ringmaster.service.catalogue import BUILTIN_MODELS, builtin_options_rules
 from ringmaster.service.errors import InvalidSpec
 from ringmaster.service.json_types import JsonTyped
@@ -508,7 +508,7 @@ class PlanOut(BaseModel):
 
 
 class QuotaIn(JsonTyped):
-    """A tenant's quotas; a null (or absent) one is unlimited."""
+    """A tenant's quotas; a null (or absent) one is unlimited. Its fair-share weight, when given."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -518,6 +518,14 @@ class QuotaIn(JsonTyped):
     )
     jobs: int | None = Field(
         default=None, ge=0, le=1_000_000, description="Jobs it may have admitted or running at once."
+    )
+    weight: float | None = Field(
+        default=None,
+        gt=0,
+        le=tenants.MAX_WEIGHT,
+        allow_inf_nan=False,
+        description="Its weight in fair share: among jobs of equal priority, capacity goes to the tenant furthest "
+        "below its weighted share of the cluster. Null (or absent) keeps the current weight (1 for a new tenant).",
     )
 
     def quota(self) -> tenants.Quota:
@@ -544,6 +552,7 @@ class TenantOut(BaseModel):
     usage: UsageOut = Field(
         description="What its ADMITTED, RUNNING and RECOVERING jobs hold, each at its granted size."
     )
+    weight: float = Field(description="Its weight in fair share (1 unless set).")
     created_at: datetime
 
     @classmethod
@@ -553,6 +562,7 @@ class TenantOut(BaseModel):
             name=tenant.name,
             quota=QuotaOut(gpus=tenant.quota_gpus, cpus=tenant.quota_cpus, jobs=tenant.quota_jobs),
             usage=UsageOut.model_validate(usage),
+            weight=tenant.weight,
             created_at=tenant.created_at,
         )
 
@@ -587,3 +597,87 @@ class TokenOut(BaseModel):
 class TokenCreatedOut(TokenOut):
     token: str = Field(description="The secret, shown this once: only its hash is stored.")
     tenant_created: bool
+
+
+class QueuedWorkersOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a queue_view.WorkerRange
+
+    min: int
+    max: int
+    cpus_per_worker: float
+    gpus_per_worker: int
+
+
+class QueuedJobOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a queue_view.QueuedJobView
+
+    position: int | None = Field(
+        description="Its place in the dispatcher's last plan over the whole queue (1 starts next), whoever asks; null "
+        "for a job queued since that pass."
+    )
+    id: str
+    name: str
+    tenant: str
+    priority: int
+    workers: QueuedWorkersOut = Field(description="The sizes its spec accepts and what each worker holds.")
+    queued_since: datetime = Field(description="When it was submitted.")
+    waiting_reason: str | None = Field(
+        description="Why the last plan left it waiting: its tenant's quota, the cluster's capacity, the jobs it would "
+        "shrink or preempt."
+    )
+    preemptions: int = Field(description="How often it was stopped for a job of higher priority or a fairer share.")
+    preempted_for: str | None = Field(description="The job it was last preempted for; it never preempts that one back.")
+
+
+class TenantStandingOut(BaseModel):
+    name: str
+    weight: float = Field(description="Its weight in fair share.")
+    quota: QuotaOut = Field(description="Null is unlimited.")
+    held_gpus: int = Field(description="GPUs its jobs held at the dispatcher's latest sample.")
+    held_cpus: float = Field(description="CPUs its jobs held at the dispatcher's latest sample.")
+    share: float = Field(description="Its dominant share of the cluster then (0 to 1).")
+    decayed_share: float = Field(description="Its share over the recent past, which fair share orders by.")
+    entitled_share: float = Field(description="Its weight over the weights of the tenants with work.")
+    sampled_at: datetime | None = Field(description="When the dispatcher took that sample; null before its first.")
+
+    @classmethod
+    def from_standing(cls, standing: queue_view.TenantStanding) -> TenantStandingOut:
+        # Explicit: quota gathers a tenants.Quota's fields.
+        return cls(
+            name=standing.name,
+            weight=standing.weight,
+            quota=QuotaOut(gpus=standing.quota.gpus, cpus=standing.quota.cpus, jobs=standing.quota.jobs),
+            held_gpus=standing.held_gpus,
+            held_cpus=standing.held_cpus,
+            share=standing.share,
+            decayed_share=standing.decayed_share,
+            entitled_share=standing.entitled_share,
+            sampled_at=standing.sampled_at,
+        )
+
+
+class QueueOut(Page[QueuedJobOut]):
+    tenants: list[TenantStandingOut] = Field(
+        description="Each tenant's fair-share standing (a tenant's token: its own alone)."
+    )
+
+
+class SharePointOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from a queue_view.SharePoint
+
+    at: datetime
+    share: float
+    decayed_share: float
+    entitled_share: float
+    held_gpus: int
+    held_cpus: float
+
+
+class TenantSharesOut(BaseModel):
+    tenant: str
+    points: list[SharePointOut] = Field(description="Oldest first, thinned evenly to at most a few hundred.")
+
+
+class ShareSeriesOut(BaseModel):
+    since: datetime
+    series: list[TenantSharesOut]

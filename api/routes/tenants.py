@@ -44,8 +44,9 @@ def get_tenant(name: TenantName, principal: CurrentPrincipal, session: SessionDe
 
 @router.put("/tenants/{name}")
 def put_tenant(name: TenantName, body: QuotaIn, _admin: AdminPrincipal, session: SessionDep) -> TenantOut:
-    """Create the tenant, or replace its quotas; a quota lowered below what it holds stops further admissions only."""
-    tenants.put_tenant(session, name, body.quota())
+    """Create the tenant, or replace its quotas (and its fair-share weight, when given); a quota lowered below what it
+    holds stops further admissions only."""
+    tenants.put_tenant(session, name, body.quota(), weight=body.weight)
     return _tenant_out(session, name)
 
 
