@@ -131,10 +131,24 @@ CpusOption = Annotated[
 JobsOption = Annotated[
     str | None, typer.Option("--jobs", help="Jobs it may have admitted or running at once, or 'unlimited'.")
 ]
+WeightOption = Annotated[
+    float | None,
+    typer.Option(
+        "--weight",
+        help="Its weight in fair share (above 0, at most 1000; 1 unless set): among jobs of equal priority, "
+        "capacity goes to the tenant furthest below its weighted share of the cluster.",
+    ),
+]
 
 
-def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
-    """Add a tenant; an omitted quota is unlimited."""
+def tenant_create(
+    name: str,
+    gpus: GpusOption = None,
+    cpus: CpusOption = None,
+    jobs: JobsOption = None,
+    weight: WeightOption = None,
+) -> None:
+    """Add a tenant; an omitted quota is unlimited, an omitted weight 1."""
     from ringmaster.service import tenants
     from ringmaster.service.models import Tenant
 
@@ -145,14 +159,21 @@ def tenant_create(name: str, gpus: GpusOption = None, cpus: CpusOption = None, j
         with _database_session() as session:
             if session.get(Tenant, name) is not None:
                 _fail(f"tenant {name!r} exists; change its quotas with `ringmaster tenant quota {name}`")
-            tenants.put_tenant(session, name, quota)
+            row, _ = tenants.put_tenant(session, name, quota, weight=weight)
+            shown_weight = row.weight
     except tenants.InvalidTenant as error:
         _fail(str(error))
-    console.print(f"tenant {name!r}: {_quota_text(quota)}")
+    console.print(f"tenant {name!r}: {_quota_text(quota)}, weight {shown_weight:g}")
 
 
-def tenant_quota(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jobs: JobsOption = None) -> None:
-    """Change the quotas given (a number, or 'unlimited'); the others stay as they are."""
+def tenant_quota(
+    name: str,
+    gpus: GpusOption = None,
+    cpus: CpusOption = None,
+    jobs: JobsOption = None,
+    weight: WeightOption = None,
+) -> None:
+    """Change the quotas (a number, or 'unlimited') and the fair-share weight given; the others stay as they are."""
     from ringmaster.service import tenants
 
     try:
@@ -163,21 +184,26 @@ def tenant_quota(name: str, gpus: GpusOption = None, cpus: CpusOption = None, jo
                 current.cpus if cpus is None else _quota_value(cpus, float, "--cpus"),
                 current.jobs if jobs is None else _quota_value(jobs, int, "--jobs"),
             )
-            tenants.put_tenant(session, name, quota)
+            row, _ = tenants.put_tenant(session, name, quota, weight=weight)
+            shown_weight = row.weight
     except (tenants.TenantNotFound, tenants.InvalidTenant) as error:
         _fail(str(error))
-    console.print(f"tenant {name!r}: {_quota_text(quota)}")
+    console.print(f"tenant {name!r}: {_quota_text(quota)}, weight {shown_weight:g}")
 
 
 def tenant_list() -> None:
     """Every tenant with its quotas and what its jobs hold now."""
     from ringmaster.service import tenants
 
-    table = Table("tenant", "GPUs", "CPUs", "jobs")
+    table = Table("tenant", "GPUs", "CPUs", "jobs", "weight")
     with _database_session() as session:
         for tenant in tenants.list_tenants(session):
             quota, used = tenants.Quota.of(tenant), tenants.usage(session, tenant.name)
             table.add_row(
-                tenant.name, _held(used.gpus, quota.gpus), _held(used.cpus, quota.cpus), _held(used.jobs, quota.jobs)
+                tenant.name,
+                _held(used.gpus, quota.gpus),
+                _held(used.cpus, quota.cpus),
+                _held(used.jobs, quota.jobs),
+                f"{tenant.weight:g}",
             )
     console.print(table)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ringmaster.cli import admin, jobs, local, planning, simulate
+from ringmaster.cli import admin, jobs, local, planning, queue, simulate
 
 app = typer.Typer(help="ringmaster: elastic distributed training as a service.", no_args_is_help=True)
 db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
@@ -23,6 +23,7 @@ app.command()(local.serve)
 app.command()(local.stop)
 app.command()(jobs.submit)
 app.command()(jobs.status)
+app.command()(queue.queue)
 app.command()(jobs.watch)
 app.command()(jobs.logs)
 app.command()(jobs.cancel)

@@ -158,6 +158,13 @@ class RingmasterClient:
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._object("GET", f"/v1/jobs/{job_id}/checkpoints")
 
+    def queue(self, tenant: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        """GET /v1/queue: the queued jobs in plan order with why each waits, and the tenants' fair-share standing."""
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if tenant:
+            params["tenant"] = tenant
+        return self._object("GET", "/v1/queue", params=params)
+
     def me(self) -> dict[str, Any]:
         """GET /v1/me: the token's tenant (quotas and usage) and whether it is an admin's."""
         return self._object("GET", "/v1/me")
