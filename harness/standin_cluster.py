@@ -17,7 +17,11 @@ from ringmaster.service import jobs
 from ringmaster.service.db import session_scope
 from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.naming import submission_id_for
+from ringmaster.service.ray_cluster import ClusterView, NodeResources
 from ringmaster.service.reports import DriverReport
+
+STANDIN_NODE = "standin-node"
+STANDIN_UNBOUNDED_CPUS = 1_000_000  # "always room": more CPUs than any test's jobs ask for
 
 
 def job_attempt(submission_id: str) -> tuple[str, int]:
@@ -48,6 +52,7 @@ class StandInCluster:
         self.free_cpus = cpus
         self.total_cpus = cpus
         self.groups: dict[str, int] = {}  # placement group name -> CPUs it holds
+        self.group_bundles: dict[str, int] = {}  # placement group name -> its bundle count
         self.submitted: dict[str, str] = {}  # submission id -> entrypoint
         self.runtime_envs: dict[str, dict[str, Any]] = {}  # submission id -> its runtime_env
         self.metadata: dict[str, dict[str, str]] = {}  # submission id -> the Ray job's metadata
@@ -76,15 +81,28 @@ class StandInCluster:
                     return False
                 self.free_cpus -= need
             self.groups[name] = need
+            self.group_bundles[name] = len(bundles)
         return True
 
     def node_capacities(self) -> list[dict[str, float]]:
         """One node of all the CPUs (none with None: room is never short there)."""
         return [] if self.total_cpus is None else [{"CPU": float(self.total_cpus), "GPU": 0.0}]
 
+    def cluster_view(self, groups: list[str]) -> ClusterView:
+        """One node of all the CPUs (with None, of more than any test asks for) and more GPUs than any test asks for,
+        every group's bundles on it."""
+        total = float(STANDIN_UNBOUNDED_CPUS if self.total_cpus is None else self.total_cpus)
+        free = float(STANDIN_UNBOUNDED_CPUS if self.free_cpus is None else self.free_cpus)
+        gpus = float(STANDIN_UNBOUNDED_CPUS)  # GPU bundles always fit here (reserve counts CPUs alone)
+        node = NodeResources(id=STANDIN_NODE, CPU=total, GPU=gpus, free_CPU=free, free_GPU=gpus)
+        with self._lock:
+            held = {name: self.group_bundles[name] for name in groups if name in self.groups}
+        return ClusterView(nodes=[node], groups={name: [STANDIN_NODE] * count for name, count in held.items()})
+
     def release(self, name: str) -> None:
         with self._lock:
             held = self.groups.pop(name, 0)
+            self.group_bundles.pop(name, None)
             if self.free_cpus is not None:
                 self.free_cpus += held
 

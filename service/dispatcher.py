@@ -2,9 +2,11 @@
 
 Each pass (1) resubmits jobs whose Ray job died without the driver reporting (or fails them, once, when the driver
 never started: its runtime env could not be set up, or it exited with an error before its first report), (2) closes
-attempts that ended or were superseded (stop the Ray job, free its placement group), and (3) admits
-queued jobs in priority order. A job that cannot be placed now stays queued and does not block smaller jobs
-behind it. Several dispatchers may run against one database: the queue lease keeps them apart.
+attempts that ended, were superseded or preempted (stop the Ray job, free its placement group; a preempted job goes
+back to the queue), and (3) plans: one read of the queue and the cluster, one plan (service/scheduling/plan.py, the
+settings' scheduling_policy) of which jobs start at which size and which lower-priority jobs are preempted for them,
+and a placement group only for a job the plan admits. A job that must wait keeps its place and the plan's reason.
+Several dispatchers may run against one database: the queue lease keeps them apart.
 """
 
 from __future__ import annotations
@@ -16,22 +18,24 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ringmaster.service import auth, code_store, jobs, queue, telemetry, tenants
+from ringmaster.service import auth, code_store, dispatch_plan, jobs, queue, telemetry, tenants
 from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
-from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles, workers_fitting
+from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
 from ringmaster.service.ray_agent import ClusterUnreachable
 from ringmaster.service.ray_cluster import ClusterBackend
+from ringmaster.service.scheduling.fair_share import FairShareLedger
+from ringmaster.service.scheduling.plan import plan
 from ringmaster.service.settings import Settings
-from ringmaster.service.spec import SHARED_POOL, JobSpec, WorkersSpec
+from ringmaster.service.spec import SHARED_POOL, JobSpec
 from ringmaster.service.states import ACTIVE, JobState
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,10 @@ _RECENT_JOBS_FOR_POOLS = 50  # the runtime envs that keep a warm pool are found 
 _RAN_IN_ITS_ENV = [JobState.RUNNING.value, JobState.RECOVERING.value, JobState.SUCCEEDED.value]
 # A driver reports every second while its job trains; one that reported this recently is not asked after in Ray.
 _REPORTING_DRIVER_ALIVE_S = 3.0
+# Whether the plan may shrink and grow running jobs: until their drivers resize on the control plane's word, a running
+# job counts as at its workers.min, so a plan preempts it whole rather than shrinking it (and its driver grows itself
+# onto idle capacity, as before).
+LIVE_RESIZES = False
 
 
 def newest_jobs_that_ran_in_an_env_of_their_own(session: Session) -> list[tuple[str, JobSpec]]:
@@ -78,10 +86,13 @@ class Dispatcher:
         self._seen_alive: set[str] = set()
         self._warm_pool_due = 0.0
         self._code_zips: dict[tuple[str, str], Path] = {}  # (tenant, code ref) -> its local zip
-        self._node_capacities: list[dict[str, float]] | None = None  # this pass's, once a job found no room
+        # Each tenant's decayed share of the cluster, fed at every pass; kept in this process (a restarted dispatcher
+        # starts every tenant at 0, and the shares rebuild within a half-life).
+        self._ledger = FairShareLedger(settings.fair_share_half_life_s, start=time.time())
 
     def run_once(self) -> None:
         self.watch_active_jobs()
+        self.end_overdue_preemptions()
         self.close_finished_attempts()  # after watching, so a lost attempt's resources are free for its retry
         self.dispatch_queued()
         self.keep_pool_warm()
@@ -145,23 +156,77 @@ class Dispatcher:
     # -- admission ---------------------------------------------------------------------------
 
     def dispatch_queued(self) -> None:
-        """Admit queued jobs in priority order; one that must wait (quota, capacity) is passed over with its reason."""
-        waiting: set[str] = set()
-        self._node_capacities = None
-        while (job := queue.claim_next(self.sessions, self.owner, self.settings.lease_s, skip_ids=waiting)) is not None:
+        """One scheduling pass: read the queue, the running jobs and the cluster once, plan (service/scheduling), then
+        carry the plan out: ask the jobs it preempts to save and stop, admit the jobs it starts (a placement group
+        only for those), and record every queued job's place and why it waits."""
+        with self.sessions() as session:
+            queued, active, tenant_rows = dispatch_plan.read_jobs(session)
+        if not queued:
+            return
+        live_groups = [row.placement_group for row in active if row.placement_group]
+        view = self.cluster.cluster_view(live_groups)
+        now = time.time()
+        pass_input = dispatch_plan.pass_input(
+            queued,
+            active,
+            tenant_rows,
+            view,
+            dispatch_plan.policy_settings(self.settings),
+            self._ledger,
+            now,
+            resizable=LIVE_RESIZES,
+        )
+        decided = plan(pass_input.state)
+        for preemption in decided.preemptions:
+            self._preempt(preemption.job_id, preemption.for_job)
+        reasons: dict[str, str] = {}
+        for job_id, size in dispatch_plan.admission_sizes(decided).items():
+            job = queue.claim(self.sessions, job_id, self.owner, self.settings.lease_s)
+            if job is None:
+                continue  # cancelled, or another dispatcher admits it
             reason: str | None = None
-            admitted = False
             try:
-                reason = self._admit(job)
-                admitted = reason is None
+                reason = self._admit(job, size)
             finally:
                 if reason is not None:
-                    waiting.add(job.id)
-                if not admitted:  # an admitted (or cancelled) job's lease needs no release: it is no longer QUEUED
+                    reasons[job_id] = reason
                     queue.release(self.sessions, job.id, self.owner, reason)
+        with self.sessions() as session, session.begin():
+            dispatch_plan.record_queue(session, decided, pass_input.queued_rows)
 
-    def _admit(self, job: Job) -> str | None:
-        """Grant the tenant's quota, reserve the gang, record the attempt, submit the Ray job.
+    def _preempt(self, job_id: str, for_job: str | None) -> None:
+        """Ask a running job's driver to save at its next step and stop; the plan that preempts it admits `for_job`
+        once the room is free. The driver that does not report PREEMPTED in preemption_timeout_s is stopped."""
+        reason = f"job {for_job} of higher priority needs its workers" if for_job else "its node is draining"
+        with self.sessions() as session, session.begin():
+            job = session.get(Job, job_id)
+            if job is None or not jobs.request_preemption(session, job, for_job, reason):
+                return
+        log.info("job %s preempted: %s", job_id, reason, extra={"job_id": job_id, "preempted_for": for_job})
+
+    def end_overdue_preemptions(self) -> None:
+        """A preempted job whose driver did not save and stop in time: its attempt is stopped (closing it frees the
+        room) and it resumes from its latest checkpoint."""
+        overdue_since = utcnow() - timedelta(seconds=self.settings.preemption_timeout_s)
+        with self.sessions() as session, session.begin():
+            overdue = session.scalars(
+                select(Job).where(
+                    Job.state.in_([s.value for s in ACTIVE]),
+                    Job.preempt_requested_at.is_not(None),
+                    Job.preempt_requested_at < overdue_since,
+                )
+            ).all()
+            for job in overdue:
+                jobs.preempted(
+                    session,
+                    job,
+                    f"preempted: the driver did not save and stop within {self.settings.preemption_timeout_s:g} s; "
+                    "its attempt is stopped, and it resumes from its latest checkpoint",
+                )
+
+    def _admit(self, job: Job, size: int) -> str | None:
+        """Grant the tenant's quota, reserve the gang at the size the plan gave, record the attempt, submit the Ray
+        job.
 
         None when the job was admitted (or was cancelled meanwhile); otherwise why it cannot start now.
         """
@@ -172,12 +237,14 @@ class Dispatcher:
             return granted.reason  # checked before reserving: a job over quota takes no cluster capacity
         attempt = job.attempt + 1
         group_name = placement_group_name(job.id, attempt)
-        world_size = self._reserve(spec, group_name, granted.max_workers)
-        if world_size is None:
+        world_size = min(size, granted.max_workers)
+        bundles = worker_bundles(spec.workers.gpus_per_worker, spec.workers.cpus_per_worker, world_size)
+        if not self.cluster.reserve(group_name, bundles, self.settings.admission_wait_s):
             workers = spec.workers
             return (
-                f"waiting for cluster capacity: no room now for {workers.min} worker(s) of "
-                f"{workers.cpus_per_worker:g} CPU and {workers.gpus_per_worker} GPU each{self._never_room(workers)}"
+                f"waiting for cluster capacity: {world_size} worker(s) of {workers.cpus_per_worker:g} CPU and "
+                f"{workers.gpus_per_worker} GPU each fit the plan, but Ray has not freed the room yet (a preempted "
+                "job still saving, or a job ending)"
             )
         submission_id = submission_id_for(job.id, attempt)
         report_token, report_token_hash = auth.new_report_token()
@@ -239,34 +306,6 @@ class Dispatcher:
             extra={"job_id": job.id, "attempt": attempt, "submission_id": submission_id},
         )
         return None
-
-    def _reserve(self, spec: JobSpec, group_name: str, max_workers: int) -> int | None:
-        """The largest world size in [min, max_workers] whose placement group is ready now (tries that, then min)."""
-        sizes = [max_workers] if max_workers == spec.workers.min else [max_workers, spec.workers.min]
-        for size in sizes:
-            bundles = worker_bundles(spec.workers.gpus_per_worker, spec.workers.cpus_per_worker, size)
-            if self.cluster.reserve(group_name, bundles, self.settings.admission_wait_s):
-                return size
-        return None
-
-    def _never_room(self, workers: WorkersSpec) -> str:
-        """Why no room now may mean no room ever on the nodes there are: the words that say so, else nothing. A job
-        that the whole cluster, idle, could not hold still waits (an autoscaler, or a person, may add nodes)."""
-        if self._node_capacities is None:
-            try:
-                self._node_capacities = self.cluster.node_capacities()
-            except Exception as error:
-                log.warning("could not read the cluster's node capacities: %s", error)
-                self._node_capacities = []
-        nodes = self._node_capacities
-        fitting = workers_fitting(nodes, workers.gpus_per_worker, workers.cpus_per_worker)
-        if not nodes or fitting >= workers.min:
-            return ""
-        cpus, gpus = sum(node["CPU"] for node in nodes), sum(node["GPU"] for node in nodes)
-        return (
-            f"; the cluster's {len(nodes)} node(s), {cpus:g} CPU and {gpus:g} GPU in all, hold {fitting} such "
-            f"worker(s) even when idle: the job waits for nodes to join"
-        )
 
     def _runtime_env(self, job: Job, spec: JobSpec) -> dict[str, Any]:
         """The Ray job's runtime_env, which its driver and every worker actor it starts inherit: the job's own (below)
@@ -463,7 +502,9 @@ class Dispatcher:
         with self.sessions() as session:
             if session.scalar(select(Attempt.ended_at).where(Attempt.id == attempt.id)) is not None:
                 return  # another replica closed it since the list was read
-        reported_end = job.state in (JobState.SUCCEEDED, JobState.FAILED) and job.attempt == attempt.number
+        reported_end = (
+            job.state in (JobState.SUCCEEDED, JobState.FAILED, JobState.PREEMPTED) and job.attempt == attempt.number
+        )
         exit_grace_s = _DRIVER_EXIT_GRACE_S if reported_end else _script_stop_grace_s(job, attempt)
         if (
             exit_grace_s
@@ -478,6 +519,9 @@ class Dispatcher:
         with self.sessions() as session, session.begin():
             closed = jobs.close_attempt(session, attempt, outcome=str(job.state))
             telemetry.record_reconciler_action(session, "attempt_closed")
+            current = session.get(Job, job.id, populate_existing=True)
+            if current is not None and current.state == JobState.PREEMPTED and current.attempt == attempt.number:
+                jobs.queue_again(session, current)  # its room is free: it waits in its old place
         self._seen_alive.discard(attempt.submission_id)
         log.info(
             "job %s attempt %d closed (%s): Ray job %s stopped, placement group released",

@@ -43,6 +43,26 @@ def claim_next(
     return job
 
 
+def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease_s: float) -> Job | None:
+    """Lease this QUEUED job, which a plan admits; None when it is no longer queued or another dispatcher holds it."""
+    with session_scope(sessions) as session:
+        now = utcnow()
+        job = session.scalars(
+            select(Job)
+            .where(
+                Job.id == job_id,
+                Job.state == JobState.QUEUED,
+                or_(Job.lease_expires_at.is_(None), Job.lease_expires_at <= now),
+            )
+            .with_for_update(skip_locked=True)
+        ).first()
+        if job is None:
+            return None
+        job.lease_owner = owner
+        job.lease_expires_at = now + timedelta(seconds=lease_s)
+    return job
+
+
 def release(sessions: sessionmaker[Session], job_id: str, owner: str, waiting_reason: str | None = None) -> bool:
     """Give a claimed job back at once; False when owner no longer holds it.
 

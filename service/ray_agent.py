@@ -265,6 +265,33 @@ class AgentOps:
             if node["Alive"]
         ]
 
+    def cluster_view(self, groups: list[str]) -> dict[str, Any]:
+        """One read of the cluster for a scheduling pass: each live node's total and unreserved CPUs and GPUs, and
+        the node of each bundle of the named placement groups that exist (None: a bundle not placed now)."""
+        from ray.util.placement_group import placement_group_table
+
+        from ringmaster.service.ray_internals import free_resources_by_node
+
+        free = free_resources_by_node()
+        nodes = [
+            {
+                "id": node["NodeID"],
+                "CPU": node["Resources"].get("CPU", 0.0),
+                "GPU": node["Resources"].get("GPU", 0.0),
+                "free_CPU": free.get(node["NodeID"], {}).get("CPU", 0.0),
+                "free_GPU": free.get(node["NodeID"], {}).get("GPU", 0.0),
+            }
+            for node in self._ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves nodes() unannotated
+            if node["Alive"]
+        ]
+        wanted = set(groups)
+        placements: dict[str, list[str | None]] = {}
+        for table in placement_group_table().values():
+            if table.get("name") in wanted and table.get("state") != "REMOVED":
+                on_nodes = table.get("bundles_to_node_id", {})
+                placements[table["name"]] = [on_nodes.get(index) for index in range(len(table.get("bundles", {})))]
+        return {"nodes": nodes, "groups": placements}
+
     def ping(self) -> str:
         address: str = self._ray.get_runtime_context().gcs_address  # Ray's property is unannotated
         return address

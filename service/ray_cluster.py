@@ -15,7 +15,7 @@ import re
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.embedded_ray import LOOPBACK, SINGLE_NODE_ENV
@@ -31,6 +31,24 @@ log = logging.getLogger(__name__)
 # code zip and asking the dashboard (which logs each answer); a package the cluster lost meanwhile is uploaded again at
 # the next look.
 POOL_PACKAGE_RECHECK_S = 300.0
+
+
+class NodeResources(TypedDict):
+    """A live node: its total CPUs and GPUs, and what placement groups and actors leave unreserved now."""
+
+    id: str
+    CPU: float
+    GPU: float
+    free_CPU: float
+    free_GPU: float
+
+
+class ClusterView(TypedDict):
+    """One read of the cluster for a scheduling pass: its live nodes, and the node of each bundle of the placement
+    groups asked about (a group that does not exist is absent; a bundle not placed now is None)."""
+
+    nodes: list[NodeResources]
+    groups: dict[str, list[str | None]]
 
 
 class ClusterBackend(Protocol):
@@ -57,6 +75,7 @@ class ClusterBackend(Protocol):
         self, per_node: int, active_submissions: set[str], runtime_envs: dict[str, dict[str, Any]]
     ) -> None: ...
     def node_capacities(self) -> list[dict[str, float]]: ...
+    def cluster_view(self, groups: list[str]) -> ClusterView: ...
 
 
 class RayCluster:
@@ -157,6 +176,10 @@ class RayCluster:
     def node_capacities(self) -> list[dict[str, float]]:
         """Each live node's total CPUs and GPUs."""
         return list(self._agent_call("node_capacities"))
+
+    def cluster_view(self, groups: list[str]) -> ClusterView:
+        view: ClusterView = self._agent_call("cluster_view", groups=groups)
+        return view
 
     def _agent_call(self, op: str, **args: Any) -> Any:
         if not self.agent.running and (why := _unreachable(self.address)):

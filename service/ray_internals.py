@@ -10,6 +10,7 @@ Imported only by processes that have joined a Ray cluster: importing Ray takes s
 
 from __future__ import annotations
 
+from ray._private import state as ray_state
 from ray.experimental import internal_kv
 
 TESTED_RAY = "==2.58.0"  # keep equal to the ray requirement in pyproject.toml
@@ -33,3 +34,10 @@ class RayInternalKv:
         """Remove key; whether it was there (of two deleting at once, one alone is told True)."""
         deleted: int = internal_kv._internal_kv_del(key, namespace=namespace)
         return deleted > 0
+
+
+def free_resources_by_node() -> dict[str, dict[str, float]]:
+    """Each live node's unreserved resources now (node id → resource → amount): what placement groups and actors
+    leave. Ray's public API gives only the cluster's sum (`ray.available_resources`); the scheduler plans per node."""
+    free: dict[str, dict[str, float]] = ray_state.available_resources_per_node()  # type: ignore[no-untyped-call]
+    return free

@@ -125,7 +125,7 @@ class DriverReport(JsonTyped):
         ge=1,
         description="The driver's sequence number; a report at or below the last applied one is a replay.",
     )
-    state: Literal["RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"] | None = None
+    state: Literal["RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "PREEMPTED"] | None = None
     message: str | None = Field(default=None, max_length=100_000)
     details: dict[str, Any] = Field(
         default_factory=dict, description="Stored on the state change's event (e.g. lost node, new world size)."

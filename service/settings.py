@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ringmaster.service.ray_auth import RayAuth
+from ringmaster.service.scheduling.model import PolicyName
 
 
 class Settings(BaseSettings):
@@ -38,6 +39,27 @@ class Settings(BaseSettings):
     )
     admission_wait_s: float = Field(
         default=1.0, gt=0, description="How long to wait for a placement group before leaving a job queued."
+    )
+    scheduling_policy: PolicyName = Field(
+        default=PolicyName.ELASTIC,
+        description="How queued jobs share the cluster: fifo (priority, then age; a job that does not fit is passed "
+        "over), backfill (fifo with a reservation for the head of the queue), fair (backfill, equal priorities by "
+        "tenant fair share), elastic (fair, plus preemption of lower-priority jobs), las (least attained service).",
+    )
+    min_run_before_preemption_s: float = Field(
+        default=300.0, ge=0, description="How long a job runs before a job of higher priority may preempt it."
+    )
+    min_resize_interval_s: float = Field(default=60.0, ge=0, description="The least time between two resizes of a job.")
+    fair_share_half_life_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Fair share weighs a tenant's usage this long ago half as much as its usage now.",
+    )
+    preemption_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long a preempted job has to save and stop; then its attempt is stopped, and it resumes from "
+        "its latest checkpoint.",
     )
     driver_python: str = Field(default="python", description="Interpreter that runs the job driver on the Ray cluster.")
     driver_resources: dict[str, float] = Field(

@@ -36,6 +36,8 @@ class Reporter:
         self.handled_seq = 0  # every report up to this one was answered: stored, or refused for good (4xx)
         self.ended = threading.Event()  # the control plane ignores this attempt now
         self.ended_state: str | None = None  # the job's state when it said so
+        self.preempting = threading.Event()  # the control plane asks this attempt to save and stop
+        self.preempted_for: str | None = None  # ... for this job (None: its node is draining)
         self._thread = threading.Thread(target=self._flush_loop, name="reporter", daemon=True)
         self._thread.start()
 
@@ -102,6 +104,10 @@ class Reporter:
             ack = response.json()
         except ValueError:
             return
+        if ack.get("preempting") and not self.preempting.is_set():
+            self.preempted_for = ack.get("preempted_for")
+            self.preempting.set()
+            log.warning("the control plane preempts this attempt (for job %s): saving and stopping", self.preempted_for)
         if ack.get("accepted") is False and not self.ended.is_set():
             self.ended_state = ack.get("state")
             self.ended.set()

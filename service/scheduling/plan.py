@@ -361,12 +361,15 @@ class _Pass:
         tenant = self.tenants.get(job.tenant) or self.tenant(job.tenant)
         room = _UNBOUNDED
         if tenant.limited:
-            room, over_quota = self._quota_room(tenant, shape, new_job=True)
+            room, over_quota = self._quota_room(tenant, shape, new_job=True, min_workers=job.min_workers)
             if room < job.min_workers:
                 return over_quota
         idle = self.idle[pool_index].workers_fitting(need)
         if idle < job.min_workers:
-            return f"the cluster's nodes hold only {idle} such workers even idle; it needs {job.min_workers}"
+            return (
+                f"the cluster's nodes hold only {idle} workers of {_amount(need, pool_index)} each even when idle; "
+                f"it needs {job.min_workers}: it waits for nodes to join"
+            )
         pool = self.pools[pool_index]
         fitting = pool.workers_fitting(need)
         upper = min(job.max_workers, room)
@@ -399,20 +402,32 @@ class _Pass:
             reason = self.reasons[reason_key] = reason + note
         return reason
 
-    def _quota_room(self, tenant: _Tenant, shape: WorkerShape, new_job: bool) -> tuple[int, str]:
-        """The most workers of this shape the tenant's quota still allows, and the reason when that is too few."""
+    def _quota_room(self, tenant: _Tenant, shape: WorkerShape, new_job: bool, min_workers: int = 1) -> tuple[int, str]:
+        """The most workers of this shape the tenant's quota still allows, and the reason when that is fewer than
+        min_workers (worded as the service's own quota check words it, service/tenants.py)."""
         view, name = tenant.view, tenant.view.name
         if new_job and view.quota_jobs is not None and tenant.jobs >= view.quota_jobs:
-            return 0, f"over tenant {name}'s quota of {view.quota_jobs} jobs ({tenant.jobs} running)"
+            return (
+                0,
+                f"over quota: tenant {name!r} already runs {tenant.jobs} of its {view.quota_jobs} concurrent job(s)",
+            )
         room, reason = _UNBOUNDED, ""
+        needs = f"; this job needs {{}} more at workers.min {min_workers}"
         if view.quota_gpus is not None and shape.gpus > 0:
             fits = workers_in(max(view.quota_gpus - tenant.gpus, 0.0), shape.gpus)
             if fits < room:
-                room, reason = fits, f"over tenant {name}'s quota of {view.quota_gpus} GPUs ({tenant.gpus:g} held)"
+                room = fits
+                reason = (
+                    f"over quota: tenant {name!r} holds {tenant.gpus:g} of its {view.quota_gpus} GPU(s)"
+                    + needs.format(shape.gpus * min_workers)
+                )
         if view.quota_cpus is not None and shape.cpus > 0:
             fits = workers_in(max(view.quota_cpus - tenant.cpus, 0.0), shape.cpus)
             if fits < room:
-                room, reason = fits, f"over tenant {name}'s quota of {view.quota_cpus:g} CPUs ({tenant.cpus:g} held)"
+                room = fits
+                reason = f"over quota: tenant {name!r} holds {tenant.cpus:g} of its {view.quota_cpus:g} CPU(s)" + (
+                    needs.format(f"{shape.cpus * min_workers:g}")
+                )
         return room, reason
 
     def _admit(self, job: QueuedJob, size: int, upper: int, pool_index: int, need: float) -> None:

@@ -83,20 +83,18 @@ def test_a_job_the_idle_cluster_could_never_hold_says_so_and_one_that_waits_for_
     dispatcher.run_once()
     never = _submit(db, _spec("never", workers=8))
     later = _submit(db, _spec("later", workers=4))
-    calls = []
-    capacities = cluster.node_capacities
-    cluster.node_capacities = lambda: calls.append(1) or capacities()
+    views = []
+    read_view = cluster.cluster_view
+    cluster.cluster_view = lambda groups: views.append(1) or read_view(groups)
     dispatcher.run_once()
     with db.sessions() as session:
         reasons = {job_id: session.get(Job, job_id).waiting_reason for job_id in (never, later)}
     assert _state(db, running) == JobState.ADMITTED
     assert reasons[never] == (
-        "waiting for cluster capacity: no room now for 8 worker(s) of 1 CPU and 0 GPU each; the "
-        "cluster's 1 node(s), 4 CPU and 0 GPU in all, hold 4 such worker(s) even when idle: the job "
-        "waits for nodes to join"
+        "the cluster's nodes hold only 4 workers of 1 CPUs each even when idle; it needs 8: it waits for nodes to join"
     )
-    assert reasons[later] == "waiting for cluster capacity: no room now for 4 worker(s) of 1 CPU and 0 GPU each"
-    assert len(calls) == 1, "the cluster's nodes are read once per pass"
+    assert reasons[later] == "reserved: head of the queue, waits for 2 CPUs more to free"
+    assert len(views) == 1, "the cluster is read once per pass"
 
 
 def test_workers_fitting_counts_each_nodes_whole_bundles() -> None:
@@ -368,3 +366,132 @@ def test_warm_pool_upkeep_names_the_active_attempts_and_never_stops_admission(db
     queued = _submit(db, _spec("queued", workers=2))
     dispatcher.run_once()
     assert _state(db, queued) == JobState.ADMITTED
+
+
+# -- the plan: one read, one plan, preemption ------------------------------------------------------------------------
+
+
+def _preempting_dispatcher(db: Database, cpus: int = 4, **settings: float) -> tuple[Dispatcher, FakeCluster]:
+    cluster = FakeCluster(cpus=cpus)
+    configured = Settings(
+        api_url="http://control-plane:8765",
+        storage_uri="/ckpt",
+        driver_python="python3",
+        min_run_before_preemption_s=0,
+        **settings,
+    )
+    return Dispatcher(db.sessions, cluster, configured, owner="test-dispatcher"), cluster
+
+
+def _report(db: Database, job_id: str, seq: int, state: str | None = None) -> jobs.ReportResult:
+    with db.sessions() as session, session.begin():
+        attempt = session.get(Job, job_id).attempt
+        return jobs.apply_driver_report(session, job_id, attempt, DriverReport(seq=seq, state=state))
+
+
+def _finish(db: Database, cluster: FakeCluster, job_id: str) -> None:
+    """The job's driver reports SUCCEEDED and its Ray job ends."""
+    _report(db, job_id, 90, "SUCCEEDED")
+    with db.sessions() as session:
+        cluster.ray_status[session.get(Job, job_id).submission_id] = "SUCCEEDED"
+
+
+def test_freed_capacity_goes_to_the_high_priority_job_not_to_one_of_twenty_low_ones_queued_before_it(db):
+    """The priority inversion of issue 47: one pass reads the cluster once and plans, so the priority-9 job, the head
+    of the queue, gets the room a finished job frees; placement groups are made only for admitted jobs."""
+    dispatcher, cluster = _preempting_dispatcher(db, cpus=2, scheduling_policy="backfill")
+    running = _submit(db, _spec("running", workers=2))
+    dispatcher.run_once()
+    _report(db, running, 1, "RUNNING")
+    lows = [_submit(db, _spec(f"low-{index}", workers=2)) for index in range(20)]
+    high = _submit(db, _spec("high", workers=2, priority=9))
+    reserved = []
+    reserve = cluster.reserve
+    cluster.reserve = lambda name, bundles, wait_s: reserved.append(name) or reserve(name, bundles, wait_s)
+    dispatcher.run_once()
+    assert reserved == [], "no placement group is tried for a job the plan does not admit"
+    with db.sessions() as session:
+        positions = {job_id: session.get(Job, job_id).queue_position for job_id in [high, *lows]}
+        assert session.get(Job, high).waiting_reason.startswith("reserved: head of the queue")
+    assert positions == {job_id: position for position, job_id in enumerate([high, *lows], start=1)}
+    _finish(db, cluster, running)
+    dispatcher.run_once()
+    assert _state(db, high) == JobState.ADMITTED
+    assert [_state(db, low) for low in lows] == [JobState.QUEUED] * 20
+    assert reserved == [f"ringmaster-{high}-1"]
+
+
+def test_a_low_priority_job_is_preempted_whole_then_queued_again_in_its_place_and_resumes_without_a_failure(db):
+    dispatcher, cluster = _preempting_dispatcher(db)
+    low = _submit(db, _spec("low", workers=4).model_copy(update={"max_failures": 0}))
+    dispatcher.run_once()
+    _report(db, low, 1, "RUNNING")
+    high = _submit(db, _spec("high", workers=4, priority=9))
+    dispatcher.run_once()
+    assert (_state(db, low), _state(db, high)) == (JobState.RUNNING, JobState.QUEUED)
+    answer = _report(db, low, 2)
+    assert (answer.accepted, answer.preempting, answer.preempted_for) == (True, True, high)
+    dispatcher.run_once()
+    assert _state(db, high) == JobState.QUEUED, "it starts once the preempted job has saved and freed its room"
+    assert cluster.free_cpus == 0
+    stopped = _report(db, low, 3, "PREEMPTED")
+    assert (stopped.state, stopped.accepted) == (JobState.PREEMPTED, False), "the driver's attempt is over"
+    cluster.ray_status[f"ringmaster-{low}-1"] = "SUCCEEDED"  # the driver exited after its report
+    dispatcher.run_once()
+    with db.sessions() as session:
+        job = session.get(Job, low)
+        assert (job.state, job.failures, job.preemptions, job.preempted_for) == (JobState.QUEUED, 0, 1, high)
+        assert job.queue_position == 1 and job.waiting_reason.startswith("reserved: head of the queue")
+        events = [event.to_state for event in jobs.list_events(session, low).items if event.kind == "transition"]
+    assert events[-2:] == [JobState.PREEMPTED, JobState.QUEUED]
+    assert _state(db, high) == JobState.ADMITTED
+    _report(db, high, 1, "RUNNING")
+    _finish(db, cluster, high)
+    dispatcher.run_once()
+    dispatcher.run_once()
+    with db.sessions() as session:
+        job = session.get(Job, low)
+        assert (job.state, job.attempt, job.failures) == (JobState.ADMITTED, 2, 0), "resumed as a new attempt"
+
+
+def test_a_preempted_driver_that_does_not_stop_in_time_is_stopped_and_its_job_queued_again(db):
+    dispatcher, cluster = _preempting_dispatcher(db, preemption_timeout_s=30)
+    low = _submit(db, _spec("low", workers=4))
+    dispatcher.run_once()
+    _report(db, low, 1, "RUNNING")
+    high = _submit(db, _spec("high", workers=4, priority=9))
+    dispatcher.run_once()
+    with db.sessions() as session, session.begin():
+        session.get(Job, low).preempt_requested_at -= timedelta(seconds=31)
+    dispatcher.run_once()  # overdue: PREEMPTED, the attempt stopped and closed, the job queued again
+    assert cluster.stopped == [f"ringmaster-{low}-1"]
+    with db.sessions() as session:
+        job = session.get(Job, low)
+        assert (job.state, job.failures, job.preemptions) == (JobState.QUEUED, 0, 1)
+    dispatcher.run_once()
+    assert _state(db, high) == JobState.ADMITTED
+
+
+def test_a_job_that_is_not_preemptible_or_of_equal_priority_is_never_preempted(db):
+    dispatcher, _ = _preempting_dispatcher(db)
+    pinned = _submit(db, _spec("pinned", workers=2).model_copy(update={"preemptible": False}))
+    peer = _submit(db, _spec("peer", workers=2, priority=9))
+    dispatcher.run_once()
+    waiting = _submit(db, _spec("waiting", workers=2, priority=9))
+    dispatcher.run_once()
+    dispatcher.run_once()
+    with db.sessions() as session:
+        assert [session.get(Job, job_id).preempt_requested_at for job_id in (pinned, peer)] == [None, None]
+        assert session.get(Job, waiting).state == JobState.QUEUED
+
+
+def test_a_job_is_not_preempted_before_it_has_run_min_run_before_preemption_s(db):
+    dispatcher, _ = _preempting_dispatcher(db)
+    dispatcher.settings = dispatcher.settings.model_copy(update={"min_run_before_preemption_s": 3600})
+    low = _submit(db, _spec("low", workers=4))
+    dispatcher.run_once()
+    high = _submit(db, _spec("high", workers=4, priority=9))
+    dispatcher.run_once()
+    with db.sessions() as session:
+        assert session.get(Job, low).preempt_requested_at is None
+        assert session.get(Job, high).waiting_reason.endswith(f"job {low} may give way in 3600 s")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import ray
 from packaging.specifiers import SpecifierSet
+from ray._private import state as ray_state
 from ray.experimental import internal_kv
 
 from ringmaster.service import ray_internals
@@ -36,3 +37,7 @@ def test_rays_internal_kv_takes_the_arguments_ringmaster_passes() -> None:
     delete = _parameters(internal_kv._internal_kv_del)
     assert list(delete)[:1] == ["key"] and delete["namespace"].kind == keyword, delete
     assert delete["del_by_prefix"].default is False, "one key is deleted, not every key it starts"
+
+
+def test_rays_per_node_free_resources_take_no_arguments() -> None:
+    assert _parameters(ray_state.available_resources_per_node) == {}

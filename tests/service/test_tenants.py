@@ -384,7 +384,7 @@ def test_no_capacity_is_a_waiting_reason_too(service: Service) -> None:
     job_id = service.submit("a", _spec((8, 8)))
     service.cluster.free_cpus = 4
     service.dispatcher.run_once()
-    assert service.job(job_id)["waiting_reason"].startswith("waiting for cluster capacity: no room now for 8 worker(s)")
+    assert service.job(job_id)["waiting_reason"] == "reserved: head of the queue, waits for 4 CPUs more to free"
 
 
 def test_report_secret_travels_in_the_drivers_handoff_and_is_bound_to_its_attempt(service: Service) -> None:

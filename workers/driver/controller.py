@@ -157,6 +157,12 @@ class Controller:
             return self._start()
         if isinstance(state, Running):
             return self._run(state)
+        if self.reporter.preempting.is_set():
+            # Not training now (starting, re-forming): nothing newer than the latest checkpoint to save.
+            self._report(
+                state="PREEMPTED", message="stopped while the group formed; resumes from its latest checkpoint"
+            )
+            return Finished(succeeded=False)
         if isinstance(state, (Recovering, Resizing)):
             return self._regroup(state)
         if isinstance(state, Placing):
@@ -214,18 +220,38 @@ class Controller:
                 return Failed(decision.reason)
             return Recovering(result.lost, decision.reason)
         if result.finished is not None:
-            if any(outcome["stopped"] for outcome in result.finished):
+            stopped = [outcome for outcome in result.finished if outcome["stopped"]]
+            if stopped and running.preempting:
+                return self._preempted(stopped[0])
+            if stopped:
                 return Resizing()
             final = result.finished[0]
             self._report(
                 state="SUCCEEDED", message=f"finished at step {final['step']}, checkpoint {final['checkpoint_uri']}"
             )
             return Finished(succeeded=True)
+        if self.reporter.preempting.is_set() and not running.preempting:
+            if not running.stopping:
+                self.group.request_stop()  # every rank stops after this step and saves a durable checkpoint
+            running.stopping = running.preempting = True
+            return running
         self._keep_workers_warm()
         if not running.stopping and self.scaling.should_grow(self._group_and_warm()):
             self.group.request_stop()  # every rank stops after this step and checkpoints
             running.stopping = True
         return running
+
+    def _preempted(self, stopped: dict[str, Any]) -> Finished:
+        """The group saved at a step boundary for a preemption: say so, and end the attempt (the job is queued again
+        and resumes from this checkpoint, no step redone)."""
+        for_job = self.reporter.preempted_for
+        self._report(
+            state="PREEMPTED",
+            message=f"saved at step {stopped['step']} ({stopped['checkpoint_uri']}) and stopped, "
+            + (f"preempted for job {for_job}" if for_job else "moving off a draining node"),
+            details={"step": stopped["step"], "checkpoint_uri": stopped["checkpoint_uri"], "preempted_for": for_job},
+        )
+        return Finished(succeeded=False)
 
     def _forward(self, result: PollResult) -> None:
         """Forward rank 0's metrics, checkpoints and events, and each rank's one memory report."""

@@ -9,6 +9,7 @@ ScriptRunning ──(workers lost)──▶ ScriptRestarting ──(every proces
 ScriptRunning ──(a rank exited non-zero, could not start)──▶ Failed (the other ranks stopped first)
 ScriptPlacing ──(fewer than workers.min placeable for too long)──▶ Failed
 any ──(the control plane ended the attempt: cancelled)──▶ Finished (every process stopped with stop_grace_s)
+ScriptRunning ──(preempted)──▶ Finished (every process stopped with stop_grace_s, PREEMPTED reported)
 
 Unlike the managed group, a script's group never changes size while it runs: torchrun's elastic semantics restart
 every process of the group at the size the scaling policy decides, with TORCHELASTIC_RESTART_COUNT one higher, and
@@ -238,6 +239,19 @@ class ScriptController:
         if self.reporter.ended.is_set():
             log.info("the control plane ended this attempt (job %s): stopping the script", self.reporter.ended_state)
             self._stop_all(self.spec.stop_grace_s)
+            return Finished(succeeded=False)
+        if self.reporter.preempting.is_set():
+            # As torchrun's scripts are stopped: SIGTERM, stop_grace_s to save, then SIGKILL; the job is queued again
+            # and its script resumes from what it saved in RINGMASTER_CHECKPOINT_DIR.
+            self._stop_all(self.spec.stop_grace_s)
+            for_job = self.reporter.preempted_for
+            self._report(
+                state="PREEMPTED",
+                message="the script was stopped (SIGTERM, then "
+                f"{self.spec.stop_grace_s:g} s to save), "
+                + (f"preempted for job {for_job}" if for_job else "moving off a draining node"),
+                details={"preempted_for": for_job, "restart_count": running.restart_count},
+            )
             return Finished(succeeded=False)
         lost = self._poll(running)
         if not lost and any(ended.code != 0 and not ended.stopped for ended in running.exits.values()):

@@ -24,7 +24,8 @@ class Starting:
 @dataclass
 class Running:
     poll: TrainingPoll
-    stopping: bool = False  # asked the group to stop at the next step, to grow
+    stopping: bool = False  # asked the group to stop at the next step, to grow or to be preempted
+    preempting: bool = False  # ... to be preempted: the attempt ends once the group has saved
 
 
 @dataclass(frozen=True)

@@ -275,15 +275,19 @@ def test_quotas_are_hard_ceilings_over_running_and_newly_admitted_jobs() -> None
     )
     decided = plan(state)
     assert {admission.job_id: admission.workers for admission in decided.admissions} == {"a-elastic": 1}
-    assert reason_of(decided, "a-two") == "over tenant a's quota of 4 GPUs (3 held)"
-    assert reason_of(decided, "b-one") == "over tenant b's quota of 1 jobs (1 running)"
+    assert reason_of(decided, "a-two") == (
+        "over quota: tenant 'a' holds 3 of its 4 GPU(s); this job needs 2 more at workers.min 2"
+    )
+    assert reason_of(decided, "b-one") == "over quota: tenant 'b' already runs 1 of its 1 concurrent job(s)"
 
 
 def test_a_job_larger_than_the_idle_cluster_says_so_and_blocks_nobody() -> None:
     decided = plan(
         snapshot(gpu_nodes(2), [], [queued("huge", 3), queued("small", 1, submitted_at=1.0)], policy=BACKFILL)
     )
-    assert reason_of(decided, "huge") == "the cluster's nodes hold only 2 such workers even idle; it needs 3"
+    assert reason_of(decided, "huge") == (
+        "the cluster's nodes hold only 2 workers of 1 GPUs each even when idle; it needs 3: it waits for nodes to join"
+    )
     assert admitted(decided).keys() == {"small"}
 
 

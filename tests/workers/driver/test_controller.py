@@ -262,6 +262,8 @@ class FakeReporter:
     def __init__(self) -> None:
         self.ended = threading.Event()
         self.ended_state: str | None = None
+        self.preempting = threading.Event()
+        self.preempted_for: str | None = None
         self.handled_seq = 0
         self.reports: list[dict[str, Any]] = []
 
@@ -277,6 +279,11 @@ class FakeReporter:
         """The control plane answers that it no longer takes this attempt's reports."""
         self.ended_state = state
         self.ended.set()
+
+    def preempt(self, for_job: str | None) -> None:
+        """The control plane answers that this attempt is preempted."""
+        self.preempted_for = for_job
+        self.preempting.set()
 
 
 class FakePoll:
@@ -535,6 +542,45 @@ def test_a_group_stopped_at_a_step_to_grow_is_resizing(tmp_path: Path) -> None:
     driver.poll.results.append(PollResult(finished=[stopped, stopped]))
     assert driver.step() == Resizing()
     assert driver.reporter.states == ["RUNNING"]  # no SUCCEEDED: it stopped to grow
+
+
+def test_a_preempted_group_stops_at_its_next_step_saves_and_the_attempt_ends_preempted(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, min_=2, max_=2, admitted=2)
+    running = driver.running()
+    driver.reporter.preempt("job-high")
+    assert driver.step() is running and running.preempting and driver.group.stop_requests == 1
+    driver.step()
+    assert driver.group.stop_requests == 1, "asked once"
+    stopped = {"stopped": True, "step": 40, "checkpoint_uri": "file:///ckpt/step-40"}
+    driver.poll.results.append(PollResult(finished=[stopped, stopped]))
+    assert driver.step() == Finished(succeeded=False)
+    preempted = driver.reporter.reports[-1]
+    assert preempted["state"] == "PREEMPTED"
+    assert preempted["message"] == "saved at step 40 (file:///ckpt/step-40) and stopped, preempted for job job-high"
+    assert preempted["details"]["step"] == 40
+
+
+def test_a_preemption_while_growing_still_ends_the_attempt_instead_of_resizing(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, min_=2, max_=3, admitted=2)
+    running = driver.running()
+    driver.standby.warming = [_worker(driver.bundles.add("node-7"), "node-7")]
+    driver.step()
+    assert running.stopping and driver.group.stop_requests == 1
+    driver.reporter.preempt(None)
+    driver.step()
+    assert driver.group.stop_requests == 1, "the stop already asked for serves the preemption"
+    stopped = {"stopped": True, "step": 41, "checkpoint_uri": "file:///ckpt/step-41"}
+    driver.poll.results.append(PollResult(finished=[stopped, stopped]))
+    assert driver.step() == Finished(succeeded=False)
+    assert driver.reporter.reports[-1]["message"].endswith("moving off a draining node")
+
+
+def test_a_preemption_while_re_forming_ends_the_attempt_at_once(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, min_=2, max_=3, admitted=2)
+    driver.running()
+    driver.reporter.preempt("job-high")
+    assert driver.controller.step(Resizing()) == Finished(succeeded=False)
+    assert driver.reporter.reports[-1]["state"] == "PREEMPTED"
 
 
 # -- Recovering and Resizing -----------------------------------------------------------------------------------------

@@ -163,6 +163,8 @@ class FakeReporter:
         self.reports: list[dict[str, Any]] = []
         self.ended = threading.Event()
         self.ended_state: str | None = None
+        self.preempting = threading.Event()
+        self.preempted_for: str | None = None
 
     def report(self, **fields: Any) -> int:
         self.reports.append(fields)
@@ -253,6 +255,19 @@ def test_a_cancel_stops_every_process_with_the_grace_and_ends_the_attempt(tmp_pa
     controller.reporter.ended.set()
     assert controller.step(state) == Finished(succeeded=False)
     assert [actor.stops for actor in _actors(controller)] == [[7], [7]]
+
+
+def test_a_preempted_script_is_stopped_with_its_grace_and_the_attempt_ends_preempted(tmp_path: Path) -> None:
+    controller = _controller(tmp_path, ["node-a", "node-b"], 2, 2)
+    state = controller.step(ScriptPlacing(restart_count=0, waiting_since=0.0))
+    controller.reporter.preempted_for = "job-high"
+    controller.reporter.preempting.set()
+    assert controller.step(state) == Finished(succeeded=False)
+    assert [actor.stops for actor in _actors(controller)] == [[7], [7]], "SIGTERM, then stop_grace_s to save"
+    assert controller.reporter.states == ["RUNNING", "PREEMPTED"]
+    assert controller.reporter.reports[-1]["message"] == (
+        "the script was stopped (SIGTERM, then 7 s to save), preempted for job job-high"
+    )
 
 
 def test_a_rank_that_exits_non_zero_fails_the_job_once_and_the_others_are_stopped(tmp_path: Path) -> None:
