@@ -65,6 +65,7 @@ class StandInCluster:
         self.warm_pool_calls: list[tuple[int, set[str]]] = []
         self.warm_pool_envs: dict[str, dict[str, Any]] = {}  # the pools asked for by the latest keep_warm
         self.status_calls: list[str] = []
+        self.resource_requests: list[list[dict[str, float]]] = []  # each request_resources call's bundles
         self._lock = threading.Lock()
         self._drivers = drivers
         self._driver_thread: threading.Thread | None = None
@@ -98,6 +99,9 @@ class StandInCluster:
         with self._lock:
             held = {name: self.group_bundles[name] for name in groups if name in self.groups}
         return ClusterView(nodes=[node], groups={name: [STANDIN_NODE] * count for name, count in held.items()})
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        self.resource_requests.append(bundles)
 
     def release(self, name: str) -> None:
         with self._lock:

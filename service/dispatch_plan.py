@@ -20,8 +20,9 @@ from sqlalchemy import Row, select, update
 from sqlalchemy.orm import Session
 
 from ringmaster.service.models import Attempt, Job, Tenant
+from ringmaster.service.queue_view import ShareSample
 from ringmaster.service.ray_cluster import ClusterView
-from ringmaster.service.scheduling.fair_share import FairShareLedger, Held, held_by_tenant
+from ringmaster.service.scheduling.fair_share import FairShareLedger, Held, dominant_share, held_by_tenant
 from ringmaster.service.scheduling.model import (
     NodeView,
     Plan,
@@ -230,3 +231,51 @@ def record_queue(session: Session, decided: Plan, stored: dict[str, tuple[int | 
         )
         changed += 1
     return changed
+
+
+def share_samples(state: SchedulingInput) -> list[ShareSample]:
+    """Each tenant's standing in this pass, as the queue view's series records it: what its jobs hold, its dominant
+    share now, its decayed share, and what its weight entitles it to among the tenants with work (running or queued;
+    a tenant without work is entitled to nothing, and shown only while its decayed share lasts)."""
+    capacity = Held(float(sum(node.total_gpus for node in state.nodes)), sum(node.total_cpus for node in state.nodes))
+    held = held_by_tenant(state.running)
+    with_work = set(held) | {job.tenant for job in state.queued}
+    views = {tenant.name: tenant for tenant in state.tenants}
+    weights = {name: views[name].weight if name in views else 1.0 for name in with_work}
+    total_weight = sum(weights.values())
+    return [
+        ShareSample(
+            tenant=name,
+            held_gpus=int(held.get(name, Held()).gpus),
+            held_cpus=held.get(name, Held()).cpus,
+            share=dominant_share(held.get(name, Held()), capacity),
+            decayed_share=views[name].decayed_share if name in views else 0.0,
+            entitled_share=weights[name] / total_weight if total_weight > 0 else 0.0,
+        )
+        for name in sorted(with_work | {name for name, view in views.items() if view.decayed_share > 0})
+    ]
+
+
+def autoscaler_request(state: SchedulingInput, decided: Plan, limit: int) -> list[dict[str, float]]:
+    """The shapes Ray's autoscaler should make room for at once: every running job's workers, then the workers.min of
+    each queued job in plan order that its tenant's quota admits (what a node added would let start), at most `limit`
+    bundles. Ray's autoscaler packs these onto the nodes there are and adds nodes for what does not fit."""
+    bundles: list[dict[str, float]] = []
+
+    def add(shape: WorkerShape, count: int) -> None:
+        bundle = {"GPU": float(shape.gpus)} if shape.gpus > 0 else {"CPU": float(shape.cpus)}
+        bundles.extend(dict(bundle) for _ in range(min(count, limit - len(bundles))))
+
+    for job in state.running:
+        add(job.shape, job.workers)
+    queued = {job.id: job for job in state.queued}
+    admitted = admission_sizes(decided)
+    for position in decided.queue:
+        if len(bundles) >= limit:
+            break
+        waiting = queued[position.job_id]
+        if waiting.id in admitted:
+            add(waiting.shape, admitted[waiting.id])
+        elif not position.reason.startswith("over quota"):
+            add(waiting.shape, waiting.min_workers)
+    return bundles

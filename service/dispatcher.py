@@ -25,7 +25,7 @@ from typing import Any, cast
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ringmaster.service import auth, code_store, dispatch_plan, jobs, queue, telemetry, tenants
+from ringmaster.service import auth, code_store, dispatch_plan, jobs, queue, queue_view, telemetry, tenants
 from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.errors import CodeNotFound
 from ringmaster.service.models import Attempt, Job, utcnow
@@ -47,6 +47,9 @@ _DRIVER_EXIT_GRACE_S = 30.0
 _SCRIPT_STOP_MARGIN_S = 15.0  # a cancelled script job's driver: to hear of the cancel, and to end after the grace
 _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
+# Ray's autoscaler is asked to make room for at most this many worker bundles at once (running and queued together).
+_AUTOSCALER_BUNDLES = 10_000
+_SHARE_SAMPLE_INTERVAL_S = 10.0  # each tenant's standing is recorded this often (the queue view's chart)
 _RECENT_JOBS_FOR_POOLS = 50  # the runtime envs that keep a warm pool are found among this many newest jobs
 _RAN_IN_ITS_ENV = [JobState.RUNNING.value, JobState.RECOVERING.value, JobState.SUCCEEDED.value]
 # A driver reports every second while its job trains; one that reported this recently is not asked after in Ray.
@@ -89,6 +92,8 @@ class Dispatcher:
         # Each tenant's decayed share of the cluster, fed at every pass; kept in this process (a restarted dispatcher
         # starts every tenant at 0, and the shares rebuild within a half-life).
         self._ledger = FairShareLedger(settings.fair_share_half_life_s, start=time.time())
+        self._share_sample_due = 0.0
+        self._autoscaler_request: list[dict[str, float]] | None = None  # the bundles last sent to request_resources
 
     def run_once(self) -> None:
         self.watch_active_jobs()
@@ -159,10 +164,13 @@ class Dispatcher:
         """One scheduling pass: read the queue, the running jobs and the cluster once, plan (service/scheduling), then
         carry the plan out: ask the jobs it preempts to save and stop, admit the jobs it starts (a placement group
         only for those), and record every queued job's place and why it waits."""
+        sample_due = time.monotonic() >= self._share_sample_due
         with self.sessions() as session:
             queued, active, tenant_rows = dispatch_plan.read_jobs(session)
         if not queued:
-            return
+            self._ask_autoscaler([])  # nothing waits: the nodes it asked for are not held for nothing
+            if not (sample_due and active):
+                return
         live_groups = [row.placement_group for row in active if row.placement_group]
         view = self.cluster.cluster_view(live_groups)
         now = time.time()
@@ -176,10 +184,16 @@ class Dispatcher:
             now,
             resizable=LIVE_RESIZES,
         )
+        if sample_due:
+            self._share_sample_due = time.monotonic() + _SHARE_SAMPLE_INTERVAL_S
+            with self.sessions() as session, session.begin():
+                queue_view.record_shares(session, utcnow(), dispatch_plan.share_samples(pass_input.state))
+        if not queued:
+            return
         decided = plan(pass_input.state)
+        self._ask_autoscaler(dispatch_plan.autoscaler_request(pass_input.state, decided, _AUTOSCALER_BUNDLES))
         for preemption in decided.preemptions:
             self._preempt(preemption.job_id, preemption.for_job)
-        reasons: dict[str, str] = {}
         for job_id, size in dispatch_plan.admission_sizes(decided).items():
             job = queue.claim(self.sessions, job_id, self.owner, self.settings.lease_s)
             if job is None:
@@ -189,10 +203,21 @@ class Dispatcher:
                 reason = self._admit(job, size)
             finally:
                 if reason is not None:
-                    reasons[job_id] = reason
                     queue.release(self.sessions, job.id, self.owner, reason)
         with self.sessions() as session, session.begin():
             dispatch_plan.record_queue(session, decided, pass_input.queued_rows)
+
+    def _ask_autoscaler(self, bundles: list[dict[str, float]]) -> None:
+        """The one writer of Ray's request_resources: sent when it changes (and once at start, clearing what an earlier
+        dispatcher asked for). An autoscaler that cannot be told now is told at a later pass."""
+        if bundles == self._autoscaler_request:
+            return
+        try:
+            self.cluster.request_resources(bundles)
+        except Exception as error:
+            log.warning("could not tell the autoscaler what the queue needs: %s", error)
+            return
+        self._autoscaler_request = bundles
 
     def _preempt(self, job_id: str, for_job: str | None) -> None:
         """Ask a running job's driver to save at its next step and stop; the plan that preempts it admits `for_job`
@@ -202,6 +227,7 @@ class Dispatcher:
             job = session.get(Job, job_id)
             if job is None or not jobs.request_preemption(session, job, for_job, reason):
                 return
+            telemetry.record_preemption(session, job)
         log.info("job %s preempted: %s", job_id, reason, extra={"job_id": job_id, "preempted_for": for_job})
 
     def end_overdue_preemptions(self) -> None:

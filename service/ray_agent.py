@@ -292,6 +292,13 @@ class AgentOps:
                 placements[table["name"]] = [on_nodes.get(index) for index in range(len(table.get("bundles", {})))]
         return {"nodes": nodes, "groups": placements}
 
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        """Tell Ray's autoscaler the shapes the cluster should hold at once (replacing the previous request; [] clears
+        it). A hint the autoscaler bin-packs onto nodes it may add; a cluster without one ignores it."""
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+
     def ping(self) -> str:
         address: str = self._ray.get_runtime_context().gcs_address  # Ray's property is unannotated
         return address

@@ -76,6 +76,7 @@ class ClusterBackend(Protocol):
     ) -> None: ...
     def node_capacities(self) -> list[dict[str, float]]: ...
     def cluster_view(self, groups: list[str]) -> ClusterView: ...
+    def request_resources(self, bundles: list[dict[str, float]]) -> None: ...
 
 
 class RayCluster:
@@ -180,6 +181,9 @@ class RayCluster:
     def cluster_view(self, groups: list[str]) -> ClusterView:
         view: ClusterView = self._agent_call("cluster_view", groups=groups)
         return view
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        self._agent_call("request_resources", bundles=bundles)
 
     def _agent_call(self, op: str, **args: Any) -> Any:
         if not self.agent.running and (why := _unreachable(self.address)):

@@ -13,7 +13,7 @@ from harness.standin_cluster import StandInCluster
 from ringmaster.service import jobs
 from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
-from ringmaster.service.models import Attempt, Job
+from ringmaster.service.models import Attempt, Job, TenantShare
 from ringmaster.service.naming import workers_fitting
 from ringmaster.service.reports import DriverReport
 from ringmaster.service.settings import Settings
@@ -495,3 +495,41 @@ def test_a_job_is_not_preempted_before_it_has_run_min_run_before_preemption_s(db
     with db.sessions() as session:
         assert session.get(Job, low).preempt_requested_at is None
         assert session.get(Job, high).waiting_reason.endswith(f"job {low} may give way in 3600 s")
+
+
+def test_each_pass_samples_every_tenants_standing_for_the_queue_view_at_most_every_few_seconds(db):
+    dispatcher, _ = _preempting_dispatcher(db)
+    running = _submit(db, _spec("running", workers=3))
+    dispatcher.run_once()  # admits it, and samples the standing before
+    _report(db, running, 1, "RUNNING")
+    waiting = _submit(db, _spec("waiting", workers=2).model_copy(update={"priority": -1}))
+    with db.sessions() as session, session.begin():
+        session.get(Job, waiting).tenant = "team-b"
+    dispatcher.run_once()
+    with db.sessions() as session:
+        assert [row.tenant for row in session.scalars(select(TenantShare))] == ["default"], "one sample so far"
+    dispatcher._share_sample_due = 0.0  # as if the sampling interval had passed
+    dispatcher.run_once()
+    with db.sessions() as session:
+        rows = list(session.scalars(select(TenantShare).order_by(TenantShare.id)))
+    assert [row.tenant for row in rows] == ["default", "default", "team-b"]
+    held, other = rows[1], rows[2]
+    assert (held.held_cpus, held.share, held.entitled_share) == (3.0, 0.75, 0.5)
+    assert 0 < held.decayed_share < 0.75, "the decayed share rises toward the share held"
+    assert (other.held_cpus, other.share, other.entitled_share) == (0.0, 0.0, 0.5)
+
+
+def test_the_autoscaler_is_asked_for_the_running_jobs_and_the_queue_within_quota_and_cleared_once_it_is_empty(db):
+    dispatcher, cluster = _preempting_dispatcher(db, cpus=4)
+    running = _submit(db, _spec("running", workers=3))
+    dispatcher.run_once()
+    _report(db, running, 1, "RUNNING")
+    waiting = _submit(db, _spec("waiting", workers=2))
+    dispatcher.run_once()
+    dispatcher.run_once()
+    assert cluster.resource_requests[-1] == [{"CPU": 1.0}] * 5, "3 running, and 2 for the job that waits for a node"
+    assert cluster.resource_requests.count(cluster.resource_requests[-1]) == 1, "sent once, not at every pass"
+    with db.sessions() as session, session.begin():
+        jobs.cancel_job(session, waiting)
+    dispatcher.run_once()
+    assert cluster.resource_requests[-1] == [], "nothing queued: the request is cleared"

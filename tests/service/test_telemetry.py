@@ -113,6 +113,7 @@ def test_metrics_count_queue_transitions_recoveries_and_running_jobs(client: Tes
         "SUCCEEDED": 0,
         "FAILED": 0,
         "CANCELLED": 1,
+        "PREEMPTED": 0,
     }
     transitions = {
         state.value: _value(samples, "ringmaster_job_transitions_total", to_state=state.value) for state in JobState
@@ -125,6 +126,7 @@ def test_metrics_count_queue_transitions_recoveries_and_running_jobs(client: Tes
         "SUCCEEDED": 0,
         "FAILED": 0,
         "CANCELLED": 1,
+        "PREEMPTED": 0,
     }
     assert _value(samples, "ringmaster_recoveries_total") == 1
     assert _value(samples, "ringmaster_recovery_duration_seconds_count") == 1
