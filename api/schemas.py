@@ -34,8 +34,17 @@ class JobOut(BaseModel):
         description="Why a QUEUED job was not admitted at the dispatcher's last pass "
         "(over its tenant's quota, no room on the cluster); null otherwise."
     )
+    queue_position: int | None = Field(
+        default=None,
+        description="A QUEUED job's place in the dispatcher's last plan (1 starts next); null otherwise, or before "
+        "its first plan.",
+    )
     attempt: int = Field(description="Current attempt number; 0 before the first dispatch.")
     failures: int
+    preemptions: int = Field(
+        default=0, description="How many times a job of higher priority preempted it (not counted as failures)."
+    )
+    preempted_for: str | None = Field(default=None, description="The job its latest preemption made room for.")
     priority: int
     created_at: datetime
     admitted_at: datetime | None = Field(description="When the current attempt was admitted.")
@@ -65,8 +74,11 @@ class JobOut(BaseModel):
             "tenant": job.tenant,
             "state": JobState(job.state),
             "waiting_reason": job.waiting_reason if job.state == JobState.QUEUED else None,
+            "queue_position": job.queue_position if job.state == JobState.QUEUED else None,
             "attempt": job.attempt,
             "failures": job.failures,
+            "preemptions": job.preemptions or 0,
+            "preempted_for": job.preempted_for,
             "priority": job.priority,
             "created_at": job.created_at,
             "admitted_at": job.admitted_at,

@@ -152,6 +152,7 @@ def submit_job(
         "priority": spec.priority,
         "attempt": 0,
         "failures": 0,
+        "preemptions": 0,
         "created_at": now,
         "cancel_requested": False,
         "tenant": principal.tenant,

@@ -275,14 +275,14 @@ def test_driver_reports_run_the_job_to_success(client: TestClient) -> None:
     job_id = _submit(client)["id"]
     _admit(client, job_id)
     running = _report(client, job_id, {"state": "RUNNING", "message": "2 workers up"})
-    assert running.json() == {"state": "RUNNING", "accepted": True}
+    assert running.json() == {"state": "RUNNING", "accepted": True, "preempting": False, "preempted_for": None}
     assert client.get(f"/v1/jobs/{job_id}").json()["started_at"] is not None
     done = _report(
         client,
         job_id,
         {"state": "SUCCEEDED", "checkpoints": [{"step": 9, "uri": "file:///c/9", "world_size": 2, "final": True}]},
     )
-    assert done.json() == {"state": "SUCCEEDED", "accepted": True}
+    assert done.json() == {"state": "SUCCEEDED", "accepted": True, "preempting": False, "preempted_for": None}
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["finished_at"] is not None and job["error"] is None
     kinds = [(e["kind"], e["to_state"]) for e in client.get(f"/v1/jobs/{job_id}/events").json()["items"]]
@@ -313,7 +313,12 @@ def test_replayed_report_stores_one_row_per_step_and_checkpoint(client: TestClie
         "checkpoints": [{"step": 3, "uri": "file:///ckpt/3", "world_size": 2}],
     }
     for _ in range(2):
-        assert _report(client, job_id, report).json() == {"state": "RUNNING", "accepted": True}
+        assert _report(client, job_id, report).json() == {
+            "state": "RUNNING",
+            "accepted": True,
+            "preempting": False,
+            "preempted_for": None,
+        }
     metrics = client.get(f"/v1/jobs/{job_id}/metrics").json()
     assert metrics["total"] == 3 and [(m["attempt"], m["step"], m["loss"]) for m in metrics["items"]] == [
         (1, 1, 2.0),
@@ -409,7 +414,7 @@ def test_reports_from_stale_attempts_or_finished_jobs_are_ignored(client: TestCl
         requeue(session, get_job(session, job_id), "driver lost")
     _admit(client, job_id, number=2)
     stale = _report(client, job_id, {"state": "RUNNING", "metrics": [{"step": 1, "loss": 1.0}]}, attempt=1)
-    assert stale.json() == {"state": "ADMITTED", "accepted": False}
+    assert stale.json() == {"state": "ADMITTED", "accepted": False, "preempting": False, "preempted_for": None}
     client.post(f"/v1/jobs/{job_id}/cancel")
     late = _report(
         client,
@@ -417,7 +422,7 @@ def test_reports_from_stale_attempts_or_finished_jobs_are_ignored(client: TestCl
         {"metrics": [{"step": 2, "loss": 1.0}], "checkpoints": [{"step": 2, "uri": "u", "world_size": 1}]},
         attempt=2,
     )
-    assert late.json() == {"state": "CANCELLED", "accepted": False}
+    assert late.json() == {"state": "CANCELLED", "accepted": False, "preempting": False, "preempted_for": None}
     assert client.get(f"/v1/jobs/{job_id}/metrics").json()["total"] == 0
     assert client.get(f"/v1/jobs/{job_id}/checkpoints").json()["total"] == 0
 

@@ -264,10 +264,9 @@ def test_gang_admission_leaves_a_too_large_job_queued_while_a_small_one_runs(cli
     waiting = client.job(big["id"])
     assert waiting["state"] == "QUEUED"
     # The cluster, idle, could not hold it: read from Ray's own account of its nodes.
-    assert waiting["waiting_reason"].endswith(
-        f"the cluster's 1 node(s), {CLUSTER_CPUS} CPU and 0 GPU in all, hold "
-        f"{CLUSTER_CPUS} such worker(s) even when idle: the job waits for nodes to "
-        "join"
+    assert waiting["waiting_reason"] == (
+        f"the cluster's nodes hold only {CLUSTER_CPUS} workers of 1 CPUs each even when idle; it needs 8: it waits "
+        "for nodes to join"
     ), waiting["waiting_reason"]
     client.cancel(big["id"])
 

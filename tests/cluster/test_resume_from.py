@@ -103,6 +103,7 @@ def test_spec_hash_unchanged_without_resume_from() -> None:
             "runtime_env": True,
             "command": True,
             "stop_grace_s": True,
+            "preemptible": True,
             "checkpoint": {"keep_best", "in_memory"},
             "parallel": {"blocks"},
             "train": {

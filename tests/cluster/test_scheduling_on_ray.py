@@ -64,7 +64,8 @@ def test_a_low_priority_job_is_preempted_whole_resumes_from_its_save_and_both_su
         event for event in events if event["to_state"] == "QUEUED" and (event["data"] or {}).get("preemptions")
     ]
     assert requeued["data"]["preemptions"] == 1
-    assert done_low["attempt"] == 2 and done_low["failures"] == 0, "a preemption is not a failure"
+    assert (done_low["attempt"], done_low["failures"], done_low["preemptions"]) == (2, 0, 1), "not a failure"
+    assert done_low["preempted_for"] == high["id"]
 
     # The high-priority job started only once the low one had saved and stopped.
     admitted_high = next(event for event in client.events(high["id"])["items"] if event["to_state"] == "ADMITTED")
