@@ -1,13 +1,16 @@
 """Every test in this folder needs a real Ray cluster: each is marked `integration` (pyproject.toml's markers), so
 `pytest -m "not integration"` runs the rest of the suite without one.
 
-Under `pytest -n` (the README's command) they form two xdist groups, each run one test after another in one worker:
-the modules on the session's shared Ray head (the larger group), collected first so that it starts at once, and the
-modules that build and kill simulated clusters of their own (OWN_CLUSTER_MODULES), collected last. The other workers
-run the rest of the suite beside the first group, and whichever of them runs out of work first takes the second, so
-the cores are not left idle while the shared head's group ends alone (pyproject.toml's `--no-loadscope-reorder`
-hands work out in collection order). Both groups at once from the start were slower on a 2-core machine: two Ray
-clusters and their training competed for the same cores while the unit tests waited."""
+Under `pytest -n` (the README's command) they form one xdist group, run one after another in one worker, while the
+other workers run the rest of the suite beside them. They are collected first (pyproject.toml's
+`--no-loadscope-reorder` hands work out in collection order), so the group, the longest part, starts at once. Two
+groups of them at once were slower on a 2-core machine, not faster: two Ray clusters and their training compete for
+the same cores (28 min 42 s for the whole CI against 27 min 29 s with one group). Measured again with the modules
+that build their own simulated clusters (test_elastic.py) as a second group collected last, taken by the worker
+that ran out of unit tests: the shared head's group, the run's critical path, slowed by as much as the second group
+saved (its slowest tests 30-60 % slower than in the run before; the run took 31 min 21 s against 30 min 11 s, with
+about 100 more tests, one of them a 65 s cluster test): the machine's cores are busy throughout, so only less work
+shortens the run."""
 
 from __future__ import annotations
 
@@ -17,17 +20,6 @@ import pytest
 
 HERE = Path(__file__).parent
 RAY_CLUSTER_GROUP = "ray-cluster"
-OWN_CLUSTERS_GROUP = "ray-own-clusters"
-# Modules whose fixtures start a simulated multi-node cluster of their own (harness.simulated_cluster), never the
-# shared head: about a sixth of the cluster tests' time, moved beside the unit tests' tail.
-OWN_CLUSTER_MODULES = frozenset({"test_elastic.py"})
-
-
-def _order(item: pytest.Item) -> int:
-    """0: the shared head's group, first; 1: the rest of the suite; 2: the own-cluster group, last."""
-    if HERE not in item.path.parents:
-        return 1
-    return 2 if item.path.name in OWN_CLUSTER_MODULES else 0
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group mark into the scheduling group
@@ -35,7 +27,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.integration)
-            group = OWN_CLUSTERS_GROUP if item.path.name in OWN_CLUSTER_MODULES else RAY_CLUSTER_GROUP
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
     # A stable sort: each module's tests stay together and in their order (module fixtures are set up once).
-    items.sort(key=_order)
+    items.sort(key=lambda item: HERE not in item.path.parents)
