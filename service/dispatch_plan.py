@@ -218,19 +218,18 @@ def admission_sizes(decided: Plan) -> dict[str, int]:
 
 def record_queue(session: Session, decided: Plan, stored: dict[str, tuple[int | None, str | None]]) -> int:
     """Write each waiting job's place (1: the next to start; jobs this plan admits are not counted) and why it waits,
-    where either changed since the last pass (a steady queue writes nothing); returns how many rows changed."""
-    changed = 0
+    where either changed since the last pass, in one batched statement; returns how many rows changed. Every admission
+    moves each job behind it up one place, so a long queue changes most rows at once: the dispatcher records the
+    queue only every few seconds (_QUEUE_RECORD_INTERVAL_S)."""
     waiting = [position for position in decided.queue if position.reason]
-    for place, position in enumerate(waiting, start=1):
-        if stored.get(position.job_id) == (place, position.reason):
-            continue
-        session.execute(
-            update(Job)
-            .where(Job.id == position.job_id, Job.state == JobState.QUEUED)
-            .values(queue_position=place, waiting_reason=position.reason)
-        )
-        changed += 1
-    return changed
+    changed = [
+        {"id": position.job_id, "queue_position": place, "waiting_reason": position.reason}
+        for place, position in enumerate(waiting, start=1)
+        if stored.get(position.job_id) != (place, position.reason)
+    ]
+    if changed:
+        session.execute(update(Job), changed)  # an UPDATE by primary key, executed for all rows at once
+    return len(changed)
 
 
 def share_samples(state: SchedulingInput) -> list[ShareSample]:

@@ -49,7 +49,10 @@ _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
 # Ray's autoscaler is asked to make room for at most this many worker bundles at once (running and queued together).
 _AUTOSCALER_BUNDLES = 10_000
-_SHARE_SAMPLE_INTERVAL_S = 10.0  # each tenant's standing is recorded this often (the queue view's chart)
+_SHARE_SAMPLE_INTERVAL_S = 10.0
+# The queue's places and reasons are written at most this often, besides after a pass that admitted a job or found a
+# job not placed yet (a job's first reason comes at once).
+_QUEUE_RECORD_INTERVAL_S = 2.0  # each tenant's standing is recorded this often (the queue view's chart)
 _RECENT_JOBS_FOR_POOLS = 50  # the runtime envs that keep a warm pool are found among this many newest jobs
 _RAN_IN_ITS_ENV = [JobState.RUNNING.value, JobState.RECOVERING.value, JobState.SUCCEEDED.value]
 # A driver reports every second while its job trains; one that reported this recently is not asked after in Ray.
@@ -93,6 +96,7 @@ class Dispatcher:
         # starts every tenant at 0, and the shares rebuild within a half-life).
         self._ledger = FairShareLedger(settings.fair_share_half_life_s, start=time.time())
         self._share_sample_due = 0.0
+        self._queue_record_due = 0.0
         self._autoscaler_request: list[dict[str, float]] | None = None  # the bundles last sent to request_resources
 
     def run_once(self) -> None:
@@ -194,18 +198,23 @@ class Dispatcher:
         self._ask_autoscaler(dispatch_plan.autoscaler_request(pass_input.state, decided, _AUTOSCALER_BUNDLES))
         for preemption in decided.preemptions:
             self._preempt(preemption.job_id, preemption.for_job)
+        admitted_any = False
         for job_id, size in dispatch_plan.admission_sizes(decided).items():
             job = queue.claim(self.sessions, job_id, self.owner, self.settings.lease_s)
             if job is None:
                 continue  # cancelled, or another dispatcher admits it
+            admitted_any = True
             reason: str | None = None
             try:
                 reason = self._admit(job, size)
             finally:
                 if reason is not None:
                     queue.release(self.sessions, job.id, self.owner, reason)
-        with self.sessions() as session, session.begin():
-            dispatch_plan.record_queue(session, decided, pass_input.queued_rows)
+        newly_queued = any(place is None for place, _ in pass_input.queued_rows.values())
+        if admitted_any or newly_queued or time.monotonic() >= self._queue_record_due:
+            self._queue_record_due = time.monotonic() + _QUEUE_RECORD_INTERVAL_S
+            with self.sessions() as session, session.begin():
+                dispatch_plan.record_queue(session, decided, pass_input.queued_rows)
 
     def _ask_autoscaler(self, bundles: list[dict[str, float]]) -> None:
         """The one writer of Ray's request_resources: sent when it changes (and once at start, clearing what an earlier

@@ -533,3 +533,22 @@ def test_the_autoscaler_is_asked_for_the_running_jobs_and_the_queue_within_quota
         jobs.cancel_job(session, waiting)
     dispatcher.run_once()
     assert cluster.resource_requests[-1] == [], "nothing queued: the request is cleared"
+
+
+def test_the_queues_places_and_reasons_are_written_in_one_statement_however_long_the_queue(db):
+    """Each admission moves every job behind it up one place: a pass writes the changed rows in one batch."""
+    from sqlalchemy import event
+
+    dispatcher, _ = _preempting_dispatcher(db, cpus=2, scheduling_policy="backfill")
+    running = _submit(db, _spec("running", workers=2))
+    dispatcher.run_once()
+    _report(db, running, 1, "RUNNING")
+    waiting = [_submit(db, _spec(f"waiting-{index}", workers=2)) for index in range(300)]
+    statements: list[str] = []
+    event.listen(db.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    dispatcher.run_once()
+    updates = [statement for statement in statements if statement.lstrip().upper().startswith("UPDATE JOBS")]
+    assert len(updates) == 1, updates
+    with db.sessions() as session:
+        places = [session.get(Job, job_id).queue_position for job_id in waiting]
+    assert places == list(range(1, 301))
