@@ -81,19 +81,30 @@ def load_training_state(
         state = load_state_template(reader.read_metadata().state_dict_metadata, model_parts, optimizers)
     dcp.load(state, storage_reader=reader, no_dist=plan_locally)
     for part, optimizer in zip(model_parts, optimizers, strict=True):
+        local = local_optimizer(optimizer)
+        configured = [_hyperparameters(group) for group in local.param_groups]
         set_state_dict(
             part,
-            local_optimizer(optimizer),
+            local,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
             options=_LOAD_PART_OPTIONS,
         )
+        # The saved state brings the saving run's hyperparameters too (weight decay, betas, each group's own): this
+        # run's spec sets them, as for a job resumed from another job's checkpoint after a change of no_decay.
+        for group, values in zip(local.param_groups, configured, strict=True):
+            group.update(values)
     _restore_rng_state(state["rng"][f"rank{dist.get_rank()}"])
     progress = state["progress"]
     return (
         TrainingProgress(progress["step"], DataPosition(progress["epoch"], progress["samples_in_epoch"])),
         json.loads(state["metrics"]) if "metrics" in state else [],
     )
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings, without its parameters."""
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 def load_state_template(saved_keys: Any, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:

@@ -386,3 +386,32 @@ def test_a_background_staged_save_holds_the_state_of_its_step(tmp_path: Path) ->
     load_model_weights(checkpoint_dir(tmp_path / "two", 2), synchronous)
     for (name, expected), actual in zip(synchronous.state_dict().items(), staged.state_dict().values()):
         assert torch.equal(actual, expected), f"{name}: the step-2 save holds state changed by a later step"
+
+
+def test_a_resumed_optimizer_keeps_this_runs_hyperparameters_and_takes_the_saved_moments(
+    tmp_path: Path, single_rank_group: None
+) -> None:
+    """A checkpoint saved with one weight decay for every parameter, resumed by a run whose spec keeps biases and
+    norms out of weight decay (no_decay), trains with this run's groups, not the saved ones; the moments are
+    restored."""
+    spec = SPEC.model_copy(update={"workers": SPEC.workers.model_copy(update={"min": 1, "max": 1})})
+    saved_model = build_bundle(spec).model
+    saved = torch.optim.AdamW(saved_model.parameters(), weight_decay=0.3, betas=(0.8, 0.9))
+    sum(parameter.square().sum() for parameter in saved_model.parameters()).backward()
+    saved.step()
+    save_checkpoint(tmp_path, spec, step=1, position=DataPosition(0, 2), model_parts=[saved_model], optimizers=[saved])
+
+    model = build_bundle(spec).model
+    decayed = [parameter for parameter in model.parameters() if parameter.ndim > 1]
+    kept = [parameter for parameter in model.parameters() if parameter.ndim <= 1]
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": kept, "weight_decay": 0.0}])
+    load_checkpoint(checkpoint_dir(tmp_path, 1), model_parts=[model], optimizers=[optimizer])
+
+    assert [(group["weight_decay"], group["betas"]) for group in optimizer.param_groups] == [
+        (0.1, (0.9, 0.999)),
+        (0.0, (0.9, 0.999)),
+    ]
+    saved_moments = [saved.state[parameter]["exp_avg"] for parameter in saved_model.parameters()]
+    loaded_moments = {id(parameter): optimizer.state[parameter]["exp_avg"] for parameter in model.parameters()}
+    ordered = [loaded_moments[id(parameter)] for parameter in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(saved_moments, ordered, strict=True))
