@@ -130,13 +130,12 @@ def pass_input(
     for row in active:
         shape, low, high = _shape(row.spec)
         nodes = tuple(node for node in view["groups"].get(row.placement_group or "", []) if node is not None)
-        if row.preempt_requested_at is not None:
-            for node in nodes:  # leaving: its room is as good as free
+        leaving = row.preempt_requested_at is not None
+        if leaving:
+            for node in nodes:  # its room is as good as free
                 if node in free:
                     free[node][0 if shape.gpus else 1] += shape.gpus or shape.cpus
-            live[row.id] = LiveJob(_running(row, shape, nodes, low, high, now, resizable), row.placement_group, True)
-            continue
-        live[row.id] = LiveJob(_running(row, shape, nodes, low, high, now, resizable), row.placement_group, False)
+        live[row.id] = LiveJob(_running(row, shape, nodes, low, high, now, resizable), row.placement_group, leaving)
     running = tuple(job.running for job in live.values() if not job.leaving and job.running.nodes)
     node_views = tuple(
         NodeView(
