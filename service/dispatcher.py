@@ -98,6 +98,7 @@ class Dispatcher:
         self._share_sample_due = 0.0
         self._queue_record_due = 0.0
         self._autoscaler_request: list[dict[str, float]] | None = None  # the bundles last sent to request_resources
+        self._known_jobs = dispatch_plan.KnownJobs()  # each queued and active job's shape, read once
 
     def run_once(self) -> None:
         self.watch_active_jobs()
@@ -169,19 +170,17 @@ class Dispatcher:
         carry the plan out: ask the jobs it preempts to save and stop, admit the jobs it starts (a placement group
         only for those), and record every queued job's place and why it waits."""
         sample_due = time.monotonic() >= self._share_sample_due
-        with self.sessions() as session:
-            queued, active, tenant_rows = dispatch_plan.read_jobs(session)
-        if not queued:
-            self._ask_autoscaler([])  # nothing waits: the nodes it asked for are not held for nothing
-            if not (sample_due and active):
-                return
-        live_groups = [row.placement_group for row in active if row.placement_group]
-        view = self.cluster.cluster_view(live_groups)
         now = time.time()
-        pass_input = dispatch_plan.pass_input(
-            queued,
-            active,
-            tenant_rows,
+        with self.sessions() as session:
+            jobs_read = self._known_jobs.read(session, now)
+        if not jobs_read.queued:
+            self._ask_autoscaler([])  # nothing waits: the nodes it asked for are not held for nothing
+            if not (sample_due and jobs_read.active):
+                return
+        groups = [attempt.placement_group for attempt, _ in jobs_read.active if attempt.placement_group]
+        view = self.cluster.cluster_view(groups)
+        state = dispatch_plan.pass_input(
+            jobs_read,
             view,
             dispatch_plan.policy_settings(self.settings),
             self._ledger,
@@ -191,11 +190,11 @@ class Dispatcher:
         if sample_due:
             self._share_sample_due = time.monotonic() + _SHARE_SAMPLE_INTERVAL_S
             with self.sessions() as session, session.begin():
-                queue_view.record_shares(session, utcnow(), dispatch_plan.share_samples(pass_input.state))
-        if not queued:
+                queue_view.record_shares(session, utcnow(), dispatch_plan.share_samples(state))
+        if not jobs_read.queued:
             return
-        decided = plan(pass_input.state)
-        self._ask_autoscaler(dispatch_plan.autoscaler_request(pass_input.state, decided, _AUTOSCALER_BUNDLES))
+        decided = plan(state)
+        self._ask_autoscaler(dispatch_plan.autoscaler_request(state, decided, _AUTOSCALER_BUNDLES))
         for preemption in decided.preemptions:
             self._preempt(preemption.job_id, preemption.for_job)
         admitted_any = False
@@ -210,11 +209,11 @@ class Dispatcher:
             finally:
                 if reason is not None:
                     queue.release(self.sessions, job.id, self.owner, reason)
-        newly_queued = any(place is None for place, _ in pass_input.queued_rows.values())
-        if admitted_any or newly_queued or time.monotonic() >= self._queue_record_due:
+                    self._known_jobs.written_elsewhere(job.id)
+        if admitted_any or jobs_read.new_in_queue or time.monotonic() >= self._queue_record_due:
             self._queue_record_due = time.monotonic() + _QUEUE_RECORD_INTERVAL_S
             with self.sessions() as session, session.begin():
-                dispatch_plan.record_queue(session, decided, pass_input.queued_rows)
+                dispatch_plan.record_queue(session, decided, self._known_jobs)
 
     def _ask_autoscaler(self, bundles: list[dict[str, float]]) -> None:
         """The one writer of Ray's request_resources: sent when it changes (and once at start, clearing what an earlier

@@ -552,3 +552,28 @@ def test_the_queues_places_and_reasons_are_written_in_one_statement_however_long
     with db.sessions() as session:
         places = [session.get(Job, job_id).queue_position for job_id in waiting]
     assert places == list(range(1, 301))
+
+
+def test_a_pass_reads_only_the_specs_of_jobs_new_to_the_queue_and_sees_who_joined_and_left(db):
+    """The dispatcher keeps each queued job's shape between passes: a later pass reads the spec of the one job
+    submitted since, and plans without the one cancelled since (the new priority-5 job moves to the front)."""
+    from sqlalchemy import event
+
+    dispatcher, _ = _preempting_dispatcher(db, cpus=2, scheduling_policy="backfill")
+    running = _submit(db, _spec("running", workers=2))
+    dispatcher.run_once()
+    _report(db, running, 1, "RUNNING")
+    waiting = [_submit(db, _spec(f"waiting-{index}", workers=2)) for index in range(5)]
+    dispatcher.dispatch_queued()
+    with db.sessions() as session, session.begin():
+        jobs.cancel_job(session, waiting[0])
+    urgent = _submit(db, _spec("urgent", workers=2, priority=5))
+    statements: list[tuple[str, object]] = []
+    event.listen(db.engine, "before_cursor_execute", lambda *args: statements.append((args[2], args[3])))
+    dispatcher._queue_record_due = 0.0  # record the queue at this pass, not two seconds later
+    dispatcher.dispatch_queued()
+    spec_reads = [parameters for statement, parameters in statements if "jobs.spec" in statement]
+    assert len(spec_reads) == 1 and urgent in spec_reads[0] and not set(waiting) & set(spec_reads[0])
+    with db.sessions() as session:
+        places = [session.get(Job, job_id).queue_position for job_id in [urgent, *waiting[1:]]]
+    assert places == [1, 2, 3, 4, 5]
