@@ -4,6 +4,7 @@ writes a synthetic trace."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,7 +21,7 @@ from ringmaster.service.scheduling.model import PolicyName
 from ringmaster.service.scheduling.plan import plan
 from ringmaster.service.simulation.engine import ClusterShape, PlanViolation, Simulation, SimulationRun
 from ringmaster.service.simulation.errors import SimulationInputError
-from ringmaster.service.simulation.generator import DEFAULT_SIZE_WEIGHTS, WorkloadShape, generate
+from ringmaster.service.simulation.generator import DEFAULT_SIZE_WEIGHTS, PRESETS, WorkloadShape, generate
 from ringmaster.service.simulation.metrics import PolicyMetrics, measure, ratios, utilization_timeline
 from ringmaster.service.simulation.settings import SimulationSettings, parse_settings
 from ringmaster.service.simulation.trace import TraceReading, read_trace, write_trace
@@ -100,37 +101,63 @@ def simulate(
 
 def simulate_trace(
     out: Annotated[Path, typer.Argument(help="The CSV file to write.")],
+    preset: Annotated[
+        str | None,
+        typer.Option(help="helios: sizes, durations and load from the Helios trace's published figures."),
+    ] = None,
+    cluster_gpus: Annotated[
+        int, typer.Option(help="With --preset: the GPUs of the cluster the preset's arrival rate loads as its trace.")
+    ] = 64,
     jobs: Annotated[int, typer.Option("--jobs", help="How many jobs.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="The random seed: the same seed writes the same trace.")] = 0,
-    arrivals_per_hour: Annotated[float, typer.Option(help="Mean arrivals per hour (a Poisson process).")] = 60.0,
-    sizes: Annotated[str, typer.Option(help="GPUS:WEIGHT,… the job sizes' distribution.")] = _DEFAULT_SIZES,
-    duration_median_s: Annotated[float, typer.Option(help="Median duration (log-normal), seconds.")] = 1800.0,
-    duration_sigma: Annotated[float, typer.Option(help="The log-normal's sigma: the spread of durations.")] = 1.5,
+    arrivals_per_hour: Annotated[
+        float | None, typer.Option(help="Mean arrivals per hour (a Poisson process); 60 without a preset.")
+    ] = None,
+    sizes: Annotated[str | None, typer.Option(help=f"GPUS:WEIGHT,… the job sizes' distribution; {_DEFAULT_SIZES}.")] = (
+        None
+    ),
+    duration_median_s: Annotated[
+        float | None, typer.Option(help="Median duration (log-normal), seconds; 1800.")
+    ] = None,
+    duration_sigma: Annotated[
+        float | None, typer.Option(help="The log-normal's sigma, the durations' spread; 1.5.")
+    ] = (None),
     tenants: Annotated[str, typer.Option(help="Tenant names, comma-separated; each job's drawn uniformly.")] = (
         "team-a,team-b"
     ),
     elastic_share: Annotated[float, typer.Option(help="Share of jobs of ≥ 2 GPUs elastic down to half.")] = 0.5,
     high_priority_share: Annotated[float, typer.Option(help="Share of jobs at priority 1 (the rest at 0).")] = 0.1,
 ) -> None:
-    """Write a synthetic trace in ringmaster's format for `ringmaster simulate`."""
+    """Write a synthetic trace in ringmaster's format for `ringmaster simulate`; an option given beside --preset
+    overrides the preset's value."""
     try:
-        shape = WorkloadShape(
-            jobs=jobs,
-            seed=seed,
-            arrivals_per_hour=arrivals_per_hour,
-            size_weights=_size_weights(sizes),
-            duration_median_s=duration_median_s,
-            duration_sigma=duration_sigma,
+        if preset is None:
+            shape = WorkloadShape(jobs=jobs, seed=seed)
+        elif preset.strip().lower() in PRESETS:
+            if cluster_gpus < 1:
+                raise SimulationInputError(f"--cluster-gpus is at least 1, got {cluster_gpus}")
+            shape = PRESETS[preset.strip().lower()](cluster_gpus, jobs, seed)
+        else:
+            raise SimulationInputError(f"unknown preset {preset!r}; the presets are {', '.join(PRESETS)}")
+        given: dict[str, Any] = {
+            "arrivals_per_hour": arrivals_per_hour,
+            "size_weights": _size_weights(sizes) if sizes is not None else None,
+            "duration_median_s": duration_median_s,
+            "duration_sigma": duration_sigma,
+        }
+        shape = dataclasses.replace(
+            shape,
             tenants=tuple(name.strip() for name in tenants.split(",")),
             elastic_share=elastic_share,
             high_priority_share=high_priority_share,
+            **{name: value for name, value in given.items() if value is not None},
         )
         write_trace(generate(shape), out)
     except SimulationInputError as error:
         _fail(str(error))
     except OSError as error:
         _fail(f"cannot write {out}: {error.strerror}")
-    console.print(f"wrote {jobs} jobs to {out}")
+    console.print(f"wrote {jobs} jobs to {out} ({shape.arrivals_per_hour:.4g} arrivals an hour)")
 
 
 def _policies(names: list[str]) -> list[PolicyName]:

@@ -1,11 +1,15 @@
 """Synthetic workloads for operators without a trace, and for tests: Poisson arrivals, sizes drawn from weights,
-log-normal durations, tenants in turn by share, a share of elastic jobs. The same seed gives the same trace."""
+log-normal durations, tenants in turn by share, a share of elastic jobs. The same seed gives the same trace.
+
+`helios_shape()` is a preset drawn from the published figures of SenseTime's Helios trace (Hu et al., "Characterization
+and Prediction of Deep Learning Workloads in Large-Scale GPU Datacenters", SC '21, and its artifact
+github.com/S-Lab-System-Group/HeliosArtifact), each figure's source beside it."""
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ringmaster.service.simulation.errors import SimulationInputError
 from ringmaster.service.simulation.trace import TraceJob
@@ -73,3 +77,72 @@ def generate(shape: WorkloadShape) -> tuple[TraceJob, ...]:
             )
         )
     return tuple(jobs)
+
+
+# --- the Helios preset ------------------------------------------------------------------------------------------------
+# Job sizes: the share of GPU jobs at each GPU count, all four public Helios clusters (Venus, Earth, Saturn, Uranus)
+# weighted by their GPU jobs. Read from the paper's CDF of GPU job sizes by number of jobs, as the artifact draws it
+# (analysis/3_job characterization/job_cdf_gpunum.pdf, a vector figure whose points are the CDF at 1, 2, 4, 8, 12, 16,
+# 24, 32, 40, 48, 56, 64 and all GPUs; read to ±0.1 %). Each cluster's CDF weighted by its GPU jobs gives 72.19 % at
+# 1 GPU, 74.75 % at ≤ 2, 80.47 % ≤ 4, 94.69 % ≤ 8, 94.70 % ≤ 12, 97.72 % ≤ 16, 98.08 % ≤ 24, 99.35 % ≤ 32, 99.73 %
+# ≤ 64. A bucket becomes its upper size (12 → 16, 24 → 32) and the 0.27 % above 64 GPUs is drawn at 64, so a trace
+# fits a 64-GPU cluster. The mean, 3.56 GPUs, is the artifact's published 3.716 (helios_cluster_summary.csv,
+# avg_gpu_num, total) less what capping the few largest jobs at 64 removes.
+HELIOS_SIZE_WEIGHTS = ((1, 72.19), (2, 2.56), (4, 5.72), (8, 14.22), (16, 3.03), (32, 1.63), (64, 0.65))
+# GPU job durations: the artifact's helios_cluster_summary.csv (all clusters): median 206 s (med_run_time_gpu) and mean
+# 6,651.681 s (avg_run_time_gpu). A log-normal with that median and mean has sigma = sqrt(2 ln(mean / median)) = 2.636;
+# the log-normal is this generator's model, the two figures are Helios's.
+HELIOS_DURATION_MEDIAN_S = 206.0
+HELIOS_DURATION_MEAN_S = 6651.681
+# Load: the same summary's GPU time of completed, cancelled and failed GPU jobs (39,994,296,320 + 30,715,109,125 +
+# 7,288,334,702 GPU-seconds) over its 6,220 GPUs for the trace's 6 months (April to September 2020, 183 days): the
+# Helios clusters' GPUs were held 79.3 % of the time.
+HELIOS_GPU_SECONDS = 39_994_296_320.0 + 30_715_109_125.0 + 7_288_334_702.0
+HELIOS_GPUS = 6220
+HELIOS_SPAN_S = 183 * 86400.0
+HELIOS_LOAD = HELIOS_GPU_SECONDS / (HELIOS_GPUS * HELIOS_SPAN_S)
+
+
+def helios_shape(cluster_gpus: int = 64, jobs: int = 1000, seed: int = 0) -> WorkloadShape:
+    """Helios's sizes and durations, arriving at the rate that loads a cluster of `cluster_gpus` as Helios's jobs
+    loaded Helios (79.3 %). Not Helios's 0.058 jobs per GPU-hour (1,580,464 GPU jobs): its large jobs also ran
+    longer, which independent draws of size and duration do not reproduce, so its rate would load this model's
+    cluster about 30 %. Tenants, elastic and high-priority shares are the generator's defaults, not Helios's."""
+    sigma = math.sqrt(2.0 * math.log(HELIOS_DURATION_MEAN_S / HELIOS_DURATION_MEDIAN_S))
+    shape = WorkloadShape(
+        jobs=jobs,
+        seed=seed,
+        size_weights=HELIOS_SIZE_WEIGHTS,
+        duration_median_s=HELIOS_DURATION_MEDIAN_S,
+        duration_sigma=sigma,
+    )
+    gpu_seconds_per_job = expected_size(shape) * expected_duration_s(shape)
+    return replace(shape, arrivals_per_hour=HELIOS_LOAD * cluster_gpus * 3600.0 / gpu_seconds_per_job)
+
+
+def expected_size(shape: WorkloadShape) -> float:
+    total = sum(weight for _, weight in shape.size_weights)
+    return sum(size * weight for size, weight in shape.size_weights) / total
+
+
+def expected_duration_s(shape: WorkloadShape) -> float:
+    """The mean of the log-normal duration as generate() draws it: clamped to [1 min, 7 days]."""
+    mu, sigma = math.log(shape.duration_median_s), shape.duration_sigma
+    low, high = SHORTEST_DURATION_S, LONGEST_DURATION_S
+    if sigma == 0:
+        return min(max(shape.duration_median_s, low), high)
+
+    def below(x: float) -> float:  # P(duration < x)
+        return 0.5 * (1.0 + math.erf((math.log(x) - mu) / (sigma * math.sqrt(2.0))))
+
+    def partial(x: float) -> float:  # E[duration; duration < x]
+        return (
+            math.exp(mu + sigma**2 / 2)
+            * 0.5
+            * (1.0 + math.erf((math.log(x) - mu - sigma**2) / (sigma * math.sqrt(2.0))))
+        )
+
+    return low * below(low) + partial(high) - partial(low) + high * (1.0 - below(high))
+
+
+PRESETS = {"helios": helios_shape}

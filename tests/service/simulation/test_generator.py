@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from ringmaster.service.simulation.errors import SimulationInputError
-from ringmaster.service.simulation.generator import WorkloadShape, generate
+from ringmaster.service.simulation.generator import (
+    HELIOS_LOAD,
+    WorkloadShape,
+    expected_duration_s,
+    expected_size,
+    generate,
+    helios_shape,
+)
 from ringmaster.service.simulation.trace import read_trace, write_trace
 
 
@@ -64,3 +72,29 @@ def test_the_draws_follow_the_shape() -> None:
 def test_a_shape_that_cannot_be_drawn_is_refused(bad: dict[str, object]) -> None:
     with pytest.raises(SimulationInputError):
         WorkloadShape(**bad)  # type: ignore[arg-type]
+
+
+def test_the_helios_preset_draws_helios_published_sizes_durations_and_load() -> None:
+    shape = helios_shape(cluster_gpus=64, jobs=20_000, seed=2)
+    jobs = generate(shape)
+    # sigma from the published median 206 s and mean 6,651.681 s: sqrt(2 ln(6651.681 / 206))
+    assert shape.duration_sigma == pytest.approx(2.636, abs=0.001)
+    assert statistics.median(job.duration for job in jobs) == pytest.approx(206.0, rel=0.06)
+    one_gpu = sum(job.gpus == 1 for job in jobs) / len(jobs)
+    assert one_gpu == pytest.approx(0.7219, abs=0.01)  # 72.19 % of Helios's GPU jobs ask for one GPU
+    assert sum(job.gpus <= 8 for job in jobs) / len(jobs) == pytest.approx(0.9469, abs=0.006)
+    assert max(job.gpus for job in jobs) == 64
+    # Its arrival rate loads 64 GPUs as Helios's jobs loaded Helios: 79.3 % of the GPU time.
+    offered = shape.arrivals_per_hour / 3600.0 * expected_size(shape) * expected_duration_s(shape) / 64
+    assert offered == pytest.approx(HELIOS_LOAD)
+    assert round(HELIOS_LOAD, 3) == 0.793
+    drawn = sum(job.gpus * job.duration for job in jobs) / len(jobs)
+    assert drawn == pytest.approx(expected_size(shape) * expected_duration_s(shape), rel=0.15)
+
+
+def test_the_expected_duration_is_the_clamped_log_normals_mean() -> None:
+    shape = WorkloadShape(jobs=40_000, seed=4, duration_median_s=600.0, duration_sigma=1.0)
+    drawn = statistics.mean(job.duration for job in generate(shape))
+    assert expected_duration_s(shape) == pytest.approx(drawn, rel=0.03)
+    assert expected_duration_s(replace(shape, duration_sigma=0.0)) == 600.0
+    assert expected_duration_s(replace(shape, duration_median_s=10.0, duration_sigma=0.0)) == 60.0  # clamped
