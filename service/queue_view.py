@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, delete, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Select, delete, func, select
+from sqlalchemy.orm import Session, aliased
 
 from ringmaster.service.models import Job, Tenant, TenantShare
 from ringmaster.service.states import JobState
@@ -112,18 +112,21 @@ def _worker_range(spec: dict[str, Any]) -> WorkerRange:
 def queue_page(session: Session, *, tenant: str | None, limit: int, offset: int) -> QueuePage:
     """The QUEUED jobs in the plan's order (position, then unplaced ones by priority and age); with tenant, only
     its jobs, their positions still those of the whole queue."""
-    query = select(Job).where(Job.state == JobState.QUEUED)
+    queued = select(Job).where(Job.state == JobState.QUEUED)
     if tenant is not None:
-        query = query.where(Job.tenant == tenant)
-    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    ordered = query.order_by(
-        Job.queue_position.is_(None),  # nulls last, on SQLite and PostgreSQL alike
-        Job.queue_position,
-        Job.priority.desc(),
-        Job.created_at,
-        Job.id,
+        queued = queued.where(Job.tenant == tenant)
+    # The placed jobs, then the unplaced: each part read in the order of ix_jobs_queue_order, so that a page (however
+    # deep) is a slice of an index rather than a sort of every queued row.
+    placed = queued.where(Job.queue_position.is_not(None)).order_by(
+        Job.queue_position, Job.priority.desc(), Job.created_at, Job.id
     )
-    rows = session.scalars(ordered.limit(limit).offset(offset))
+    unplaced = queued.where(Job.queue_position.is_(None)).order_by(Job.priority.desc(), Job.created_at, Job.id)
+    # The unplaced are the few queued since the last pass; the whole count reads (tenant,) state alone from an index.
+    total, unplaced_count = _count(session, queued), _count(session, unplaced)
+    placed_count = total - unplaced_count
+    rows = list(session.scalars(placed.limit(limit).offset(offset))) if offset < placed_count else []
+    if len(rows) < limit:
+        rows += session.scalars(unplaced.limit(limit - len(rows)).offset(max(0, offset - placed_count)))
     items = [
         QueuedJobView(
             position=job.queue_position,
@@ -142,17 +145,26 @@ def queue_page(session: Session, *, tenant: str | None, limit: int, offset: int)
     return QueuePage(items=items, total=total, limit=limit, offset=offset)
 
 
+def _count(session: Session, query: Select[Any]) -> int:
+    return session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0
+
+
 def _latest_samples(session: Session, tenant: str | None) -> dict[str, TenantShare]:
-    newest = select(TenantShare.tenant, func.max(TenantShare.at).label("at")).group_by(TenantShare.tenant)
-    if tenant is not None:
-        newest = newest.where(TenantShare.tenant == tenant)
-    latest = newest.subquery()
-    query = (
-        select(TenantShare)
-        .join(latest, and_(TenantShare.tenant == latest.c.tenant, TenantShare.at == latest.c.at))
-        .order_by(TenantShare.id)
+    """Each tenant's newest sample (of two at the same instant, the later written): one index probe per tenant
+    (ix_tenant_shares_tenant), not a scan of the week of samples."""
+    sample = aliased(TenantShare)
+    newest = (
+        select(sample.id)
+        .where(sample.tenant == Tenant.name)
+        .order_by(sample.at.desc(), sample.id.desc())
+        .limit(1)
+        .correlate(Tenant)
+        .scalar_subquery()
     )
-    # Two rows of one tenant at the same instant: the later written wins.
+    ids = select(newest).select_from(Tenant)
+    if tenant is not None:
+        ids = ids.where(Tenant.name == tenant)
+    query = select(TenantShare).where(TenantShare.id.in_(ids))
     return {row.tenant: row for row in session.scalars(query)}
 
 

@@ -84,3 +84,24 @@ def test_downgrade_one_revision_drops_the_user_metrics_column_and_upgrade_restor
             assert "user_metrics" in {column["name"] for column in inspect(connection).get_columns("metrics")}
     finally:
         engine.dispose()
+
+
+def test_downgrading_the_listing_indexes_restores_the_earlier_ones_and_upgrade_brings_them_back(db_url: str) -> None:
+    upgrade_schema(db_url)
+    engine = make_engine(db_url)
+    listing = {"ix_jobs_newest", "ix_jobs_state", "ix_jobs_tenant_state", "ix_jobs_queue_order"}
+
+    def indexes(table: str) -> set[str | None]:
+        with engine.connect() as connection:
+            return {index["name"] for index in inspect(connection).get_indexes(table)}
+
+    try:
+        with engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0011")
+        assert not listing & indexes("jobs") and {"ix_jobs_created_at", "ix_jobs_tenant"} <= indexes("jobs")
+        assert "ix_tenant_shares_tenant" not in indexes("tenant_shares")
+        upgrade_schema(db_url)
+        assert listing | {"ix_jobs_tenant"} <= indexes("jobs") and "ix_jobs_created_at" not in indexes("jobs")
+        assert "ix_tenant_shares_tenant" in indexes("tenant_shares")
+    finally:
+        engine.dispose()

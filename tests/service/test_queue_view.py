@@ -63,6 +63,18 @@ def test_a_page_is_a_slice_of_the_order_with_the_whole_count(db: Database) -> No
     assert _ids(page) == [ids[3], ids[2]] and page.total == 5 and (page.limit, page.offset) == (2, 1)
 
 
+def test_pages_across_the_placed_and_unplaced_jobs_follow_one_order(db: Database) -> None:
+    placed = [_submit(db, f"placed-{index}") for index in range(3)]
+    unplaced = [_submit(db, f"late-{index}") for index in range(3)]
+    _plan(db, {job_id: index + 1 for index, job_id in enumerate(placed)})
+    with session_scope(db.sessions) as session:
+        pages = [queue_view.queue_page(session, tenant=None, limit=2, offset=offset) for offset in range(0, 7, 2)]
+        straddling = queue_view.queue_page(session, tenant=None, limit=3, offset=2)
+    assert [_ids(page) for page in pages] == [placed[:2], [placed[2], unplaced[0]], unplaced[1:], []]
+    assert _ids(straddling) == [placed[2], *unplaced[:2]]
+    assert {page.total for page in (*pages, straddling)} == {6}
+
+
 def test_a_tenants_slice_keeps_the_positions_of_the_whole_queue(db: Database) -> None:
     a1, b1, a2 = _submit(db, "a-one"), _submit(db, "b-one", tenant="team-b"), _submit(db, "a-two")
     _plan(db, {b1: 1, a2: 2, a1: 3})
