@@ -57,6 +57,16 @@ class FiniteJSONResponse(JSONResponse):
             ).encode("utf-8")
 
 
+class JSONModelResponse(Response):
+    """A pydantic model serialized by pydantic itself, NaN and infinities as null (FiniteJSONResponse's JSON): for a
+    route whose answer is large, which FastAPI would dump, validate again against the response model and encode."""
+
+    media_type = "application/json"
+
+    def __init__(self, model: BaseModel, status_code: int = 200) -> None:
+        super().__init__(model.model_dump_json(), status_code=status_code)
+
+
 def finite_values(value: Any) -> Any:
     """The value with every NaN or infinite float replaced by None, as JSON can carry it."""
     if isinstance(value, float):

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ringmaster.api.deps import CurrentPrincipal, DatabaseDep, SessionDep, SettingsDep, read_cluster_shape
-from ringmaster.api.errors import FiniteJSONResponse, error_responses, finite_values
+from ringmaster.api.errors import FiniteJSONResponse, JSONModelResponse, error_responses, finite_values
 from ringmaster.api.limits import check_document, load_json, load_yaml
 from ringmaster.api.schemas import CheckpointOut, EventOut, JobDetailOut, JobOut, MetricsPage, Page
 from ringmaster.service import jobs
@@ -103,7 +103,7 @@ def submit(
     return FiniteJSONResponse(created.model_dump(mode="json"), status_code=status.HTTP_201_CREATED)
 
 
-@router.get("")
+@router.get("", response_model=Page[JobOut])
 def list_jobs(
     principal: CurrentPrincipal,
     session: SessionDep,
@@ -118,10 +118,13 @@ def list_jobs(
             description="Only jobs whose id starts with this (how the CLI takes an unambiguous short id).",
         ),
     ] = None,
-) -> Page[JobOut]:
+) -> JSONModelResponse:
     """The caller's tenant's jobs, newest first; an admin's token lists every tenant's."""
     page = jobs.list_jobs(session, state, limit, offset, tenant=principal.scope, id_prefix=id_prefix)
-    return Page[JobOut].convert(page, lambda job: JobOut.from_row(job, settings))
+    # Serialized here, straight to JSON by pydantic (NaN and infinities as null, as FiniteJSONResponse writes them): a
+    # returned model would be dumped, validated again and encoded by FastAPI, a fifth of a 200-job page's time (each
+    # job carries its whole spec).
+    return JSONModelResponse(Page[JobOut].convert(page, lambda job: JobOut.from_row(job, settings)))
 
 
 @router.get("/{job_id}")

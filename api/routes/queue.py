@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ringmaster.api.deps import CurrentPrincipal, SessionDep
-from ringmaster.api.errors import error_responses
+from ringmaster.api.errors import JSONModelResponse, error_responses
 from ringmaster.api.schemas import (
     QueuedJobOut,
     QueueOut,
@@ -42,26 +42,27 @@ def _visible(principal: Principal, tenant: str | None) -> tuple[str | None, bool
     return principal.scope, tenant in (None, principal.scope)
 
 
-@router.get("")
+@router.get("", response_model=QueueOut)
 def queue(
     principal: CurrentPrincipal,
     session: SessionDep,
     tenant: TenantFilter = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
-) -> QueueOut:
+) -> JSONModelResponse:
     """The QUEUED jobs in the order the dispatcher will start them, each with why it waits; the tenants' standing."""
     shown, visible = _visible(principal, tenant)
     if not visible:
-        return QueueOut(items=[], total=0, limit=limit, offset=offset, tenants=[])
+        return JSONModelResponse(QueueOut(items=[], total=0, limit=limit, offset=offset, tenants=[]))
     page = queue_view.queue_page(session, tenant=shown, limit=limit, offset=offset)
-    return QueueOut(
+    answer = QueueOut(
         items=[QueuedJobOut.model_validate(job) for job in page.items],
         total=page.total,
         limit=page.limit,
         offset=page.offset,
         tenants=[TenantStandingOut.from_standing(row) for row in queue_view.tenant_standing(session, tenant=shown)],
     )
+    return JSONModelResponse(answer)  # a long page is cheaper serialized by pydantic alone (api.errors)
 
 
 @router.get("/shares")
