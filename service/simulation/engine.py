@@ -263,7 +263,9 @@ class Simulation:
         plan = self.planner(snapshot)
         self.decision_cpu_ms.append((time.process_time() - started) * 1000.0)
         self.queued_at_pass.append(len(snapshot.queued))
-        acted = bool(plan.admissions or plan.shrinks or plan.grows or plan.preemptions)
+        # Without running resizes a plan's grows of running jobs are not carried out: no action, no pass sooner.
+        grew = bool(plan.grows) and bool(self.model.running_resizes)
+        acted = bool(plan.admissions or plan.shrinks or grew or plan.preemptions)
         self._apply(plan)
         self._record()
         if self.progress is not None:
@@ -299,12 +301,13 @@ class Simulation:
             trace.priority,
             GPU_WORKER,
             job.node_names,
-            job.min_workers,
+            job.min_workers if self.model.running_resizes else max(job.min_workers, len(job.nodes)),
             trace.gpus,
             trace.preemptible,
             job.attempt_started_at,
             job.last_resized_at,
             job.attained_gpu_s + len(job.nodes) * (self.now - job.updated_at),
+            trace.submit_time,
         )
 
     def _queued_view(self, job: _Job) -> QueuedJob:
@@ -348,7 +351,7 @@ class Simulation:
                 workers, nodes = grow_at_start.workers, nodes + grow_at_start.nodes
             self._start(job, workers, nodes, waits_for.get(job.trace.job_id, 0.0))
         for grow in plan.grows:
-            if grow.job_id not in grown_at_start:
+            if grow.job_id not in grown_at_start and self.model.running_resizes:
                 job = self._job(grow.job_id, _Phase.RUNNING, "grow")
                 self._resize(job, grow.workers, grow.nodes, growing=True)
 

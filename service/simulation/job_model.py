@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ringmaster.service.simulation.errors import SimulationInputError
+
 
 class Scaling(StrEnum):
     LINEAR = "linear"  # n workers do n/requested of the work per second the requested size does
@@ -34,6 +36,15 @@ class JobModel:
     # A job that is not elastic checkpoints every this many seconds of running (0: never, as a JobSpec with
     # checkpoint.every_steps 0); a preemption loses what it ran since.
     checkpoint_interval_s: float = 1800.0
+    # 1: a plan may shrink and grow a running job. 0: a running job keeps the size it started at until it ends or is
+    # preempted, as on the live dispatcher while service/dispatcher.py's LIVE_RESIZES is off: the plan sees it at that
+    # size (so it preempts it whole rather than shrink it) and its grows are not carried out (a script job never
+    # resizes while it runs; a managed job's driver growing itself onto idle capacity is not modelled).
+    running_resizes: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.running_resizes not in (0.0, 1.0):
+            raise SimulationInputError(f"setting running_resizes is 0 or 1, got {self.running_resizes:g}")
 
     def rate(self, workers: int, requested: int) -> float:
         """Work done per second at `workers` workers, where a job's duration is measured at `requested` workers."""

@@ -62,6 +62,42 @@ def test_elastic_shrinks_a_lower_priority_job_to_admit_another_and_grows_it_back
     assert (a.shrinks, a.grows, a.preemptions) == (1, 1, 0)
 
 
+def test_without_running_resizes_a_job_admitted_below_its_request_keeps_that_size_as_live() -> None:
+    """X (6 of 8 GPUs, 100 s) runs; F (4 GPUs, elastic to 2, 100 s) arrives at 1 and starts at 2 workers, half speed.
+    With resizes F grows to 4 when X ends (a 5 s pause): 49.5 s of work done by 100, the other 50.5 s from 105, done
+    at 155.5. Without them, as the live dispatcher (LIVE_RESIZES off), F runs at 2 workers to the end: done at 201."""
+    jobs = [TraceJob("x", 0.0, 100.0, 6), TraceJob("f", 1.0, 100.0, 4, min_gpus=2)]
+    _, resized = _run(jobs, PolicyName.ELASTIC, "grow_s=5", LIVE_INTERVAL).jobs
+    assert resized.finished_at == pytest.approx(155.5) and resized.grows == 1
+    _, kept = _run(jobs, PolicyName.ELASTIC, "grow_s=5", "running_resizes=0", LIVE_INTERVAL).jobs
+    assert kept.finished_at == pytest.approx(201.0)
+    assert (kept.first_started_at, kept.grows, kept.shrinks) == (1.0, 0, 0)
+
+
+def test_without_running_resizes_the_plan_sees_a_running_job_at_its_size() -> None:
+    """As in the live dispatcher's pass input: F (4 GPUs, elastic to 2) running at 4 counts as 4 to 4, not 2 to 4."""
+    seen: set[tuple[str, int, int]] = set()
+
+    def admit_each(state: SchedulingInput) -> Plan:
+        seen.update((job.id, job.min_workers, job.max_workers) for job in state.running)
+        node = state.nodes[0].id
+        return Plan(
+            admissions=tuple(Admission(job.id, job.max_workers, (node,) * job.max_workers) for job in state.queued)
+        )
+
+    jobs = [TraceJob("f", 0.0, 100.0, 4, min_gpus=2), TraceJob("g", 10.0, 10.0, 2)]
+    _run(jobs, PolicyName.ELASTIC, "running_resizes=0", LIVE_INTERVAL, planner=admit_each)
+    assert ("f", 4, 4) in seen and ("f", 2, 4) not in seen
+    seen.clear()
+    _run(jobs, PolicyName.ELASTIC, LIVE_INTERVAL, planner=admit_each)
+    assert ("f", 2, 4) in seen
+
+
+def test_running_resizes_is_0_or_1() -> None:
+    with pytest.raises(SimulationInputError, match="running_resizes is 0 or 1"):
+        parse_settings(["running_resizes=2"])
+
+
 def test_a_preempted_job_that_is_not_elastic_redoes_the_work_since_its_checkpoint() -> None:
     """A (8 GPUs, not elastic, 5000 s) has run 2500 s when B (priority 1, 8 GPUs, 100 s) arrives: A is preempted and
     loses the 500 s since its checkpoint at 2000 s; B runs 2500–2600; A restarts (20 s) with 3000 s left: done at
