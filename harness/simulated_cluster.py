@@ -85,6 +85,10 @@ class SimulatedCluster:
                     "include_dashboard": True,
                     "dashboard_host": "127.0.0.1",
                     "dashboard_port": self.dashboard_port,
+                    # 0: a port the kernel hands each agent, as the embedded head's (service/embedded_ray.py). Ray's
+                    # fixed one (52365) may be held by another cluster's agent here (the other xdist group's): the
+                    # Jobs API then finds no agent to submit through ("No available agent to submit job").
+                    "dashboard_agent_listen_port": 0,
                     "_system_config": CLUSTER_SYSTEM_CONFIG,
                 },
             )
@@ -102,7 +106,10 @@ class SimulatedCluster:
 
     def add_node(self):
         node = self.cluster.add_node(
-            num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, env_vars=self._gpu_node_env(self._nodes_added)
+            num_cpus=self.cpus_per_node,
+            num_gpus=self.gpus_per_node,
+            env_vars=self._gpu_node_env(self._nodes_added),
+            dashboard_agent_listen_port=0,  # as the head's (below)
         )
         self._nodes_added += 1
         self.cluster.wait_for_nodes()
