@@ -11,15 +11,18 @@ Revises: 0011
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import sqlalchemy as sa
 from alembic import op
+from sqlalchemy.sql.elements import ColumnElement, TextClause
 
 revision = "0012"
 down_revision = "0011"
 branch_labels = None
 depends_on = None
 
-_NEWEST = [sa.text("created_at DESC"), "id"]
+_NEWEST: Sequence[str | TextClause | ColumnElement[object]] = [sa.text("created_at DESC"), "id"]
 
 
 def upgrade() -> None:
