@@ -95,8 +95,10 @@ class TensorBoardScalars:
             for event in events:
                 for value in event.summary.value:
                     name = TENSORBOARD_TAGS.get(value.tag)
+                    if name is None:
+                        continue  # not a metric ringmaster keeps, whatever its kind (text, image, histogram)
                     number = _scalar(value)
-                    if name is None or number is None:
+                    if number is None:
                         continue
                     point = by_step.setdefault(int(event.step), {"step": int(event.step), "wall_time": event.wall_time})
                     point[name] = number
@@ -104,12 +106,13 @@ class TensorBoardScalars:
 
 
 def _scalar(value: Any) -> float | None:
-    """A summary value's number: a scalar tensor (what the loader makes of every scalar), or a legacy simple_value."""
+    """A summary value's number: a scalar tensor (what the loader makes of every scalar), or a legacy simple_value.
+    None for anything else, such as the text a Hugging Face Trainer writes (its arguments) before its first step."""
     if value.HasField("tensor"):
         from tensorboard.util.tensor_util import make_ndarray
 
         array = make_ndarray(value.tensor)
-        if array.size != 1:
+        if array.size != 1 or array.dtype.kind not in "biuf":
             return None
         number = float(array.reshape(()))
     elif value.HasField("simple_value"):

@@ -48,3 +48,17 @@ def test_tensorboard_scalars_are_read_as_the_file_grows(tmp_path: Path) -> None:
     [later] = source.read()
     assert later["step"] == 20 and later["val_loss"] == pytest.approx(1.25)
     writer.close()
+
+
+def test_tensorboard_text_beside_the_scalars_is_skipped(tmp_path: Path) -> None:
+    """A Hugging Face Trainer writes its arguments as text before its first step, and a script may tag text as a
+    metric: reading either once raised (a string is no float), which failed every later read of the directory."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    writer.add_text("args", '{"learning_rate": 5e-05}')
+    writer.add_text("train/loss", "not a number", 1)
+    writer.add_scalar("train/loss", 1.5, 1)
+    writer.close()
+    [point] = TensorBoardScalars(str(tmp_path)).read()
+    assert point["step"] == 1 and point["loss"] == pytest.approx(1.5)
