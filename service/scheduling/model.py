@@ -95,6 +95,16 @@ class PolicySettings:
     min_run_s: float = 300.0  # a job runs at least this long before it may be preempted
     min_resize_interval_s: float = 60.0  # between two resizes of one job
     fair_share_half_life_s: float = 3600.0
+    # elastic: a job that has waited this long ranks first among its tenant's jobs of its priority, and the first such
+    # job that does not fit claims room from the jobs of its priority ranked after it (in a later attained-service
+    # queue, or the same and submitted later): their slack, then whole jobs. Free capacity it cannot use yet goes to
+    # the jobs behind it rather than stay idle ...
+    reserve_after_s: float = 1800.0
+    # ... until it has waited this long: then, if its claim does not start it, the free capacity is held for it.
+    hold_after_s: float = 7200.0
+    # elastic: for fair share alone (equal priority) a tenant's job is preempted, not only shrunk, while its tenant
+    # holds more than this many times its weighted share.
+    fair_share_preemption_above: float = 2.0
     # las: the attained GPU-seconds at which a job drops to the next queue (Tiresias's discretised 2D-LAS).
     las_thresholds_gpu_s: tuple[float, ...] = (3600.0, 36000.0, 360000.0)
 

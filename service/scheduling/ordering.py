@@ -1,7 +1,9 @@
 """The order in which a pass considers the queued jobs: priority first under every policy, then each policy's own.
 
 fifo and backfill: oldest first. fair and elastic: among equal priorities, the tenant furthest below its weighted
-share goes next (decayed share over weight, plus what this pass has already admitted for it), then oldest first.
+share goes next (decayed share over weight, plus what this pass has already admitted for it); within a tenant, fair
+takes its jobs oldest first, elastic by least attained service as las does (which approximates shortest job first on
+heavy-tailed work), a job that has waited reserve_after_s counting as unserved so that it is not passed for ever.
 las: Tiresias's discretised least attained service: the fewer GPU-seconds a job has had, the earlier its queue.
 Ties fall to submitted_at, then id, so one input always gives one order.
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterator, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import attrgetter
 
 from ringmaster.service.scheduling.model import PolicyName, QueuedJob, TenantView
@@ -36,11 +39,14 @@ class PlanOrder:
         tenants: Mapping[str, TenantView],
         policy: PolicyName,
         las_thresholds: Sequence[float],
+        now: float = 0.0,
+        reserve_after_s: float = math.inf,
     ) -> None:
         self._queued = queued
         self._tenants = tenants
         self._policy = policy
         self._las_thresholds = las_thresholds
+        self._starved_before = now - reserve_after_s  # submitted by then: waited long enough to count as unserved
         self._charged: dict[str, float] = {}
 
     def charge(self, tenant: str, share: float) -> None:
@@ -72,13 +78,21 @@ class PlanOrder:
             )
         return iter(sorted(sorted(self._queued, key=attrgetter("submitted_at", "id")), key=_higher_priority_first))
 
+    def _least_served_first(self, job: QueuedJob) -> tuple[object, ...]:
+        """Elastic's order within a tenant: its attained-service queue (0 once it waited reserve_after_s), then age."""
+        starved = job.submitted_at <= self._starved_before
+        served = 0 if starved else las_queue(job.attained_gpu_seconds, self._las_thresholds)
+        return (served, job.submitted_at, job.id)
+
     def _by_fair_share(self) -> Iterator[QueuedJob]:
         """Per priority level, merge the tenants' age-ordered queues, taking next from the lowest standing. A tenant
         goes on while its next job still ranks before every other tenant's (no admission raised its standing)."""
         levels: dict[int, dict[str, list[QueuedJob]]] = {}
         for job in self._queued:
             levels.setdefault(job.priority, {}).setdefault(job.tenant, []).append(job)
-        by_age = attrgetter("submitted_at", "id")
+        by_age: Callable[[QueuedJob], tuple[object, ...]] = attrgetter("submitted_at", "id")
+        if self._policy is PolicyName.ELASTIC:
+            by_age = self._least_served_first
         for priority in sorted(levels, reverse=True):
             queues = levels[priority]
             for jobs in queues.values():

@@ -30,6 +30,7 @@ walking them, and one that failed is not tried again for a larger job of the sam
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -116,6 +117,7 @@ class _Running:
     may_shrink: bool = False  # elastic slack, and no resize within min_resize_interval_s
     may_preempt: bool = False  # preemptible, and past min_run_s
     group: object = None  # with its priority, what decides who may take from it: its tenant, or its las queue
+    served_queue: int = 0  # its attained-service queue (las and elastic)
     shrink_rank: tuple[float, float, float, str] = (0.0, 0.0, 0.0, "")  # the order victims give way (_Victims)
     preempt_rank: tuple[float, float, float, str] = (0.0, 0.0, 0.0, "")
     leaving: list[int] = field(default_factory=list)
@@ -154,8 +156,9 @@ class _Victims:
         self.shrinkable: dict[tuple[int, object], list[_Running]] = {}
         self.preemptible: dict[tuple[int, object], list[_Running]] = {}
         self.fronts: dict[int, int] = {}  # id(list) → the index of its first job with something left to give
-        self.given: dict[int, float] = {}  # id(job) → its can_give() as counted in bounds
+        self.given: dict[int, tuple[float, float]] = {}  # id(job) → its can_give() and slack as counted in bounds
         self.bounds: dict[tuple[int, object], float] = {}
+        self.slack: dict[tuple[int, object], float] = {}  # what the group's jobs could give by shrinking alone
         for job in running:
             if not (job.may_shrink or job.may_preempt):
                 continue
@@ -177,10 +180,15 @@ class _Victims:
             jobs.sort(key=lambda r: r.preempt_rank)
 
     def update(self, job: _Running) -> None:
-        before, now = self.given.get(id(job), 0.0), job.can_give()
+        before = self.given.get(id(job), (0.0, 0.0))
+        slack = 0.0
+        if job.may_shrink and not job.preempted:
+            slack = max(len(job.nodes) - job.job.min_workers, 0) * job.need
+        now = (job.can_give(), slack)
         if before != now:
             key = (job.job.priority, job.group)
-            self.bounds[key] = self.bounds.get(key, 0.0) - before + now
+            self.bounds[key] = self.bounds.get(key, 0.0) - before[0] + now[0]
+            self.slack[key] = self.slack.get(key, 0.0) - before[1] + now[1]
             self.given[id(job)] = now
 
     def could_give(self, keys: list[tuple[int, object]]) -> float:
@@ -228,6 +236,7 @@ class _Pass:
         self.settings = state.policy
         self.policy = state.policy.name
         self.las = self.policy is PolicyName.LAS
+        self.served = self.las or self.policy is PolicyName.ELASTIC  # orders and preempts by attained service
         self.node_ids = [node.id for node in state.nodes]
         index = {node.id: position for position, node in enumerate(state.nodes)}
         for job in state.running:  # a node a running job is on that the snapshot lacks: gone, so left like a drain
@@ -259,12 +268,18 @@ class _Pass:
             {name: tenant.view for name, tenant in self.tenants.items()},
             self.policy,
             self.settings.las_thresholds_gpu_s,
+            now=self.now,
+            reserve_after_s=self.settings.reserve_after_s if self.policy is PolicyName.ELASTIC else math.inf,
         )
         self.admitted: list[_Admitted] = []
         self.shrunk: list[_Running] = []
         self.grown: list[_Running] = []
         self.preempted: list[_Running] = []
-        self.heads: list[str | None] = [None, None]  # the reserved head of the queue per pool
+        self.heads: list[str | None] = [None, None]  # the head of the queue per pool: its first job that does not fit
+        # The job the free capacity is held for per pool: the head under backfill and fair; under elastic the first job
+        # that does not fit once it has waited reserve_after_s (until then the jobs behind use what it cannot).
+        self.holders: list[str | None] = [None, None]
+        self.claimed = [False, False]  # per pool: a job that waited reserve_after_s claimed room and did not start
         self.victims: list[_Victims | None] = [None, None]  # built when a job first tries to take from a pool
         # Per pool and (priority, group): the jobs that may not give way yet, as (until when, job id), soonest first.
         self.protected: list[dict[tuple[int, object], list[tuple[float, str]]] | None] = [None, None]
@@ -298,8 +313,10 @@ class _Pass:
                     running.may_preempt = True
                 else:
                     running.protected_until.append(job.started_at + self.settings.min_run_s)
+            if self.served:
+                running.served_queue = las_queue(job.attained_gpu_seconds, thresholds)
             if self.las:
-                running.group = las_queue(job.attained_gpu_seconds, thresholds)
+                running.group = running.served_queue
             planned.append(running)
         return planned
 
@@ -336,9 +353,10 @@ class _Pass:
         """Admit the job or say why it waits ("" when admitted). A job like one already turned away since the last
         change (same tenant, priority, shape, size, and job it made way for) waits for the same reason."""
         shape = job.shape
-        queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.las else 0
+        queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.served else 0
         blocker = self._blocker(job) if job.preempted_for is not None else None
-        kind = (job.tenant, job.priority, shape.gpus, shape.cpus, job.min_workers, blocker, queue)
+        claim = job.submitted_at if self._claims(job) else None
+        kind = (job.tenant, job.priority, shape.gpus, shape.cpus, job.min_workers, blocker, queue, claim)
         known = self.verdicts.get(kind)
         if known is not None and known[0] == self.version:
             return known[1]
@@ -354,6 +372,13 @@ class _Pass:
         if blocker is None or blocker.preempted or blocker.job.priority > job.priority:
             return None
         return blocker.job.id
+
+    def _claims(self, job: QueuedJob) -> bool:
+        """Under elastic, whether the job would take room from younger jobs of its priority, and hold what is free, if
+        it does not fit: it has waited reserve_after_s and nothing is held yet in its pool."""
+        if self.policy is not PolicyName.ELASTIC or self.now - job.submitted_at < self.settings.reserve_after_s:
+            return False
+        return not self.claimed[GPU if job.shape.gpus > 0 else CPU]
 
     def _decide(self, job: QueuedJob) -> str:
         shape = job.shape
@@ -378,25 +403,41 @@ class _Pass:
             self._admit(job, size, upper, pool_index, need)
             return ""
         note = ""
+        claim = self._claims(job)
         if self.policy in _TAKING:
-            taken = self._take_from_lower(job, pool_index, need, fitting, upper)
+            taken = self._take_from_lower(job, pool_index, need, fitting, upper, claim)
             if taken is None:
                 return ""
             note = taken
         head = self.heads[pool_index]
-        if head is None and self.policy in _RESERVING:
-            self.heads[pool_index] = job.id
-            pool.hold_back(need)
+        if self.policy in _RESERVING and (head is None or claim):
+            self.claimed[pool_index] = self.claimed[pool_index] or claim
+            holds = self.policy is not PolicyName.ELASTIC or (
+                claim and self.now - job.submitted_at >= self.settings.hold_after_s
+            )
+            if holds:
+                self.holders[pool_index] = job.id
+                pool.hold_back(need)
+            self.heads[pool_index] = head or job.id
             self.version += 1
-            short = (job.min_workers - fitting) * need
-            return f"reserved: head of the queue, waits for {_amount(short, pool_index)} more to free{note}"
-        reason_key = (pool_index, need, job.min_workers, fitting, head, note)
+            short = _amount((job.min_workers - fitting) * need, pool_index)
+            if head is None:
+                return f"reserved: head of the queue, waits for {short} more to free{note}"
+            if holds:
+                return (
+                    f"reserved: waited over {self.settings.hold_after_s:g} s, the free {_UNITS[pool_index]} are held "
+                    f"for it; waits for {short} more to free{note}"
+                )
+        holder = self.holders[pool_index]
+        reason_key = (pool_index, need, job.min_workers, fitting, holder, note)
         reason = self.reasons.get(reason_key)
         if reason is None:
             wanted = f"waiting for {_amount(job.min_workers * need, pool_index)}"
-            if head is not None:
+            if holder is not None:
                 units = _UNITS[pool_index]
-                reason = f"{wanted}, behind job {head} at the head of the queue, for which the free {units} are held"
+                held_for = f"waiting over {self.settings.hold_after_s:g} s"
+                where = "at the head of the queue" if holder == head else held_for
+                reason = f"{wanted}, behind job {holder} {where}, for which the free {units} are held"
             else:
                 reason = f"{wanted}; {fitting} such workers fit now"
             reason = self.reasons[reason_key] = reason + note
@@ -439,11 +480,21 @@ class _Pass:
 
     # --- 3. taking capacity from lower-ranked jobs ----------------------------------------------------------------
 
-    def _take_from_lower(self, job: QueuedJob, pool_index: int, need: float, fitting: int, upper: int) -> str | None:
-        """Admit the job on capacity that lower-ranked running jobs give up, or say what stops it (None: admitted)."""
-        queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.las else 0
+    def _take_from_lower(
+        self, job: QueuedJob, pool_index: int, need: float, fitting: int, upper: int, claim: bool = False
+    ) -> str | None:
+        """Admit the job on capacity that lower-ranked running jobs give up, or say what stops it (None: admitted).
+        A claim (elastic, waited reserve_after_s) may also take from the younger jobs of its priority."""
+        queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.served else 0
         # Under las who may be taken from does not depend on the tenant; the job it made way for only narrows it.
-        failure_key = (pool_index, need, job.priority, None if self.las else job.tenant, queue)
+        failure_key = (
+            pool_index,
+            need,
+            job.priority,
+            None if self.las else job.tenant,
+            queue,
+            job.submitted_at if claim else None,
+        )
         for key in (failure_key, (*failure_key, self._blocker(job))):
             failed = self.failed_takes.get(key)
             if failed is not None and job.min_workers >= failed[0]:
@@ -457,13 +508,17 @@ class _Pass:
         trial = _Trial(count=fitting)
         taker = self.tenant(job.tenant)
         taker_after = self.standing(taker.held().plus(held_by_workers(job.shape, job.min_workers)), taker)
-        keys, could_give = self._victim_keys(job, victims, queue, pool_index, taker_after)
+        shrink_keys, keys, could_give, borrowers = self._victim_keys(
+            job, victims, queue, pool_index, taker_after, claim
+        )
         at_most = workers_in(could_give + self.pools[pool_index].total_free, need)
         if at_most >= job.min_workers:
             if not self.las:
-                self._trial_shrinks(job, trial, victims.shrinkable_jobs(keys), need, taker_after)
+                self._trial_shrinks(
+                    job, trial, victims.shrinkable_jobs(shrink_keys), need, taker_after, claim, borrowers
+                )
             if trial.count < job.min_workers:
-                self._trial_preemptions(job, trial, victims.preemptible_jobs(keys), need, taker_after)
+                self._trial_preemptions(job, trial, victims.preemptible_jobs(keys), need, taker_after, claim, borrowers)
         if trial.count < job.min_workers:
             note = self._protected_note(job, pool_index, queue)
             room = trial.count if at_most >= job.min_workers else at_most
@@ -486,26 +541,40 @@ class _Pass:
         return None
 
     def _victim_keys(
-        self, job: QueuedJob, victims: _Victims, queue: int, pool_index: int, taker_after: float
-    ) -> tuple[list[tuple[int, object]], float]:
-        """The (priority, group)s the taker may take from — every lower priority; at its own, under elastic the tenants
-        above their weighted share (borrowers), under las the queues of more attained service — and an upper bound
-        of what they could give: a borrower gives no more than keeps its standing at the taker's."""
+        self, job: QueuedJob, victims: _Victims, queue: int, pool_index: int, taker_after: float, claim: bool
+    ) -> tuple[list[tuple[int, object]], list[tuple[int, object]], float, frozenset[str]]:
+        """The (priority, group)s the taker may shrink, those it may preempt from, an upper bound of what they could
+        give, and the tenants it may take from as borrowers. Every lower priority. At its own: under las the queues
+        of more attained service; under elastic every job's slack above workers.min, whole jobs of the tenants above
+        their weighted share (a borrower gives no more than keeps its standing at the taker's), and on a claim whole
+        jobs younger than the taker (_victim_kind picks them out)."""
+        shrink_keys: list[tuple[int, object]] = []
         keys: list[tuple[int, object]] = []
+        borrowers: set[str] = set()
         could_give = 0.0
+        elastic = self.policy is PolicyName.ELASTIC
         for key, amount in victims.bounds.items():
             priority, group = key
             if priority < job.priority or (
                 self.las and priority == job.priority and isinstance(group, int) and group > queue
             ):
                 keys.append(key)
+                shrink_keys.append(key)
                 could_give += amount
-            elif self.policy is PolicyName.ELASTIC and priority == job.priority and group != job.tenant:
-                lender = self.tenant(str(group))
-                if self.standing(lender.held(), lender) > self.fair_standing + EPSILON:
+            elif elastic and priority == job.priority:
+                shrink_keys.append(key)
+                if claim:  # _victim_kind keeps those ranked after the taker
                     keys.append(key)
+                    could_give += amount
+                    continue
+                lender = self.tenant(str(group))
+                if group != job.tenant and self.standing(lender.held(), lender) > self.fair_standing + EPSILON:
+                    keys.append(key)
+                    borrowers.add(str(group))
                     could_give += min(amount, self._lendable(lender, pool_index, taker_after))
-        return keys, could_give
+                else:
+                    could_give += victims.slack.get(key, 0.0)
+        return shrink_keys, keys, could_give, frozenset(borrowers)
 
     def _lendable(self, lender: _Tenant, pool_index: int, taker_after: float) -> float:
         """The most of this pool's resource a borrower could give while its standing stays at least taker_after."""
@@ -517,9 +586,13 @@ class _Pass:
             return _UNBOUNDED  # its other resource alone keeps its standing
         return max(held[pool_index] - taker_after * weight * capacity[pool_index], 0.0)
 
-    def _victim_kind(self, job: QueuedJob, victim: _Running, trial: _Trial) -> str | None:
-        """'lower' for a job of lower priority (or, under las, in a later queue), 'borrower' for an equal-priority one
-        whose tenant's share decides, None for one it may not take from. The victims come from _victim_keys."""
+    def _victim_kind(
+        self, job: QueuedJob, victim: _Running, trial: _Trial, claim: bool, borrowers: frozenset[str]
+    ) -> str | None:
+        """'lower' for a job of lower priority (or, under las, in a later queue). At equal priority under elastic:
+        'lower' on a claim for one ranked after the taker (in a later attained-service queue, or the same and submitted
+        after it), whatever its tenant; else nothing from the taker's own tenant, 'borrower' for another tenant's job
+        whose share decides, 'slack' for one that may only shrink. None for one it may not take from."""
         if victim.preempted or not victim.nodes:
             return None
         if victim.job.id == job.preempted_for:
@@ -527,7 +600,23 @@ class _Pass:
             return None
         if victim.job.priority < job.priority or self.las:
             return "lower"
-        return "borrower"
+        thresholds = self.settings.las_thresholds_gpu_s
+        taker_queue, victim_queue = las_queue(job.attained_gpu_seconds, thresholds), victim.served_queue
+        if claim:
+            submitted = victim.job.submitted_at if victim.job.submitted_at is not None else victim.job.started_at
+            if victim_queue > taker_queue or (victim_queue == taker_queue and submitted > job.submitted_at):
+                return "lower"
+        if victim.job.tenant == job.tenant:
+            return None  # a tenant's own jobs of one priority do not take turns
+        if victim.job.tenant in borrowers:
+            return "borrower"
+        return "slack"
+
+    def _keeps_standing(self, trial: _Trial, victim: _Running, freed: Held, taker_after: float) -> bool:
+        """Whether the victim's tenant, giving this up too, still holds at least the taker's tenant's standing."""
+        owner = self.tenant(victim.job.tenant)
+        already = trial.freed.get(owner.view.name, Held())
+        return taker_after <= self.standing(owner.held(already.plus(freed)), owner) + EPSILON
 
     def _may_borrow(self, trial: _Trial, victim: _Running, freed: Held, taker_after: float) -> bool:
         """An equal-priority victim gives way only while its tenant holds more than its weighted share, and still holds
@@ -537,6 +626,13 @@ class _Pass:
             return False
         already = trial.freed.get(owner.view.name, Held())
         return taker_after <= self.standing(owner.held(already.plus(freed)), owner) + EPSILON
+
+    def _far_above_share(self, victim: _Running) -> bool:
+        """Stopping a job loses its work since its checkpoint where shrinking loses nothing: for fair share alone a
+        tenant's job is preempted only while the tenant holds over fair_share_preemption_above × its weighted share."""
+        owner = self.tenant(victim.job.tenant)
+        bound = self.fair_standing * self.settings.fair_share_preemption_above
+        return self.standing(owner.held(), owner) > bound + EPSILON
 
     def _protected_note(self, job: QueuedJob, pool_index: int, queue: int) -> str:
         """When the soonest running job the taker could take from, but may not yet, gives way."""
@@ -582,23 +678,33 @@ class _Pass:
         trial.freed[owner] = trial.freed.get(owner, Held()).plus(held_by_workers(victim.job.shape, len(nodes)))
 
     def _trial_shrinks(
-        self, job: QueuedJob, trial: _Trial, victims: Iterator[_Running], need: float, taker_after: float
+        self,
+        job: QueuedJob,
+        trial: _Trial,
+        victims: Iterator[_Running],
+        need: float,
+        taker_after: float,
+        claim: bool,
+        borrowers: frozenset[str],
     ) -> None:
-        """Take single workers above workers.min, each from the node where it completes the most bundles. A borrowing
+        """Take single workers above workers.min, each from the node where it completes the most bundles: slack is
+        lent, so any job of the taker's priority or lower gives it back; another tenant's job of equal priority only
+        while its tenant keeps at least the taker's standing (so the two cannot take turns), unless on a claim. A
         tenant that may give no more is passed over for the rest of the trial."""
         refused: set[str] = set()
         for victim in victims:
-            kind = self._victim_kind(job, victim, trial)
+            kind = self._victim_kind(job, victim, trial, claim, borrowers)
             slack = len(victim.nodes) - victim.job.min_workers
             if kind is None or slack <= 0 or victim.job.tenant in refused:
                 continue
+            lent = kind != "lower" and victim.job.tenant != job.tenant
             pool = self.pools[victim.pool]
             remaining = dict.fromkeys(victim.nodes, 0)
             for node in victim.nodes:
                 remaining[node] += 1
             one_worker = held_by_workers(victim.job.shape, 1)
             for _ in range(slack):
-                if kind == "borrower" and not self._may_borrow(trial, victim, one_worker, taker_after):
+                if lent and not self._keeps_standing(trial, victim, one_worker, taker_after):
                     refused.add(victim.job.tenant)
                     break
                 node = max(
@@ -615,19 +721,27 @@ class _Pass:
                     return
 
     def _trial_preemptions(
-        self, job: QueuedJob, trial: _Trial, victims: Iterator[_Running], need: float, taker_after: float
+        self,
+        job: QueuedJob,
+        trial: _Trial,
+        victims: Iterator[_Running],
+        need: float,
+        taker_after: float,
+        claim: bool,
+        borrowers: frozenset[str],
     ) -> None:
         """Take whole preemptible jobs that have run their minimum run time."""
         for victim in victims:
-            kind = self._victim_kind(job, victim, trial)
-            if kind is None:
+            kind = self._victim_kind(job, victim, trial, claim, borrowers)
+            if kind is None or kind == "slack":
                 continue
             nodes = list(victim.nodes)
             for shrunk, node in trial.shrinks:
                 if shrunk is victim:
                     nodes.remove(node)
-            if kind == "borrower" and not self._may_borrow(
-                trial, victim, held_by_workers(victim.job.shape, len(nodes)), taker_after
+            if kind == "borrower" and not (
+                self._far_above_share(victim)
+                and self._may_borrow(trial, victim, held_by_workers(victim.job.shape, len(nodes)), taker_after)
             ):
                 continue
             self._free_in_trial(trial, victim, nodes, need)

@@ -28,6 +28,9 @@ class SimulationSettings:
     min_run_s: float = _POLICY_DEFAULTS.min_run_s
     min_resize_interval_s: float = _POLICY_DEFAULTS.min_resize_interval_s
     fair_share_half_life_s: float = _POLICY_DEFAULTS.fair_share_half_life_s
+    reserve_after_s: float = _POLICY_DEFAULTS.reserve_after_s
+    hold_after_s: float = _POLICY_DEFAULTS.hold_after_s
+    fair_share_preemption_above: float = _POLICY_DEFAULTS.fair_share_preemption_above
     # Tenant weights for fair share, `tenant_weights=team-a:3,team-b:1`; a tenant not named weighs 1.
     tenant_weights: tuple[tuple[str, float], ...] = field(default=())
 
@@ -37,6 +40,9 @@ class SimulationSettings:
             min_run_s=self.min_run_s,
             min_resize_interval_s=self.min_resize_interval_s,
             fair_share_half_life_s=self.fair_share_half_life_s,
+            reserve_after_s=self.reserve_after_s,
+            hold_after_s=self.hold_after_s,
+            fair_share_preemption_above=self.fair_share_preemption_above,
         )
 
     def weight(self, tenant: str) -> float:

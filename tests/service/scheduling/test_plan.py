@@ -362,3 +362,78 @@ def test_every_queued_job_gets_one_position_in_plan_order() -> None:
     decided = plan(state)
     assert [position.job_id for position in decided.queue] == [f"q{index}" for index in range(5)]
     assert [bool(position.reason) for position in decided.queue] == [False, True, True, True, True]
+
+
+# --- elastic: least attained service within a tenant, no idle hold, claims after reserve_after_s ------------------
+
+
+def test_elastic_takes_a_tenants_least_served_job_first_until_a_served_one_has_waited_reserve_after_s() -> None:
+    jobs = [
+        queued("served", 1, attained_gpu_seconds=5e4, submitted_at=0.0),
+        queued("fresh", 1, attained_gpu_seconds=0.0, submitted_at=5.0),
+    ]
+    soon = plan(snapshot(gpu_nodes(1), [], jobs, now=1_000.0))  # reserve_after_s 1800: neither has waited that long
+    assert [position.job_id for position in soon.queue] == ["fresh", "served"]
+    late = plan(snapshot(gpu_nodes(1), [], jobs, now=1_805.0))  # served waited 1805 s: it counts as unserved
+    assert [position.job_id for position in late.queue] == ["served", "fresh"]
+    fair = plan(snapshot(gpu_nodes(1), [], jobs, now=1_000.0, policy=FAIR))
+    assert [position.job_id for position in fair.queue] == ["served", "fresh"]  # fair stays oldest first
+
+
+def test_elastic_head_that_has_not_waited_long_holds_nothing_and_the_jobs_behind_use_the_free_gpus() -> None:
+    state = snapshot(
+        gpu_nodes(4),
+        [running("r0", ["n0"]), running("r1", ["n1"])],
+        [queued("big", 4, submitted_at=9_500.0), queued("small", 1, submitted_at=9_600.0)],
+    )
+    decided = plan(state)
+    assert admitted(decided).keys() == {"small"}
+    assert reason_of(decided, "big") == "reserved: head of the queue, waits for 2 GPUs more to free"
+    assert decided.preemptions == ()
+
+
+def test_a_job_that_waited_reserve_after_s_preempts_a_younger_job_of_its_priority_not_an_older_one() -> None:
+    younger = running("younger", ["n0", "n1"], tenant="b", started_at=9_000.0, submitted_at=5_000.0)
+    old = queued("old", 2, tenant="a", submitted_at=0.0)
+    tenants = [TenantView("a"), TenantView("b")]
+    decided = plan(snapshot(gpu_nodes(2), [younger], [old], tenants=tenants))
+    assert [(p.job_id, p.for_job) for p in decided.preemptions] == [("younger", "old")]
+    assert admitted(decided).keys() == {"old"}
+
+    not_long = plan(snapshot(gpu_nodes(2), [younger], [replace(old, submitted_at=8_500.0)], tenants=tenants))
+    assert not_long.preemptions == () and not_long.admissions == ()  # waited 1500 s < reserve_after_s
+
+    older = replace(younger, submitted_at=0.0)
+    newer_taker = plan(snapshot(gpu_nodes(2), [older], [replace(old, submitted_at=100.0)], tenants=tenants))
+    assert newer_taker.preemptions == () and newer_taker.admissions == ()
+
+
+def test_a_claim_shrinks_elastic_slack_before_it_preempts_a_whole_job() -> None:
+    elastic = running("elastic", ["n0", "n1"], min_workers=1, max_workers=2, started_at=9_000.0, submitted_at=6_000.0)
+    whole = running("whole", ["n2", "n3"], started_at=9_000.0, submitted_at=7_000.0)
+    decided = plan(snapshot(gpu_nodes(4), [elastic, whole], [queued("old", 1, submitted_at=0.0)]))
+    assert decided.preemptions == ()
+    assert [(shrink.job_id, shrink.workers, shrink.for_job) for shrink in decided.shrinks] == [("elastic", 1, "old")]
+    assert admitted(decided).keys() == {"old"}
+
+
+def test_a_claim_that_cannot_start_holds_the_free_gpus_only_after_hold_after_s() -> None:
+    blockers = [running("r0", ["n0"], preemptible=False), running("r1", ["n1"], preemptible=False)]
+    big, small = queued("big", 4, submitted_at=0.0), queued("small", 1, submitted_at=1.0)
+    before_hold = plan(snapshot(gpu_nodes(4), blockers, [big, small], now=5_000.0))  # 1800 <= waited < 7200
+    assert admitted(before_hold).keys() == {"small"}
+    after_hold = plan(snapshot(gpu_nodes(4), blockers, [big, small], now=7_300.0))
+    assert after_hold.admissions == ()
+    assert "behind job big at the head of the queue, for which the free GPUs are held" in reason_of(after_hold, "small")
+
+
+def test_fair_share_preempts_an_equal_priority_tenant_only_above_twice_its_weighted_share() -> None:
+    holders = [running(f"a{index}", [f"n{index}"], tenant="a") for index in range(4)]
+    two = [TenantView("a"), TenantView("b")]
+    decided = plan(snapshot(gpu_nodes(4), holders, [queued("b-job", 1, tenant="b")], tenants=two))
+    assert decided.preemptions == ()  # a holds 1.0, not above 2 × its share of 0.5
+
+    three = [*two, TenantView("c")]
+    jobs = [queued("b-job", 1, tenant="b"), queued("c-job", 1, tenant="c", submitted_at=1.0)]
+    decided = plan(snapshot(gpu_nodes(4), holders, jobs, tenants=three))
+    assert decided.preemptions and {p.for_job for p in decided.preemptions} <= {"b-job", "c-job"}  # above 2 × 1/3
