@@ -43,6 +43,9 @@ def policy_settings(settings: Settings) -> PolicySettings:
         min_run_s=settings.min_run_before_preemption_s,
         min_resize_interval_s=settings.min_resize_interval_s,
         fair_share_half_life_s=settings.fair_share_half_life_s,
+        reserve_after_s=settings.reserve_after_s,
+        hold_after_s=settings.hold_after_s,
+        fair_share_preemption_above=settings.fair_share_preemption_above,
     )
 
 

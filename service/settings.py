@@ -55,6 +55,23 @@ class Settings(BaseSettings):
         gt=0,
         description="Fair share weighs a tenant's usage this long ago half as much as its usage now.",
     )
+    reserve_after_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description="elastic: a job that has waited this long ranks first among its tenant's jobs of its priority and "
+        "may take room from the jobs ranked after it; until then, capacity it cannot use goes to the jobs behind it.",
+    )
+    hold_after_s: float = Field(
+        default=7200.0,
+        ge=0,
+        description="elastic: a job that has waited this long and still cannot start has free capacity held for it.",
+    )
+    fair_share_preemption_above: float = Field(
+        default=2.0,
+        gt=0,
+        description="elastic: between equal priorities a tenant's job is preempted (not only shrunk) for fair share "
+        "only while its tenant holds more than this many times its weighted share.",
+    )
     preemption_timeout_s: float = Field(
         default=300.0,
         gt=0,

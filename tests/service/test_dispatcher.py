@@ -16,6 +16,7 @@ from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job, TenantShare
 from ringmaster.service.naming import workers_fitting
 from ringmaster.service.reports import DriverReport
+from ringmaster.service.scheduling.model import PolicyName, PolicySettings
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
 from ringmaster.service.states import JobState
@@ -577,3 +578,27 @@ def test_a_pass_reads_only_the_specs_of_jobs_new_to_the_queue_and_sees_who_joine
     with db.sessions() as session:
         places = [session.get(Job, job_id).queue_position for job_id in [urgent, *waiting[1:]]]
     assert places == [1, 2, 3, 4, 5]
+
+
+def test_the_plan_takes_every_scheduling_setting_of_the_service():
+    """What an operator tries with `ringmaster simulate --setting` is what the settings of those names set live."""
+    from ringmaster.service.dispatch_plan import policy_settings
+
+    configured = Settings(
+        scheduling_policy="las",
+        min_run_before_preemption_s=11,
+        min_resize_interval_s=12,
+        fair_share_half_life_s=13,
+        reserve_after_s=14,
+        hold_after_s=15,
+        fair_share_preemption_above=1.5,
+    )
+    assert policy_settings(configured) == PolicySettings(
+        name=PolicyName.LAS,
+        min_run_s=11,
+        min_resize_interval_s=12,
+        fair_share_half_life_s=13,
+        reserve_after_s=14,
+        hold_after_s=15,
+        fair_share_preemption_above=1.5,
+    )
