@@ -1,6 +1,7 @@
 """Script mode end to end on a real local Ray, through REST: a torchrun-style DDP script written here runs unchanged
-on two workers and trains exactly as it does under `torchrun --nproc_per_node 2`; bad input fails the job once with
-the rank, its exit code and its stderr; a cancel lets the script save on SIGTERM.
+on two workers and trains exactly as it does under `torchrun --nproc_per_node 2`; a Hugging Face Trainer script's
+curves come from its TensorBoard files alone; bad input fails the job once with the rank, its exit code and its
+stderr; a cancel lets the script save on SIGTERM.
 
 One control plane serves the module (tests/conftest.py's ray_server, on the session's shared head), and each test
 reads as much as it can from one job: the cluster tests' time is CI's scarcest."""
@@ -190,6 +191,103 @@ def test_a_torchrun_ddp_script_runs_unchanged_and_matches_torchrun(
     assert [rows[step]["user_metrics"]["loss_x2"] for step in range(STEPS)] == pytest.approx(
         [2 * loss for loss in ours_losses]
     )
+
+
+HF_STEPS = 8
+# A Hugging Face Trainer script as a team writes one: a tiny GPT-2 of random weights, random tokens, gloo on CPUs,
+# TensorBoard as its only report (transformers 5 writes where TENSORBOARD_LOGGING_DIR says; ringmaster sets it). It
+# never imports ringmaster.
+HF_TRAINER_SCRIPT = f"""
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+STEPS = {HF_STEPS}
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {{"input_ids": self.ids[index], "labels": self.ids[index]}}
+
+
+def main():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    arguments = TrainingArguments(
+        output_dir=os.environ.get("RINGMASTER_CHECKPOINT_DIR", "trainer_output"),
+        ddp_backend="gloo",
+        use_cpu=True,
+        report_to=["tensorboard"],
+        logging_steps=1,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=RandomTokens())
+    trainer.train()
+    seen = {{
+        "rank": int(os.environ["RANK"]),
+        "world_size": torch.distributed.get_world_size(),
+        "steps": trainer.state.global_step,
+        "tensorboard": os.environ["TENSORBOARD_LOGGING_DIR"],
+    }}
+    print("trained: " + json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_hugging_face_trainer_scripts_curves_come_from_its_tensorboard_files_alone(
+    client: RingmasterClient, ray_server, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    project = _project(tmp_path / "project", {"train.py": HF_TRAINER_SCRIPT})
+    job = client.submit(_script_spec("script-hf-trainer", ["python", "train.py"], max_failures=0), code=project)
+    done = wait_for_state(client, job["id"], TERMINAL, timeout_s=180)
+    logs = client.logs(job["id"])
+    assert done["state"] == "SUCCEEDED", (done["error"], logs[-3000:])
+
+    trained = {}
+    for line in logs.splitlines():
+        if "] trained: " in line:
+            seen = json.loads(line.split("] trained: ", 1)[1])
+            assert f"[rank {seen['rank']}] trained: " in line, line
+            trained[seen["rank"]] = seen
+    assert sorted(trained) == [0, 1], logs[-3000:]
+    assert all(seen["world_size"] == 2 and seen["steps"] == HF_STEPS for seen in trained.values()), trained
+
+    # The Trainer's own event files (rank 0 writes them), read back by TensorBoard's reader: the oracle.
+    tensorboard = Path(trained[0]["tensorboard"])
+    assert tensorboard.parts[-3:] == ("tensorboard", "attempt-1", "script") and job["id"] in tensorboard.parts
+    written = EventAccumulator(str(tensorboard), size_guidance={"scalars": 0})
+    written.Reload()
+    losses = {event.step: event.value for event in written.Scalars("train/loss")}
+    rates = {event.step: event.value for event in written.Scalars("train/learning_rate")}
+    norms = {event.step: event.value for event in written.Scalars("train/grad_norm")}
+    assert sorted(losses) == list(range(1, HF_STEPS + 1)), "logging_steps=1: a loss at every optimizer step"
+
+    rows = {row["step"]: row for row in client.metrics(job["id"])["items"]}
+    assert sorted(rows) == sorted(losses)
+    assert [rows[step]["loss"] for step in sorted(losses)] == pytest.approx(
+        [losses[step] for step in sorted(losses)], abs=1e-6
+    )
+    assert [rows[step]["lr"] for step in sorted(rates)] == pytest.approx([rates[step] for step in sorted(rates)])
+    assert [rows[step]["grad_norm"] for step in sorted(norms)] == pytest.approx([norms[step] for step in sorted(norms)])
+    assert all(row["user_metrics"] is None for row in rows.values()), "nothing came from ringmaster.report"
 
 
 NONZERO_ON_RANK_1 = """
