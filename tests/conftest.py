@@ -24,12 +24,6 @@ for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: a worker for each of the two Ray cluster groups (tests/cluster/conftest.py says why) and one for the
-    unit tests beside them, or a worker per core where there are more cores."""
-    return max(3, os.cpu_count() or 1)
-
-
 @pytest.fixture
 def single_rank_group() -> Iterator[None]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

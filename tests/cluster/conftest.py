@@ -1,18 +1,18 @@
 """Every test in this folder needs a real Ray cluster: each is marked `integration` (pyproject.toml's markers), so
 `pytest -m "not integration"` runs the rest of the suite without one.
 
-Under `pytest -n` (the README's command) they form two xdist groups, each run one test after another in one worker,
-while the other workers run the rest of the suite beside them: the modules that build simulated clusters of their own
-(OWN_CLUSTERS: they kill nodes and heads), and the rest, which share one Ray head (tests/conftest.py's
-shared_ray_head) or start a Ray of their own in the worker's process. They are collected first (pyproject.toml's
-`--no-loadscope-reorder` hands work out in collection order), so both groups, the longest parts, start at once.
+Under `pytest -n` (the README's command) they form two xdist groups, each run one test after another in one worker:
+the modules that build simulated clusters of their own (OWN_CLUSTERS: they kill nodes and heads), and the rest, which
+share one Ray head (tests/conftest.py's shared_ray_head) or start a Ray of their own in the worker's process. They are
+collected first (pyproject.toml's `--no-loadscope-reorder` hands work out in collection order), so on two workers
+the two groups run side by side from the start, and each worker takes unit tests once its group ends.
 
-Why two groups and three workers on a 2-core machine (tests/conftest.py's pytest_xdist_auto_num_workers): one group
-was the run's critical path (26:39 of pytest on this machine, its worker busy to the end while the other had run out
-of unit tests long before). A test on a simulated cluster keeps about one core busy, and the whole run about 1.4 of
-the two (sampled from /proc while it ran), so a third stream of work fits beside the two. Two groups on two workers
-were measured before, the second collected last and taken by the worker that ran out of unit tests: that did not
-help (31:21 against 30:11), since the second group then started only when the unit tests ended."""
+Where the time went before (this machine, 2 cores): with one group, that group was the critical path (pytest 26:39),
+its worker busy to the end while the other had run out of unit tests minutes before. A second group collected last,
+taken by the worker that ran out of unit tests, did not help (31:21 against 30:11: it started only when the unit
+tests ended). Three workers (two groups and the unit tests at once) saturated both cores from the middle of the run
+on, and tests with time bounds failed (a GCS restart that took 103 s, a serve that took 12.7 s to stop, a 300 s
+timeout): two streams of work at a time is what this machine holds."""
 
 from __future__ import annotations
 

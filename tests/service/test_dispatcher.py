@@ -573,8 +573,13 @@ def test_a_pass_reads_only_the_specs_of_jobs_new_to_the_queue_and_sees_who_joine
     event.listen(db.engine, "before_cursor_execute", lambda *args: statements.append((args[2], args[3])))
     dispatcher._queue_record_due = 0.0  # record the queue at this pass, not two seconds later
     dispatcher.dispatch_queued()
-    spec_reads = [parameters for statement, parameters in statements if "jobs.spec" in statement]
-    assert len(spec_reads) == 1 and urgent in spec_reads[0] and not set(waiting) & set(spec_reads[0])
+    # The bound values: a tuple on SQLite, a dict by parameter name on PostgreSQL.
+    spec_reads = [
+        set(parameters.values() if isinstance(parameters, dict) else parameters)
+        for statement, parameters in statements
+        if "jobs.spec" in statement
+    ]
+    assert len(spec_reads) == 1 and urgent in spec_reads[0] and not set(waiting) & spec_reads[0], spec_reads
     with db.sessions() as session:
         places = [session.get(Job, job_id).queue_position for job_id in [urgent, *waiting[1:]]]
     assert places == [1, 2, 3, 4, 5]
