@@ -52,7 +52,7 @@ def test_tensorboard_scalars_are_read_as_the_file_grows(tmp_path: Path) -> None:
 
 def test_tensorboard_text_beside_the_scalars_is_skipped(tmp_path: Path) -> None:
     """A Hugging Face Trainer writes its arguments as text before its first step, and a script may tag text as a
-    metric: reading either once raised (a string is no float), which failed every later read of the directory."""
+    metric: the read that met either raised (a string is no float), and every point its loader had taken was lost."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path))
