@@ -206,7 +206,8 @@ class MetricOut(BaseModel):
     world_size: int | None
     user_metrics: dict[str, float] | None = Field(
         description="The step's values of the metrics the model's loss_fn returns beside its loss, by name (each the "
-        "mean over the step's micro-batches and data-parallel ranks); null where it returns the loss alone."
+        "mean over the step's micro-batches and data-parallel ranks) and, where the step was validated, each one's "
+        "mean over the validation set as val_<name>; null where it returns the loss alone."
     )
     recorded_at: datetime
 

@@ -15,14 +15,18 @@ from ringmaster.service.json_types import JsonTyped
 # that read as TensorBoard tags and MLflow keys alike, and few enough that a step's all-reduce stays small.
 MAX_USER_METRICS = 32
 USER_METRIC_NAME = r"^[A-Za-z][A-Za-z0-9_.\-/]{0,63}$"
+# A validated step's point also holds their values over the validation set, each as val_<name> (workers/trainer/
+# validator.py): twice as many, under names that may be that much longer.
+VALIDATION_PREFIX = "val_"
+_POINT_METRIC_NAME = r"^(val_)?[A-Za-z][A-Za-z0-9_.\-/]{0,63}$"
 UserMetrics = Annotated[
-    dict[Annotated[str, StringConstraints(pattern=USER_METRIC_NAME)], Annotated[float, Strict(), AllowInfNan(False)]],
-    Field(max_length=MAX_USER_METRICS),
+    dict[Annotated[str, StringConstraints(pattern=_POINT_METRIC_NAME)], Annotated[float, Strict(), AllowInfNan(False)]],
+    Field(max_length=2 * MAX_USER_METRICS),
     WithJsonSchema(
         {
             "type": "object",
-            "maxProperties": MAX_USER_METRICS,
-            "propertyNames": {"pattern": USER_METRIC_NAME},
+            "maxProperties": 2 * MAX_USER_METRICS,
+            "propertyNames": {"pattern": _POINT_METRIC_NAME},
             "additionalProperties": {"type": "number"},
         }
     ),
@@ -46,7 +50,8 @@ class MetricPoint(JsonTyped):
     user_metrics: UserMetrics | None = Field(
         default=None,
         description="The step's values of the metrics the model's loss_fn returns beside its loss, by name: each the "
-        "mean over the step's micro-batches and data-parallel ranks, as the loss is.",
+        "mean over the step's micro-batches and data-parallel ranks, as the loss is; where the step was validated, "
+        "also each one's mean over the validation set, as val_<name> beside val_loss.",
     )
     attempt: int | None = Field(
         default=None,

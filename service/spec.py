@@ -167,8 +167,8 @@ class TrainSpec(_Strict):
     eval_every_steps: int = Field(
         default=0,
         ge=0,
-        description="Evaluate the validation set every this many steps (0: at "
-        "the end, and at checkpoints that keep_best by val_loss).",
+        description="Evaluate the validation set (val_loss, and val_<name> for each metric of the loss_fn's own) "
+        "every this many steps (0: at the end, and at checkpoints that keep_best by val_loss or a val_<name>).",
     )
     grad_clip: float | None = Field(
         default=None,
@@ -237,8 +237,9 @@ class KeepBestSpec(_Strict):
     metric: str = Field(
         pattern=r"^[A-Za-z][A-Za-z0-9_.\-/]{0,31}$",
         description="val_loss: the validation set evaluated at each checkpoint; "
-        "loss: the training loss of the step the checkpoint is taken at; any other name: that metric of the model's "
-        "loss_fn's own (its (loss, {name: value}) return) at that step.",
+        "loss: the training loss of the step the checkpoint is taken at; val_<name>: that metric of the model's "
+        "loss_fn's own (its (loss, {name: value}) return) over the validation set, evaluated at each checkpoint; any "
+        "other name: that metric of the loss_fn's own at that step.",
     )
     mode: Literal["min", "max"] = Field(default="min", description="Whether the lowest or the highest value is best.")
 
@@ -734,10 +735,10 @@ class JobSpec(_Strict):
                     "train.eval_every_steps",
                     f"train.eval_every_steps needs a validation set: set data.val_fraction or {separate}",
                 )
-            if keep_best is not None and keep_best.metric == "val_loss":
+            if keep_best is not None and keep_best.metric.startswith("val_"):
                 raise conflict(
                     "checkpoint.keep_best.metric",
-                    "checkpoint.keep_best.metric 'val_loss' needs a validation set: "
+                    f"checkpoint.keep_best.metric {keep_best.metric!r} needs a validation set: "
                     f"set data.val_fraction or {separate}",
                 )
 

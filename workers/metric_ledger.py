@@ -50,11 +50,13 @@ class RankMetrics:
     def record(self, point: MetricPoint, *, hold: bool = False) -> None:
         """Send `point`, and keep it for checkpoints until acknowledged. `hold`: send it only at `release`, so that
         a later point of its step (the step's validation) goes with it as one point: sent apart, the stream would have
-        passed the step's row before its val_loss arrived. A point of the held point's step merges into it."""
+        passed the step's row before its val_loss arrived. A point of the held point's step merges into it, the user's
+        metrics too (the validation's val_<name> beside the step's own)."""
         if self._held is not None and self._held.step == point.step and self._held.attempt == point.attempt:
-            self._held = point = MetricPoint.model_validate(
-                self._held.model_dump(exclude_none=True) | point.model_dump(exclude_none=True)
-            )
+            merged = self._held.model_dump(exclude_none=True) | point.model_dump(exclude_none=True)
+            if self._held.user_metrics and point.user_metrics:
+                merged["user_metrics"] = self._held.user_metrics | point.user_metrics
+            self._held = point = MetricPoint.model_validate(merged)
             if self._keep:
                 position = self._unacknowledged.pop()[0]
                 self._keep_point(position, point)

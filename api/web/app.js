@@ -227,14 +227,24 @@ async function jobPage(jobId) {
   };
   const chartsBox = el("div", { class: "charts" }, Object.values(charts).map(c => c.box));
   // The metrics of the user's own that the model's loss_fn returns beside its loss: a chart each, added as its name
-  // first arrives (in charts too, so that every redraw covers it).
+  // first arrives (in charts too, so that every redraw covers it), with its value over the validation set (val_<name>)
+  // as the loss chart has val_loss.
   const userChart = name => {
     const key = `user:${name}`;
     if (!charts[key]) {
-      charts[key] = chart(name, [{ label: name, stroke: "#2c3e50" }], `chart-user-${name}`);
+      charts[key] = chart(name, [{ label: name, stroke: "#2c3e50" },
+        { label: `validation ${name}`, stroke: "#e67e22", points: true }], `chart-user-${name}`);
       chartsBox.append(charts[key].box);
     }
     return charts[key];
+  };
+  const addUserMetrics = (step, metrics) => {  // [value, validation value] by chart, so neither blanks the other
+    const byChart = {};
+    for (const [name, value] of Object.entries(metrics || {})) {
+      const validation = name.startsWith("val_");
+      (byChart[validation ? name.slice(4) : name] ||= [null, null])[validation ? 1 : 0] = value;
+    }
+    for (const [name, values] of Object.entries(byChart)) userChart(name).add(step, values);
   };
   const facts = el("div", { class: "facts", id: "facts" });
   const events = el("tbody", { id: "events" });
@@ -307,7 +317,7 @@ async function jobPage(jobId) {
         charts.world.add(data.step, [data.world_size]);
       }
       charts.loss.add(data.step, [data.loss, data.val_loss]);
-      for (const [name, value] of Object.entries(data.user_metrics || {})) userChart(name).add(data.step, [value]);
+      addUserMetrics(data.step, data.user_metrics);
       redraw();
     } else if (kind === "state" || kind === "event") {
       if (data.to_state === "RECOVERING") recoveries.push(lastStep);

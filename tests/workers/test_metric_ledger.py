@@ -58,9 +58,11 @@ def test_a_held_point_takes_its_steps_later_values_and_is_sent_once_in_its_place
 def test_a_checkpoint_keeps_the_loss_fns_own_metrics_and_a_resumed_attempt_replays_them() -> None:
     metrics = RankMetrics(1, lambda point: None, lambda: 0, keep_for_checkpoints=True)
     metrics.record(MetricPoint(step=1, loss=1.0, user_metrics={"accuracy": 0.5}), hold=True)
-    metrics.record(MetricPoint(step=1, val_loss=2.0))  # the step's validation merges in, keeping them
+    # The step's validation merges in, keeping them beside its own over the validation set.
+    metrics.record(MetricPoint(step=1, val_loss=2.0, user_metrics={"val_accuracy": 0.25}))
     kept = json.loads(metrics.for_checkpoint_json())
-    assert kept == [{"attempt": 1, "step": 1, "loss": 1.0, "val_loss": 2.0, "user_metrics": {"accuracy": 0.5}}]
+    both = {"accuracy": 0.5, "val_accuracy": 0.25}
+    assert kept == [{"attempt": 1, "step": 1, "loss": 1.0, "val_loss": 2.0, "user_metrics": both}]
     replayed: list[MetricPoint] = []
     RankMetrics(2, replayed.append, lambda: 0, keep_for_checkpoints=True).replay(kept)
-    assert [(point.attempt, point.user_metrics) for point in replayed] == [(1, {"accuracy": 0.5})]
+    assert [(point.attempt, point.user_metrics) for point in replayed] == [(1, both)]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
-from ringmaster.service.reports import MetricPoint
+from ringmaster.service.reports import VALIDATION_PREFIX, MetricPoint
 from ringmaster.service.spec import DataSourceSpec, JobSpec
 from ringmaster.workers.checkpoint import Checkpointer
 from ringmaster.workers.checkpoint.snapshots.live_state import LiveStateSnapshots
@@ -43,7 +43,7 @@ from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
 from ringmaster.workers.trainer.context import TrainContext, TrainResult
 from ringmaster.workers.trainer.optimizer_step import OptimizerStep, lr_schedule
 from ringmaster.workers.trainer.user_metrics import PipelineLossMetrics, StepUserMetrics, split_loss
-from ringmaster.workers.trainer.validator import Validator
+from ringmaster.workers.trainer.validator import Evaluation, Validator
 
 _BUILT_IN_STATS = 3  # the step's all-reduced loss sum and votes, before the user's metrics' sums
 
@@ -58,9 +58,10 @@ class Trainer:
         _seed_everything(spec.train.seed)
         bundle = build_bundle(spec)
         keep_best = spec.checkpoint.keep_best
-        if keep_best is not None and keep_best.metric == "val_loss" and bundle.val_dataset is None:
+        if keep_best is not None and keep_best.metric.startswith(VALIDATION_PREFIX) and bundle.val_dataset is None:
             raise JobInputError(
-                f"checkpoint.keep_best.metric 'val_loss' needs a validation set, and model {spec.model!r} has none"
+                f"checkpoint.keep_best.metric {keep_best.metric!r} needs a validation set, and model {spec.model!r} "
+                "has none"
             )
         if spec.train.eval_every_steps and bundle.val_dataset is None:
             raise JobInputError(f"train.eval_every_steps needs a validation set, and model {spec.model!r} has none")
@@ -121,6 +122,7 @@ class Trainer:
                 micro_batch_size=spec.train.micro_batch_size,
                 microbatches=spec.parallel.microbatches,
                 num_workers=_data_workers(spec),
+                pipeline_metrics=self._pipeline_metrics,
             )
         )
         # [sum of this rank's micro-step losses, stop votes, votes for a full snapshot, then the sum of each of the
@@ -191,7 +193,8 @@ class Trainer:
         uri = self._checkpointer.latest_uri
         if stopped:
             return TrainResult(self.step, self.loss, None, uri, stopped=True)
-        val_loss = self._validate() if self._validator is not None else None  # the last step's, evaluated in the loop
+        # The last step's, evaluated in the loop.
+        val_loss = self._validate().loss if self._validator is not None else None
         return TrainResult(self.step, self.loss, val_loss, uri, stopped=False)
 
     def train_step(self) -> bool:
@@ -310,47 +313,78 @@ class Trainer:
         return self._metrics.for_checkpoint_json() if self.ctx.rank == 0 else None
 
     def _validation_due(self, saving: bool) -> bool:
-        """Whether to evaluate after this step, before its metric point is sent (which then carries the value): every
-        train.eval_every_steps, after the last step, and where checkpoint.keep_best chooses by val_loss, at a save."""
+        """Whether to evaluate after this step, before its metric point is sent (which then carries the values): every
+        train.eval_every_steps, after the last step, and where checkpoint.keep_best chooses by val_loss or another
+        val_<name>, at a save."""
         if self._validator is None:
             return False
         every, keep_best = self.spec.train.eval_every_steps, self.spec.checkpoint.keep_best
         return (
             (bool(every) and self.step % every == 0)
             or self.step == self.spec.train.steps
-            or (saving and keep_best is not None and keep_best.metric == "val_loss")
+            or (saving and keep_best is not None and keep_best.metric.startswith(VALIDATION_PREFIX))
         )
 
-    def _validate(self) -> float:
-        """Collective: the validation loss now (reused if this step was validated); rank 0 reports a new one."""
+    def _validate(self) -> Evaluation:
+        """Collective: the validation now (reused if this step was validated); rank 0 reports a new one, its loss as
+        val_loss and each of the user's metrics as val_<name>, which join the step's held point."""
         # Called only with a validator: __init__ raised where keep_best needs one and there is none.
-        value, evaluated = cast(Validator, self._validator).loss_at(self.step)
+        evaluation, evaluated = cast(Validator, self._validator).at(self.step)
+        if evaluated:
+            self._check_keep_best_validation_metric()
         if evaluated and self.ctx.rank == 0:
-            self._metrics.record(MetricPoint(step=self.step, val_loss=value, world_size=self.ctx.world_size))
-        return value
+            own = {f"{VALIDATION_PREFIX}{name}": value for name, value in evaluation.user_metrics.items()}
+            self._metrics.record(
+                MetricPoint(
+                    step=self.step,
+                    val_loss=evaluation.loss,
+                    world_size=self.ctx.world_size,
+                    user_metrics=own or None,
+                )
+            )
+        return evaluation
 
     def _checkpoint_metric(self) -> float | None:
-        """This checkpoint's value of checkpoint.keep_best's metric (collective for val_loss); None for one of the
-        loss_fn's own that the newest step left out (not finite) or that no step of this training call reported."""
+        """This checkpoint's value of checkpoint.keep_best's metric (collective for val_loss and val_<name>); None for
+        one of the loss_fn's own that the newest step or validation left out (not finite) or that no step of this
+        training call reported."""
         keep_best = self.spec.checkpoint.keep_best
         if keep_best is None:
             return None
         if keep_best.metric == "loss":
             return self.loss
         if keep_best.metric == "val_loss":
-            return self._validate()
+            return self._validate().loss
+        if keep_best.metric.startswith(VALIDATION_PREFIX):
+            return self._validate().user_metrics.get(keep_best.metric.removeprefix(VALIDATION_PREFIX))
         return self._newest_user_metrics.get(keep_best.metric)
 
     def _check_keep_best_metric(self) -> None:
         """checkpoint.keep_best may name a metric of the loss_fn's own, which every rank knows once the first step
-        agreed on their names."""
+        agreed on their names; a val_<name> is checked at the first validation."""
         keep_best = self.spec.checkpoint.keep_best
         names = self._user_metrics.names
-        if keep_best is not None and keep_best.metric not in ("loss", "val_loss", *names):
+        if keep_best is None or keep_best.metric.startswith(VALIDATION_PREFIX) or keep_best.metric in ("loss", *names):
+            return
+        returned = f"the metrics {list(names)}" if names else "no metrics of its own"
+        raise JobInputError(
+            f"checkpoint.keep_best.metric {keep_best.metric!r} is neither loss, val_loss, a metric the model's loss_fn "
+            f"returns nor val_<one of those> (it returns {returned}, as (loss, {{name: value}}))"
+        )
+
+    def _check_keep_best_validation_metric(self) -> None:
+        """checkpoint.keep_best may name val_<name> for a metric the loss_fn returns on the validation set, whose
+        names every rank knows alike once an evaluation agreed on them."""
+        keep_best = self.spec.checkpoint.keep_best
+        if keep_best is None or keep_best.metric == "val_loss" or not keep_best.metric.startswith(VALIDATION_PREFIX):
+            return
+        names = cast(Validator, self._validator).user_metric_names
+        if keep_best.metric.removeprefix(VALIDATION_PREFIX) not in names:
             returned = f"the metrics {list(names)}" if names else "no metrics of its own"
             raise JobInputError(
-                f"checkpoint.keep_best.metric {keep_best.metric!r} is neither loss, val_loss nor a metric the model's "
-                f"loss_fn returns (it returns {returned}, as (loss, {{name: value}}))"
+                f"checkpoint.keep_best.metric {keep_best.metric!r} is neither val_loss nor val_<name> for a metric the "
+                f"model's loss_fn returns on the validation set (it returns {returned} there, as (loss, "
+                "{name: value}))"
             )
 
     def _sample_audit(self) -> SampleAudit:

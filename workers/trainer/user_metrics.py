@@ -3,6 +3,7 @@
 Each step's value of a metric is its mean over the step's micro-batches and data-parallel ranks, as the loss's is: its
 sums ride in the step's one all-reduce, after the loss's. That needs the same names, in the same order, on every rank:
 the first step agrees on them once, and a later step that returns other names fails the job rather than mis-average.
+Validation reports each one's mean over the validation set as val_<name>, beside val_loss, in the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringmaster.service.reports import MAX_USER_METRICS, USER_METRIC_NAME, MetricPoint
+from ringmaster.service.reports import MAX_USER_METRICS, USER_METRIC_NAME, VALIDATION_PREFIX, MetricPoint
 from ringmaster.workers.job_input import JobInputError
 
 # The names ringmaster's own values take in a metric point, TensorBoard (train/<name>) and MLflow.
@@ -47,6 +48,11 @@ def _checked_name(name: Any, function: str) -> str:
         raise JobInputError(
             f"the model's {function} returned a metric named {name!r}, which ringmaster reports itself: name it "
             "otherwise"
+        )
+    if name.startswith(VALIDATION_PREFIX):
+        raise JobInputError(
+            f"the model's {function} returned a metric named {name!r}: ringmaster reports a metric's value over the "
+            f"validation set as {VALIDATION_PREFIX}<name> itself, so name it otherwise"
         )
     return name
 
@@ -91,7 +97,7 @@ class StepUserMetrics:
         """`stats` (whose first `built_in` entries are the trainer's) with this step's sums after them, to all-reduce.
         The first step widens it, once every rank has said what its loss_fn returned (collective)."""
         if self._names is None:
-            self._names = self._agreed_names()
+            self._names = _agreed_names(self._returned, "loss_fn")
             stats = torch.cat([stats[:built_in], torch.zeros(len(self._names), device=stats.device)])
         if self._sums:
             stats[built_in:] = torch.stack([self._sums[name] for name in self._names])
@@ -105,27 +111,6 @@ class StepUserMetrics:
             return None
         means = {name: total / count for name, total in zip(self._names, reduced)}
         return {name: value for name, value in means.items() if math.isfinite(value)}
-
-    def _agreed_names(self) -> tuple[str, ...]:
-        """Collective, once: the names every loss-holding rank returned, which must be the same. Every rank judges the
-        same gathered names, so all fail alike and none is left waiting in a collective."""
-        returned: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(returned, self._returned)
-        distinct = {names for names in returned if names is not None}
-        if len(distinct) > 1:
-            by_rank = "; ".join(
-                f"rank {rank}: {list(names)}" for rank, names in enumerate(returned) if names is not None
-            )
-            raise JobInputError(
-                f"the model's loss_fn returned different metrics on different ranks ({by_rank}): it must return the "
-                "same names on every rank"
-            )
-        agreed = distinct.pop() if distinct else ()
-        if len(agreed) > MAX_USER_METRICS:
-            raise JobInputError(
-                f"the model's loss_fn returned {len(agreed)} metrics: a job reports at most {MAX_USER_METRICS}"
-            )
-        return agreed
 
 
 class PipelineLossMetrics:
@@ -146,10 +131,15 @@ class PipelineLossMetrics:
     def clear(self) -> None:
         self._returned.clear()
 
-    def mean(self, microbatches: int) -> dict[str, torch.Tensor]:
-        """The mean over the schedule step's `microbatches` micro-batches (the last calls since `clear`: a schedule's
-        first step also calls the loss on the outputs of its shape inference), by name."""
+    def each(self, microbatches: int) -> list[dict[str, torch.Tensor]]:
+        """What the schedule step's `microbatches` micro-batches returned, in order (the last calls since `clear`: a
+        schedule's first step also calls the loss on the outputs of its shape inference)."""
         returned, self._returned = self._returned[-microbatches:] if microbatches else [], []
+        return returned
+
+    def mean(self, microbatches: int) -> dict[str, torch.Tensor]:
+        """The mean over the schedule step's `microbatches` micro-batches, by name."""
+        returned = self.each(microbatches)
         if not returned:
             return {}
         first = returned[0].keys()
@@ -160,3 +150,81 @@ class PipelineLossMetrics:
                     "it must return the same names for every micro-batch"
                 )
         return {name: torch.stack([metrics[name] for metrics in returned]).mean() for name in first}
+
+
+class ValidationUserMetrics:
+    """A rank's sums of the user's metrics over its share of the validation set, each batch's value weighted by the
+    samples it counts (as the loss is), and their place in the evaluation's one all-reduce, after the loss's.
+
+    The names are agreed once, at the first evaluation (collective), as the training steps' are. A rank whose loss_fn
+    returns other names after that, or other names from one batch to the next, votes in the all-reduce, and every
+    rank fails alike rather than mis-average or leave the others waiting."""
+
+    def __init__(self, device: torch.device, function: str = "loss_fn") -> None:
+        """`function`: the model's function that returns them (a pipeline's is output_loss_fn)."""
+        self._device, self._function = device, function
+        self._names: tuple[str, ...] | None = None  # agreed at the first evaluation; sorted
+        self._returned: tuple[str, ...] | None = None  # what this rank's loss_fn returned this evaluation
+        self._changed = False  # this evaluation's batches returned different names on this rank
+        self._sums: dict[str, torch.Tensor] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._names or ()
+
+    def start(self) -> None:
+        """A new evaluation."""
+        self._returned, self._changed, self._sums = None, False, {}
+
+    def add(self, metrics: dict[str, torch.Tensor], samples: int) -> None:
+        """One (micro-)batch's metrics, each its mean over the batch, which counts `samples` samples (0: padding)."""
+        returned = tuple(sorted(metrics))
+        if self._returned is not None and returned != self._returned:
+            self._changed = True
+        self._returned = self._returned if self._returned is not None else returned
+        if not samples:
+            return  # padding: its values count for nothing, and a non-finite one must not poison the sums
+        for name, value in metrics.items():
+            weighted = value.to(self._device, torch.float64) * samples
+            self._sums[name] = self._sums[name] + weighted if name in self._sums else weighted
+
+    def into(self, totals: torch.Tensor) -> torch.Tensor:
+        """`totals` (the evaluation's built-in sums) with this rank's vote that its names differ, then its sums, to
+        all-reduce. The first evaluation agrees on the names first (collective)."""
+        if self._names is None:
+            self._names = _agreed_names(self._returned, self._function, " on the validation set")
+        differs = self._changed or (self._returned is not None and self._returned != self._names)
+        sums = [self._sums.get(name, totals.new_zeros(())) for name in self._names]
+        return torch.cat([totals, totals.new_full((1,), float(differs)), *[value.reshape(1) for value in sums]])
+
+    def means(self, reduced: list[float], samples: float) -> dict[str, float]:
+        """Each metric's mean over the validation set from the all-reduced vote and sums after the built-in ones; a
+        non-finite value is left out."""
+        if reduced[0] > 0:
+            raise JobInputError(
+                f"the model's {self._function} returned other metrics on the validation set than "
+                f"{list(self.names)}, on some rank or batch: it must return the same names for every batch and on "
+                "every rank"
+            )
+        means = {name: total / samples for name, total in zip(self.names, reduced[1:])}
+        return {name: value for name, value in means.items() if math.isfinite(value)}
+
+
+def _agreed_names(returned: tuple[str, ...] | None, function: str, where: str = "") -> tuple[str, ...]:
+    """Collective: the names every loss-holding rank returned (`returned`: this rank's, None where it holds no loss),
+    which must be the same. Every rank judges the same gathered names, so all fail alike and none is left waiting."""
+    gathered: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, returned)
+    distinct = {names for names in gathered if names is not None}
+    if len(distinct) > 1:
+        by_rank = "; ".join(f"rank {rank}: {list(names)}" for rank, names in enumerate(gathered) if names is not None)
+        raise JobInputError(
+            f"the model's {function} returned different metrics{where} on different ranks ({by_rank}): it must "
+            "return the same names on every rank"
+        )
+    agreed = distinct.pop() if distinct else ()
+    if len(agreed) > MAX_USER_METRICS:
+        raise JobInputError(
+            f"the model's {function} returned {len(agreed)} metrics: a job reports at most {MAX_USER_METRICS}"
+        )
+    return agreed

@@ -1,8 +1,9 @@
-"""The validation loss: evaluated over the whole validation set, sharded over data-parallel ranks, once per step at
-most."""
+"""The validation loss, and the user's metrics beside it: evaluated over the whole validation set, sharded over
+data-parallel ranks, once per step at most."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,9 +15,19 @@ from ringmaster.workers.job_input import JobInputError
 from ringmaster.workers.models.registry import LossFn
 from ringmaster.workers.strategies import ParallelModel
 from ringmaster.workers.trainer.batches import first_stage_inputs, to_device
-from ringmaster.workers.trainer.user_metrics import split_loss
+from ringmaster.workers.trainer.user_metrics import PipelineLossMetrics, ValidationUserMetrics, split_loss
 
 VALIDATION_BATCH_SIZE = 64  # no backward pass, so larger than a training micro-batch is cheap
+_BUILT_IN_TOTALS = 2  # [sum of per-sample losses, samples], before the user's metrics' vote and sums
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The means over the validation set: the loss, and each metric the loss_fn returns beside it by its name (not
+    yet val_<name>; a non-finite one left out)."""
+
+    loss: float
+    user_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Validator:
@@ -33,8 +44,10 @@ class Validator:
         micro_batch_size: int,
         microbatches: int,
         num_workers: int = 0,
+        pipeline_metrics: PipelineLossMetrics | None = None,
     ) -> None:
-        """`micro_batch_size`, `microbatches`: a pipeline's batch shape, `microbatches` micro-batches a step."""
+        """`micro_batch_size`, `microbatches`: a pipeline's batch shape, `microbatches` micro-batches a step;
+        `pipeline_metrics`: where a pipeline's wrapped output_loss_fn keeps the metrics it returned."""
         self._parallel = parallel
         self._loss_fn = loss_fn
         self._dataset = dataset
@@ -43,21 +56,31 @@ class Validator:
         self._dp_rank, self._dp = dp_rank, dp
         self._pipeline_batch_size, self._microbatches = micro_batch_size * microbatches, microbatches
         self._num_workers = num_workers
-        self._evaluated: tuple[int, float] | None = None  # (step, value): the end of training reuses a checkpoint's
+        self._pipeline_metrics = pipeline_metrics or PipelineLossMetrics()
+        pipelined = parallel.schedule is not None
+        self._user_metrics = ValidationUserMetrics(device, "output_loss_fn" if pipelined else "loss_fn")
+        self._evaluated: tuple[int, Evaluation] | None = None  # the end of training reuses a checkpoint's
 
-    def loss_at(self, step: int) -> tuple[float, bool]:
-        """Collective: the validation loss after `step`, and whether it was evaluated now (False: reused)."""
+    @property
+    def user_metric_names(self) -> tuple[str, ...]:
+        """The names of the metrics the loss_fn returns on the validation set, once an evaluation agreed on them."""
+        return self._user_metrics.names
+
+    def at(self, step: int) -> tuple[Evaluation, bool]:
+        """Collective: the validation after `step`, and whether it was evaluated now (False: reused)."""
         if self._evaluated is not None and self._evaluated[0] == step:
             return self._evaluated[1], False
-        value = self._evaluate()
-        self._evaluated = (step, value)
-        return value, True
+        evaluation = self._evaluate()
+        self._evaluated = (step, evaluation)
+        return evaluation, True
 
     @torch.no_grad()
-    def _evaluate(self) -> float:
-        """The mean loss over every sample of the validation set, whatever the strategy and world size (which a
-        resize changes): each data-parallel rank takes every dp-th sample, and every rank runs the same number of
-        batches (sharded strategies gather in each forward), those past its own samples counting for nothing."""
+    def _evaluate(self) -> Evaluation:
+        """The mean loss and user's metrics over every sample of the validation set, whatever the strategy and world
+        size (which a resize changes): each data-parallel rank takes every dp-th sample, and every rank runs the same
+        number of batches (sharded strategies gather in each forward), those past its own samples counting for
+        nothing. Each metric is weighted by the samples a batch counts, as the loss is, and rides in the loss's one
+        all-reduce."""
         parallel, dataset = self._parallel, self._dataset
         if dataset_len(dataset) == 0:
             raise JobInputError("the validation set holds no samples")
@@ -78,7 +101,9 @@ class Validator:
             generator=torch.Generator(),
             num_workers=self._num_workers,
         )
-        totals = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of per-sample losses, samples]
+        totals = torch.zeros(_BUILT_IN_TOTALS, dtype=torch.float64, device=self._device)
+        user_metrics = self._user_metrics
+        user_metrics.start()
         for part in parallel.parts:
             part.eval()
         for batch, (_, counted) in zip(loader, batches):
@@ -87,18 +112,24 @@ class Validator:
                 if schedule is not None:  # pipelined
                     inputs, targets = batch
                     losses: list[torch.Tensor] = []
+                    self._pipeline_metrics.clear()
                     schedule.eval(*first_stage_inputs(parallel, inputs), target=targets, losses=losses)
-                else:  # the user's metrics the loss_fn may return beside the loss are the training steps' alone
-                    losses = [split_loss(self._loss_fn(parallel.parts[0], batch))[0]]
+                    returned = self._pipeline_metrics.each(len(losses))  # the last stage's, a dict per micro-batch
+                else:
+                    loss, metrics = split_loss(self._loss_fn(parallel.parts[0], batch))
+                    losses, returned = [loss], [metrics]
             if parallel.holds_loss:
                 totals[0] += sum(loss.double() * samples for loss, samples in zip(losses, counted) if samples)
                 totals[1] += sum(counted)
+                for metrics, samples in zip(returned, counted):
+                    user_metrics.add(metrics, samples)
         for part in parallel.parts:
             part.train()
+        totals = user_metrics.into(totals)
         dist.all_reduce(totals)
-        summed, samples = totals.tolist()
-        mean: float = summed / samples
-        return mean
+        reduced = totals.tolist()
+        summed, samples = reduced[:_BUILT_IN_TOTALS]
+        return Evaluation(summed / samples, user_metrics.means(reduced[_BUILT_IN_TOTALS:], samples))
 
 
 def validation_batches(
