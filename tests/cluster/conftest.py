@@ -14,9 +14,10 @@ shortens the run.
 
 Measured again this way (pytest 26:39 on one group): the two groups side by side from the start on two workers, the
 unit tests after them, were no faster (both groups still ran at 1,057 s, against 1,600 s for the one group alone,
-before a single unit test had run) and a control-plane failure test timed out; three workers (two groups and the
-unit tests at once) saturated both cores from mid-run (pytest 36:34 on a machine other work also loaded) with four
-time-bounded tests failing (a GCS restart of 103 s, a serve that took 12.7 s to stop, schemathesis past 300 s)."""
+before a single unit test had run) and a control-plane failure test (a replaced Ray cluster) failed beside the other
+group; three workers (two groups and the unit tests at once) saturated both cores from mid-run (pytest 36:34 on a
+machine other work also loaded) with three time-bounded tests failing (a GCS restart of 103 s, a serve that took
+12.7 s to stop, schemathesis past 300 s)."""
 
 from __future__ import annotations
 
