@@ -43,15 +43,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray._common.utils import get_default_ray_temp_dir  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from harness.ports import free_port  # noqa: E402
-from harness.simulated_cluster import SimulatedCluster, _own_metrics_ports  # noqa: E402
+from harness.simulated_cluster import SimulatedCluster  # noqa: E402
 from ringmaster.api.server import BackgroundServer  # noqa: E402
 from ringmaster.service.client import RingmasterClient  # noqa: E402
 from ringmaster.service.dispatcher import LIVE_RESIZES  # noqa: E402
-from ringmaster.service.embedded_ray import CLUSTER_SYSTEM_CONFIG  # noqa: E402
 from ringmaster.service.scheduling.model import PolicyName  # noqa: E402
 from ringmaster.service.scheduling.plan import plan  # noqa: E402
 from ringmaster.service.settings import Settings  # noqa: E402
@@ -70,41 +67,6 @@ SLEEP_SCRIPT = "import os, time; time.sleep({work} / int(os.environ['WORLD_SIZE'
 # head fails to start).
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "300")
 os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "300")
-
-
-class LogicalGpuCluster(SimulatedCluster):
-    """SimulatedCluster's head and nodes, with logical GPUs only (Ray counts and assigns them, nothing uses a device),
-    and each node's dashboard agent on a free port: on Ray's fixed one (52365), held by another cluster on this
-    machine, the head's agent never starts and the Jobs API answers "No available agent to submit job"."""
-
-    def __init__(self, nodes: int, cpus_per_node: int, gpus_per_node: int) -> None:
-        self.dashboard_port = free_port()
-        self.temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
-        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)  # type: ignore[no-untyped-call]  # Ray's
-        with _own_metrics_ports():
-            self.cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": 0,
-                    "temp_dir": self.temp_dir,
-                    "include_dashboard": True,
-                    "dashboard_host": "127.0.0.1",
-                    "dashboard_port": self.dashboard_port,
-                    "dashboard_agent_listen_port": free_port(),
-                    "_system_config": CLUSTER_SYSTEM_CONFIG,
-                },
-            )
-        self.cpus_per_node, self.gpus_per_node = cpus_per_node, gpus_per_node
-        self._nodes_added = 0
-        self.nodes = [self.add_node() for _ in range(nodes)]  # type: ignore[no-untyped-call]  # SimulatedCluster's
-
-    def add_node(self):  # type: ignore[no-untyped-def]  # as SimulatedCluster's
-        node = self.cluster.add_node(
-            num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, dashboard_agent_listen_port=free_port()
-        )
-        self._nodes_added += 1
-        self.cluster.wait_for_nodes()
-        return node
 
 
 @dataclass(frozen=True)
@@ -202,7 +164,9 @@ def replay(client: RingmasterClient, jobs: tuple[TraceJob, ...], timeout_s: floa
 
 def run_live(args: argparse.Namespace, jobs: tuple[TraceJob, ...]) -> tuple[list[LiveJob], list[float], Settings]:
     with tempfile.TemporaryDirectory(prefix="sim-vs-live-") as scratch:
-        cluster = LogicalGpuCluster(nodes=args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=args.gpus_per_node)
+        cluster = SimulatedCluster(
+            nodes=args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=args.gpus_per_node, logical_gpus=True
+        )
         try:
             settings = Settings(
                 data_dir=Path(scratch) / "ringmaster",

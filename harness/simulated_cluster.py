@@ -69,7 +69,10 @@ def _own_metrics_ports() -> Iterator[None]:
 
 
 class SimulatedCluster:
-    def __init__(self, nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0) -> None:
+    def __init__(
+        self, nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0, *, logical_gpus: bool = False
+    ) -> None:
+        """`logical_gpus`: Ray counts and assigns the nodes' GPUs, but none is a device here (no CUDA needed)."""
         self.dashboard_port = free_port()
         # Its own temp dir, so "auto" addresses inside it never resolve to another cluster here.
         self.temp_dir = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
@@ -93,6 +96,7 @@ class SimulatedCluster:
                 },
             )
         self.cpus_per_node, self.gpus_per_node = cpus_per_node, gpus_per_node
+        self.logical_gpus = logical_gpus
         self._nodes_added = 0
         self.nodes = [self.add_node() for _ in range(nodes)]
 
@@ -108,7 +112,7 @@ class SimulatedCluster:
         node = self.cluster.add_node(
             num_cpus=self.cpus_per_node,
             num_gpus=self.gpus_per_node,
-            env_vars=self._gpu_node_env(self._nodes_added),
+            env_vars=None if self.logical_gpus else self._gpu_node_env(self._nodes_added),
             dashboard_agent_listen_port=0,  # as the head's (below)
         )
         self._nodes_added += 1

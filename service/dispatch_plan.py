@@ -89,6 +89,10 @@ def _worker_shape(spec: dict[str, Any]) -> tuple[WorkerShape, int, int]:
     return shape, low, max(low, int(workers.get("max", low)))
 
 
+# What a pass reads of a job new to it, queued or active (then with its current attempt's columns too).
+_JOB_COLUMNS = (Job.id, Job.attempt, Job.tenant, Job.priority, Job.spec, Job.created_at)
+
+
 class KnownJobs:
     """The dispatcher's memory of the job table between passes, so that a pass over 10,000 queued jobs reads two
     narrow columns of each (its id and attempt number) rather than every row and its JSON spec.
@@ -161,17 +165,9 @@ class KnownJobs:
     def _read_queued(self, session: Session, ids: list[str]) -> None:
         for chunk in self._chunks(ids):
             rows = session.execute(
-                select(
-                    Job.id,
-                    Job.attempt,
-                    Job.tenant,
-                    Job.priority,
-                    Job.spec,
-                    Job.created_at,
-                    Job.preempted_for,
-                    Job.queue_position,
-                    Job.waiting_reason,
-                ).where(Job.id.in_(chunk), Job.state == JobState.QUEUED)
+                select(*_JOB_COLUMNS, Job.preempted_for, Job.queue_position, Job.waiting_reason).where(
+                    Job.id.in_(chunk), Job.state == JobState.QUEUED
+                )
             )
             for row in rows:
                 shape, low, high = _worker_shape(row.spec)
@@ -194,12 +190,7 @@ class KnownJobs:
         for chunk in self._chunks(ids):
             rows = session.execute(
                 select(
-                    Job.id,
-                    Job.attempt,
-                    Job.tenant,
-                    Job.priority,
-                    Job.spec,
-                    Job.created_at,
+                    *_JOB_COLUMNS,
                     Attempt.placement_group,
                     Attempt.started_at,
                     Attempt.max_workers,
