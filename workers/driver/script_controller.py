@@ -46,6 +46,7 @@ from ringmaster.workers.driver.states import Failed, Finished
 from ringmaster.workers.driver.training_log import TrainingLog
 from ringmaster.workers.driver.worker_group import RankedWorker, WorkerGroup
 from ringmaster.workers.reporter import Reporter
+from ringmaster.workers.script.checkpoint_sync import FINAL_UPLOAD_WAIT_S
 from ringmaster.workers.script.environment import (
     RankPlace,
     ScriptPaths,
@@ -126,9 +127,9 @@ class ScriptController:
     def run(self) -> int:
         """Drive the job to an end; 0 when it succeeded or the control plane ended the attempt, 1 when it failed."""
         if self.paths.checkpoint_uri is not None:
-            log.warning(
-                "storage %s is remote: RINGMASTER_CHECKPOINT_DIR is %s on each node, not synced to %s; a group "
-                "restarted on other nodes does not see it",
+            log.info(
+                "storage %s is remote: RINGMASTER_CHECKPOINT_DIR is %s on each node, filled from %s before each start "
+                "and uploaded there while the script runs and after it ends (docs/jobs/script-mode.md)",
                 self.storage_uri,
                 self.paths.checkpoint_dir,
                 self.paths.checkpoint_uri,
@@ -200,6 +201,10 @@ class ScriptController:
             omp_num_threads_given=self._omp_given,
         )
         paths = asdict(self.paths)
+        if self.paths.checkpoint_uri is not None:
+            unfilled = self._fill_checkpoint_dirs(workers, paths)
+            if unfilled is not None:
+                return unfilled
         pids = self.ray.get(
             [
                 worker.actor.start.remote(self.command, variables, paths, worker.rank)
@@ -232,6 +237,31 @@ class ScriptController:
             details=details,
         )
         return ScriptRunning(restart_count)
+
+    def _fill_checkpoint_dirs(self, workers: list[RankedWorker], paths: dict[str, Any]) -> Failed | None:
+        """On remote storage: every node's RINGMASTER_CHECKPOINT_DIR made a copy of the storage's before any rank
+        starts (a node's workers take turns: the first downloads, the others find it done). A storage that cannot be
+        read fails the job: a script that started from nothing would upload over the checkpoints it could not see."""
+        filled = self.ray.get([worker.actor.fill_checkpoint_dir.remote(paths) for worker in workers])
+        for worker, done in zip(workers, filled, strict=True):
+            if done["error"] is not None:
+                return Failed(
+                    f"RINGMASTER_CHECKPOINT_DIR could not be filled from {self.paths.checkpoint_uri} on node "
+                    f"{worker.node_id[:12]} (rank {worker.rank}): {done['error']}"
+                )
+            if done["files"] or done["removed"]:
+                log.info(
+                    "rank %d (node %s): RINGMASTER_CHECKPOINT_DIR filled from %s: %d file(s), %d bytes downloaded, "
+                    "%d removed, in %.1f s",
+                    worker.rank,
+                    worker.node_id[:12],
+                    self.paths.checkpoint_uri,
+                    done["files"],
+                    done["bytes"],
+                    done["removed"],
+                    done["seconds"],
+                )
+        return None
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -296,6 +326,7 @@ class ScriptController:
                 continue
             self._print(worker.rank, polled["lines"], polled["dropped"])
             self._forward(polled["metrics"])
+            self._notes(worker, polled.get("notes", []))
             if polled["exit"] is not None and worker.rank not in running.exits:
                 running.exits[worker.rank] = RankExit.of(
                     worker.rank, worker.node_id, worker.training_pid, polled["exit"], polled["stderr_tail"]
@@ -314,6 +345,14 @@ class ScriptController:
         if lines:
             sys.stdout.flush()
             sys.stderr.flush()
+
+    def _notes(self, worker: RankedWorker, notes: list[tuple[int, str]]) -> None:
+        """A worker's checkpoint sync notes: in the driver's log, and a failure among the job's events as well."""
+        for level, text in notes:
+            line = f"rank {worker.rank} (node {worker.node_id[:12]}): {text}"
+            log.log(level, line)
+            if level >= logging.WARNING:
+                self._report(message=line)
 
     def _forward(self, points: list[dict[str, Any]]) -> None:
         """Rank 0's metric points to the control plane; one the control plane would refuse is said in the log."""
@@ -366,7 +405,9 @@ class ScriptController:
         printed."""
         workers = self.group.workers if workers is None else workers
         stops = [worker.actor.stop.remote(grace_s) for worker in workers]
-        self.ray.wait(stops, len(stops), grace_s + STOP_MARGIN_S)
+        # On remote storage a worker answers once its final upload is done (or FINAL_UPLOAD_WAIT_S has passed).
+        upload_s = FINAL_UPLOAD_WAIT_S if self.paths.checkpoint_uri is not None else 0.0
+        self.ray.wait(stops, len(stops), grace_s + STOP_MARGIN_S + upload_s)
         polls = {worker.actor.poll.remote(): worker for worker in workers}
         ready, _ = self.ray.wait(list(polls), len(polls), POLL_TIMEOUT_S)
         for ref in ready:
@@ -376,6 +417,7 @@ class ScriptController:
                 continue
             self._print(polls[ref].rank, polled["lines"], polled["dropped"])
             self._forward(polled["metrics"])
+            self._notes(polls[ref], polled.get("notes", []))
 
     def _report(
         self,

@@ -36,7 +36,7 @@ class ScriptPaths:
 
     checkpoint_dir: str
     tensorboard_dir: str
-    checkpoint_uri: str | None = None  # remote storage only: the job's place there (the directory is node-local)
+    checkpoint_uri: str | None = None  # remote storage only: the job's place there, which the node's directory mirrors
 
 
 def local_path(uri: str) -> str | None:
@@ -49,7 +49,7 @@ def local_path(uri: str) -> str | None:
 
 def script_paths(storage_root: str, tensorboard_dir: str, job_id: str) -> ScriptPaths:
     """RINGMASTER_CHECKPOINT_DIR under the job's storage (it survives restarts and attempts); on remote storage a
-    directory on the node instead, which is not synced there (docs/jobs/script-mode.md)."""
+    directory on each node instead, synced to the storage by the worker (checkpoint_sync.py)."""
     checkpoints = local_path(f"{storage_root}/{SCRIPT_CHECKPOINTS}")
     tensorboard = local_path(f"{tensorboard_dir}/{SCRIPT_TENSORBOARD}")
     node_local = Path(tempfile.gettempdir(), "ringmaster-script", job_id)

@@ -116,6 +116,10 @@ class ScriptProcess:
                 if name == "stderr":
                     self._stderr_tail.append(line)
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether the process has ended (or could not start), waiting up to `timeout_s` for it."""
+        return self._ended.wait(timeout_s)
+
     def drain(self) -> tuple[list[tuple[str, str]], int]:
         """The output lines since the last drain, and how many were dropped meanwhile (too many to buffer)."""
         with self._lock:
