@@ -110,6 +110,12 @@ def parse_args() -> argparse.Namespace:
         "--code-only", action="store_true", help="Only the --code jobs' starts, no steady-state rounds."
     )
     parser.add_argument(
+        "--script",
+        action="store_true",
+        help="Script mode: bare_torchrun.py itself run unchanged "
+        "as a script job (JobSpec.command) against the same script under torchrun; implies --without-ray-loops.",
+    )
+    parser.add_argument(
         "--without-ray-loops",
         action="store_true",
         help="Leave out (c) and (d), the bare loop in Ray "
@@ -136,8 +142,8 @@ class CpuPerStep:
         )
 
 
-def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float, CpuPerStep]:
-    """Steady steps/s, and the CPU per step."""
+def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float, CpuPerStep, float]:
+    """Steady steps/s, the CPU per step, and seconds from launching torchrun to the end of step 1."""
     command = [
         sys.executable,
         "-m",
@@ -153,9 +159,8 @@ def bare_torchrun(args: argparse.Namespace, sampler: BusySampler) -> tuple[float
     if result.returncode != 0:
         raise SystemExit(f"bare torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report["steps_per_s_steady"], CpuPerStep.measure(
-        sampler, args, (started, ended), tuple(report["steady_wall"])
-    )
+    cpu = CpuPerStep.measure(sampler, args, (started, ended), tuple(report["steady_wall"]))
+    return report["steps_per_s_steady"], cpu, report["first_step_wall"] - started
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # holds no CPU: the ringmaster job's bundles must still fit
@@ -255,6 +260,27 @@ def job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
     }
 
 
+def script_job_spec(args: argparse.Namespace, name: str, steps: int) -> dict:
+    """bare_torchrun.py as a script job, with the arguments torchrun runs it with."""
+    argv = _bare_loop_argv(args)
+    argv[argv.index("--steps") + 1] = str(steps)
+    return {
+        "name": name,
+        "command": ["python", str(REPO / "bench" / "bare_torchrun.py"), *argv],
+        "workers": {"min": args.workers, "max": args.workers, "cpus_per_worker": 1},
+        "max_failures": 0,
+    }
+
+
+def script_report(client: RingmasterClient, job_id: str) -> dict:
+    """The JSON line rank 0 of bare_torchrun.py printed, from the job's log (`[rank 0] {...}`)."""
+    logs = client.logs(job_id)
+    for line in reversed(logs.splitlines()):
+        if line.startswith("[rank 0] {"):
+            return json.loads(line.removeprefix("[rank 0] "))
+    raise SystemExit(f"script job {job_id} printed no report; its log ends:\n{logs[-3000:]}")
+
+
 def wait_for_warm_pool(workers: int, pool: str = SHARED_POOL, timeout_s: float = 180.0) -> float:
     """Seconds until `workers` idle workers of `pool` are warm and no pool worker is still starting (one importing
     torch beside a measured start would slow it)."""
@@ -331,14 +357,23 @@ def through_ringmaster(
     """Steady steps/s from the steps' wall times, seconds from submit to the end of step 1, where they went, and
     the CPU per step."""
     submitted = time.time()
-    job = client.submit(job_spec(args, name, args.steps))
+    job = client.submit((script_job_spec if args.script else job_spec)(args, name, args.steps))
     done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=600, poll_s=args.poll_s)
     if done["state"] != "SUCCEEDED":
         raise SystemExit(f"job {job['id']} ended {done['state']}: {done['error']}")
-    times = {
-        row["step"]: row["wall_time"] for row in client.metrics(job["id"], limit=10_000)["items"] if row["wall_time"]
-    }
-    steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
+    if args.script:
+        # The script's own figures, measured as under torchrun; steps 1 and --skip-steps stand for their wall times.
+        report = script_report(client, job["id"])
+        steady = report["steps_per_s_steady"]
+        times = {1: report["first_step_wall"], args.skip_steps: report["steady_wall"][0]}
+        times[args.steps] = report["steady_wall"][1]
+    else:
+        times = {
+            row["step"]: row["wall_time"]
+            for row in client.metrics(job["id"], limit=10_000)["items"]
+            if row["wall_time"]
+        }
+        steady = (args.steps - args.skip_steps) / (times[args.steps] - times[args.skip_steps])
     events = client.events(job["id"])["items"]
     moments = {
         event["to_state"]: datetime.fromisoformat(event["at"]).timestamp() - submitted
@@ -348,9 +383,10 @@ def through_ringmaster(
     running = next(event for event in events if event["to_state"] == "RUNNING")
     phases = {
         "admitted_s": round(moments["ADMITTED"], 2),
+        # script mode: the ranks' processes started (RUNNING is reported once every rank's process runs)
         "group_formed_s": round(moments["RUNNING"], 2),
         "first_step_s": round(times[1] - submitted, 2),
-        "warm_pool_workers": running["data"]["warm_pool_workers"],
+        "warm_pool_workers": running["data"].get("warm_pool_workers", 0),
     }
     cpu = CpuPerStep.measure(
         sampler, args, (submitted, submitted + moments["SUCCEEDED"]), (times[args.skip_steps], times[args.steps])
@@ -411,7 +447,11 @@ def main() -> None:
     args = parse_args()
     if args.code_only and not args.code:
         raise SystemExit("--code-only needs --code DIR")
+    if args.script and args.code:
+        raise SystemExit("--script measures the script by its path; --code is managed mode's")
+    args.without_ray_loops = args.without_ray_loops or args.script
     bare, managed, ratios, first_step, code_pooled, code_cold = [], [], [], [], [], []
+    bare_first_step: list[float] = []  # torchrun's launch to the end of step 1
     in_ray: list[float] = []  # bare_torchrun.py's loop in plain Ray actors
     in_child: list[float] = []  # the same loop in a child process of each of those actors
     bare_cpu: list[CpuPerStep] = []
@@ -440,7 +480,8 @@ def main() -> None:
                             wait_for_warm_pool(args.workers)
                         if run == "bare":
                             idle.append(idle_cpu_rate(sampler))
-                            bare_rate, bare_cpu_now = bare_torchrun(args, sampler)
+                            bare_rate, bare_cpu_now, bare_to_first_step = bare_torchrun(args, sampler)
+                            bare_first_step.append(bare_to_first_step)
                             bare.append(bare_rate)
                             bare_cpu.append(bare_cpu_now)
                         else:
@@ -454,7 +495,8 @@ def main() -> None:
                     print(
                         f"round {round_index} ({' then '.join(order)}): bare {bare[-1]:.2f} steps/s, "
                         f"ringmaster {steady:.2f} steps/s, ratio {ratios[-1]:.3f}, "
-                        f"submit→first step {to_first_step:.2f} s {phases}",
+                        f"submit→first step {to_first_step:.2f} s {phases} "
+                        f"(bare: torchrun's launch→first step {bare_first_step[-1]:.2f} s)",
                         flush=True,
                     )
                     print(f"round {round_index}: {_cpu_line(bare_cpu_now, cpu, idle[-1])}", flush=True)
@@ -475,6 +517,7 @@ def main() -> None:
                     code_pooled.append(pooled)
                     code_cold.append(cold)
     summary: dict = {
+        "mode": "script" if args.script else "managed",
         "workers": args.workers,
         "rounds": args.rounds,
         "warm_workers_per_node": Settings().warm_workers_per_node,
@@ -491,6 +534,7 @@ def main() -> None:
                 "ratio_of_medians": round(statistics.median(managed) / statistics.median(bare), 3),
                 "submit_to_first_step_s_median": round(statistics.median(first_step), 2),
                 "submit_to_first_step_goal_s": 5.0,
+                "bare_launch_to_first_step_s_median": round(statistics.median(bare_first_step), 2),
                 **_cpu_summary(bare_cpu, managed_cpu, idle),
             }
         )

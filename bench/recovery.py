@@ -1,7 +1,8 @@
 """Time from a node's death to the first training step completed afterwards: ringmaster vs Ray Train, and vs Ray Train
 with TorchftConfig (torchft's Manager, DDP and sampler).
 
-    python bench/recovery.py [--rounds 1]
+    python bench/recovery.py [--rounds 1] [--scenarios replace shrink …] [--skip-ray-train] [--skip-torchft]
+                             [--skip-script]
 
 On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 workers):
 - replace: a replacement node joins, then a worker's node is killed (workers {min: 2, max: 2}: the
@@ -17,6 +18,14 @@ On one simulated cluster (ray.cluster_utils, nodes of one CPU, tiny-gpt on 2 wor
 - shrink:  a worker's node is killed with no replacement (ringmaster workers {min: 1, max: 2},
            Ray Train ScalingConfig(num_workers=(1, 2)));
 - frozen:  a worker's node is SIGSTOPped; ringmaster's time to notice (its RECOVERING event).
+In replace, replace-elastic and shrink a script-mode job (JobSpec.command; docs/jobs/script-mode.md) meets the same
+node death after the managed one (--skip-script leaves it out): bench/bare_torchrun.py run unchanged, tiny-gpt on 2
+workers with the same batch, reporting each step with ringmaster.report and saving every 10 steps to
+RINGMASTER_CHECKPOINT_DIR. torchrun's semantics: every process of the group is stopped and started again at the size
+the elastic rules choose, and the script resumes from its newest checkpoint; its row is "script" (seconds from the
+kill to the first step the restarted group completes, a redone step included, as Ray Train's are counted), with
+script_steps_redone (the newest step reported before the kill minus the step its rank 0 resumed after) and
+script_ratio (to Ray Train's time).
 Ray Train runs through bench/raytrain_recovery.py; in replace, so does Ray Train with TorchftConfig (pip install
 torchft), whose surviving replica trains on (its pause compares with ringmaster's shrink, standby and replace-spare)
 while the replacement heals from it (compared with ringmaster's replace), and which trains one small epoch so that
@@ -72,13 +81,13 @@ def job_spec(scenario: str) -> dict:
     }
 
 
-def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None):
+def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None, worker_class: str = "TrainWorker"):
     from ringmaster.workers.warm_pool import pool_workers
 
     idle_pool = {name for name, status in pool_workers().items() if status["claimant"] is None}
     actors = [
         actor
-        for actor in list_actors(filters=[("class_name", "=", "TrainWorker"), ("state", "=", "ALIVE")])
+        for actor in list_actors(filters=[("class_name", "=", worker_class), ("state", "=", "ALIVE")])
         if actor.get("name") not in idle_pool
     ]
     return cluster.node_by_id(sorted(actor["node_id"] for actor in actors if actor["node_id"] != spared)[-1])
@@ -215,11 +224,82 @@ def _recovery(
     }
 
 
+def script_job_spec(scenario: str) -> dict:
+    """bench/bare_torchrun.py as a script job: tiny-gpt as the managed job trains it, saving every 10 steps to
+    RINGMASTER_CHECKPOINT_DIR (as the managed job's checkpoint.every_steps) and resuming from the newest at start."""
+    return {
+        "name": f"recovery-script-{scenario}",
+        "command": [
+            "python",
+            str(REPO / "bench" / "bare_torchrun.py"),
+            "--steps",
+            "100000",
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "4",
+            "--checkpoint-every",
+            "10",
+        ],
+        "workers": {"min": 1 if scenario in ("replace-elastic", "shrink") else 2, "max": 2, "cpus_per_worker": 1},
+        "max_failures": 3,
+        "stop_grace_s": 5,
+    }
+
+
+def _resumed_after(client: RingmasterClient, job_id: str, timeout_s: float = 60) -> int:
+    """The step the restarted script resumed after, as its rank 0 printed it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [line for line in client.logs(job_id).splitlines() if line.startswith("[rank 0] resumed after step ")]
+        if found:
+            return int(found[-1].removeprefix("[rank 0] resumed after step ").split()[0])
+        time.sleep(0.5)
+    raise SystemExit(f"script job {job_id}: no resumed-after line from rank 0 within {timeout_s:.0f}s")
+
+
+def through_script_mode(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
+    """The same node death under a script-mode job: torchrun's semantics, every process of the group restarted at the
+    size the elastic rules choose, the script resuming from its own checkpoint."""
+    job = client.submit(script_job_spec(scenario))
+    wait_for_step(client, job["id"], KILL_AFTER_STEP, timeout_s=300)
+    if scenario in ("replace", "replace-elastic"):
+        cluster.add_node()
+    victim = _a_worker_node(cluster, worker_class="ScriptWorker")
+    step_at_kill = _newest_step(client, job["id"])
+    struck = time.time()
+    cluster.kill_node(victim)
+    recovering = _recovering_event(client, job["id"])
+    last_before = max(step_at_kill, _newest_step(client, job["id"]))
+    recovering_at = datetime.fromisoformat(recovering["at"]).timestamp()
+    # A step reported again after the restart (redone) carries its new wall time: the upsert keeps the newest.
+    trained_again = _first_step_after(client, job["id"], max(struck, recovering_at))
+    resumed_after = _resumed_after(client, job["id"])
+    restarted = [e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING"][-1]
+    client.cancel(job["id"])
+    _wait_until_released(client, job["id"])
+    return {
+        "recovery_s": round(trained_again - struck, 2),
+        "noticed_s": round(recovering_at - struck, 2),
+        "restarted_s": round(datetime.fromisoformat(restarted["at"]).timestamp() - struck, 2),
+        "steps_redone": max(0, last_before - resumed_after),
+        "resumed_after_step": resumed_after,
+        "world_size_after": restarted["data"].get("world_size"),
+        "restart_count": restarted["data"].get("restart_count"),
+    }
+
+
+SCRIPT_SCENARIOS = ("replace", "replace-elastic", "shrink")  # a script's group restarts: no standby, spare or freeze
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-ray-train", action="store_true")
     parser.add_argument("--skip-torchft", action="store_true", help="leave out Ray Train with TorchftConfig")
+    parser.add_argument(
+        "--skip-script", action="store_true", help="leave out the script-mode job (replace, replace-elastic, shrink)"
+    )
     parser.add_argument("--warm-workers-per-node", type=int, default=2, help="the cluster's warm pool (0: none)")
     parser.add_argument(
         "--scenarios",
@@ -255,6 +335,14 @@ def main() -> None:
                         )
                         if "full_size_s" in measured:
                             results[scenario].setdefault("full_size", []).append(measured["full_size_s"])
+                        if scenario in SCRIPT_SCENARIOS and not args.skip_script:
+                            while len(cluster.cluster.worker_nodes) < 2:
+                                cluster.add_node()
+                            script = through_script_mode(cluster, client, scenario)
+                            row = {"system": "ringmaster-script", "scenario": scenario, **script}
+                            print(json.dumps(row), flush=True)
+                            results[scenario].setdefault("script", []).append(script["recovery_s"])
+                            results[scenario].setdefault("script_steps_redone", []).append(script["steps_redone"])
                         if scenario == "frozen" or args.skip_ray_train:
                             continue
                         if scenario in ("standby", "replace-spare") and results.get("replace", {}).get("ray_train"):
@@ -308,6 +396,8 @@ def main() -> None:
         }
         if "ray_train_s" in line:
             line["ratio"] = round(line["ringmaster_s"] / line["ray_train_s"], 3)
+            if "script_s" in line:
+                line["script_ratio"] = round(line["script_s"] / line["ray_train_s"], 3)
         summary[scenario] = line
     if torchft_runs:
         # torchft's survivor never stops for a replacement, so its pause is what ringmaster's shrink, standby and
