@@ -39,18 +39,21 @@ from ringmaster.service.db import Database, session_scope, upgrade_schema
 from ringmaster.service.embedded_ray import RayHead, start_head, stop_head
 from ringmaster.service.models import DEFAULT_TENANT
 from ringmaster.workers.checkpoint.durable import committed_checkpoints
+from tests.support.paced_model import hold, release
 
 pytestmark = pytest.mark.integration
 
-PAUSE_S = 0.1  # each training step sleeps this long (tests/support/paced_model.py), so the job's length is known
+# Each training step sleeps this long while the job's hold file exists (tests/support/paced_model.py), so the job is
+# still training when the failure strikes; the test releases it once the failure is over, and the rest runs unpaced.
+PAUSE_S = 0.1
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
-def _spec(name: str, steps: int, every_steps: int) -> dict:
+def _spec(name: str, steps: int, every_steps: int, hold_file: str) -> dict:
     return {
         "name": name,
         "model": "tests.support.paced_model:build",
-        "model_options": {"pause_s": PAUSE_S, "n_val": 64},
+        "model_options": {"pause_s": PAUSE_S, "n_val": 64, "hold_file": hold_file},
         "workers": {"min": 2, "max": 2, "cpus_per_worker": 1},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 4, "lr": 0.01},
         # keep everything: the resume test reads which checkpoints attempt 1 committed
@@ -204,6 +207,10 @@ def _poll(
         time.sleep(0.25)
 
 
+def _ended_or_second_attempt_running(job: dict) -> bool:
+    return job["state"] in TERMINAL or (job["attempt"], job["state"]) == (2, "RUNNING")
+
+
 def _first_metrics(client: RingmasterClient, job_id: str, timeout_s: float, server: Server) -> None:
     _poll(client, job_id, lambda job: job["state"] == "RUNNING" and client.metrics(job_id)["items"], timeout_s, server)
 
@@ -243,7 +250,8 @@ def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_
     steps = 200
     first = _sqlite_server(tmp_path, ray_head, servers).start()
     client = api(first)
-    job = client.submit(_spec("kill-server", steps=steps, every_steps=50))
+    held = hold(tmp_path / "hold")
+    job = client.submit(_spec("kill-server", steps=steps, every_steps=50, hold_file=held))
     _first_metrics(client, job["id"], 90, first)
     first.kill()
     time.sleep(2.0)  # the driver keeps training and buffers its reports meanwhile
@@ -255,6 +263,7 @@ def test_server_killed_mid_job_restarts_and_the_job_finishes_once(tmp_path, ray_
     second.start()
     # The point of the test: the new server finds the Ray job still running and must adopt it.
     assert str(ray_jobs.get_job_status(submission_id).value) == "RUNNING", "the job ended before the restart"
+    release(held)
     done = _poll(client, job["id"], lambda j: j["state"] in TERMINAL, 90, second)
 
     assert done["state"] == "SUCCEEDED", done["error"]
@@ -278,7 +287,8 @@ def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, 
     steps, every = 100, 10
     server = _sqlite_server(tmp_path, ray_head, servers).start()
     client = api(server)
-    job = client.submit(_spec("kill-driver", steps=steps, every_steps=every))
+    held = hold(tmp_path / "hold")
+    job = client.submit(_spec("kill-driver", steps=steps, every_steps=every, hold_file=held))
     job_id = job["id"]
     _poll(client, job_id, lambda j: j["state"] == "RUNNING" and client.checkpoints(job_id)["items"], 90, server)
     seen_checkpoint = max(c["step"] for c in client.checkpoints(job_id)["items"])
@@ -290,6 +300,9 @@ def test_killed_driver_is_resubmitted_and_resumes_from_its_checkpoint(tmp_path, 
     command_line = Path(f"/proc/{driver.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     assert "ringmaster.workers.driver" in command_line and job_id in command_line, command_line
     os.kill(int(driver.pid), signal.SIGKILL)
+    # Attempt 1's ranks, paced, cannot outrun their driver's death to a later checkpoint; attempt 2 runs unpaced.
+    _poll(client, job_id, _ended_or_second_attempt_running, 120, server)
+    release(held)
 
     done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 120, server)
     assert done["state"] == "SUCCEEDED", done["error"]
@@ -331,7 +344,8 @@ def test_a_replaced_ray_cluster_is_joined_by_the_living_server_and_the_job_resum
     try:
         server = _sqlite_server(tmp_path, heads[0], servers).start()
         client = api(server)
-        job_id = client.submit(_spec("cluster-replaced", steps=steps, every_steps=every))["id"]
+        held = hold(tmp_path / "hold")
+        job_id = client.submit(_spec("cluster-replaced", steps=steps, every_steps=every, hold_file=held))["id"]
         _poll(client, job_id, lambda j: j["state"] == "RUNNING" and client.checkpoints(job_id)["items"], 90, server)
         seen_checkpoint = max(c["step"] for c in client.checkpoints(job_id)["items"])
         assert seen_checkpoint < steps, "the job finished before its cluster could be killed"
@@ -349,6 +363,8 @@ def test_a_replaced_ray_cluster_is_joined_by_the_living_server_and_the_job_resum
         )
         assert heads[1].gcs_address == heads[0].gcs_address and heads[1].dashboard_url == heads[0].dashboard_url
 
+        _poll(client, job_id, _ended_or_second_attempt_running, 180, server)
+        release(held)  # attempt 2, on the new cluster, runs unpaced
         done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 180, server)  # checks the server is alive
         assert done["state"] == "SUCCEEDED", done["error"]
         assert (done["attempt"], done["failures"]) == (2, 1)
@@ -390,7 +406,9 @@ def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_atte
     tmp_path, servers, fault_tolerant_cluster
 ):
     cluster = fault_tolerant_cluster
-    steps = 500  # 50 s: the head is down and back well within it (a loaded machine's restart has taken over 25 s)
+    # 50 s paced: the head is down and back well within it (a loaded machine's restart has taken over 25 s); released
+    # once the job has trained on after the head came back.
+    steps, trained_after_restart = 500, 20
     server = Server(
         tmp_path,
         f"sqlite:///{tmp_path / 'ringmaster.db'}",
@@ -404,13 +422,25 @@ def test_with_gcs_fault_tolerance_a_head_restart_leaves_the_job_training_as_atte
     servers.append(server)
     server.start()
     client = api(server)
-    job_id = client.submit(_spec("head-restart", steps=steps, every_steps=0))["id"]
+    held = hold(tmp_path / "hold")
+    job_id = client.submit(_spec("head-restart", steps=steps, every_steps=0, hold_file=held))["id"]
     _poll(client, job_id, lambda j: j["state"] == "RUNNING" and len(client.metrics(job_id)["items"]) >= 20, 90, server)
     driver = jobs_api(cluster.head).get_job_info(f"ringmaster-{job_id}-1").driver_info
     assert driver is not None and driver.pid
 
     killed_at, back_at = cluster.restart_head()
     assert server.process.poll() is None, f"the server died with the head:\n{server.log_tail()}"
+    _poll(
+        client,
+        job_id,
+        lambda j: (
+            j["state"] in TERMINAL
+            or sum(row["wall_time"] > back_at for row in client.metrics(job_id)["items"]) >= trained_after_restart
+        ),
+        120,
+        server,
+    )
+    release(held)
     done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 180, server)  # checks the server is alive
 
     assert done["state"] == "SUCCEEDED", done["error"]
@@ -486,7 +516,8 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, own
     servers.append(server)
     server.start()
     client = api(server)
-    job = client.submit(_spec("restart-postgres", steps=steps, every_steps=every))
+    held = hold(tmp_path / "hold")
+    job = client.submit(_spec("restart-postgres", steps=steps, every_steps=every, hold_file=held))
     job_id = job["id"]
     _first_metrics(client, job_id, 90, server)
     _restart_postgres(own_postgres)
@@ -494,6 +525,7 @@ def test_postgres_restart_mid_job_loses_nothing(tmp_path, ray_head, servers, own
     assert str(jobs_api(ray_head).get_job_status(submission_id).value) == "RUNNING", (
         "the job ended before PostgreSQL came back"
     )
+    release(held)
 
     done = _poll(client, job_id, lambda j: j["state"] in TERMINAL, 90, server)
     assert done["state"] == "SUCCEEDED", done["error"]

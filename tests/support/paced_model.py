@@ -1,6 +1,9 @@
 """The built-in MLP with a fixed pause in each training forward pass (``model: tests.paced_model:build``).
 
-Steps then take a known time whatever the machine's load, so a failure test strikes mid-job.
+Steps then take a known time whatever the machine's load, so a failure test strikes mid-job. With ``hold_file``,
+they pause only while that file exists: a test holds the job at that pace until the failure it stages is over,
+then deletes the file and the remaining steps run at full speed (``release``), instead of pacing a job long
+enough for the slowest failure.
 
 With ``id_record_dir``, every sample carries its own index into the model as an extra first input column, and
 each training forward pass appends the indices it was given to a file of its process there, with a fingerprint
@@ -40,11 +43,14 @@ class IdTagged(Dataset):
 
 
 class PacedModel(nn.Module):
-    def __init__(self, inner: nn.Module, pause_s: float, id_record_dir: str | None = None) -> None:
+    def __init__(
+        self, inner: nn.Module, pause_s: float, id_record_dir: str | None = None, hold_file: str | None = None
+    ) -> None:
         super().__init__()
         self.inner = inner
         self.pause_s = pause_s
         self.id_record_dir = id_record_dir
+        self.hold_file = hold_file
         self._record = None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -52,7 +58,7 @@ class PacedModel(nn.Module):
             ids, inputs = inputs[:, 0], inputs[:, 1:]
             if self.training:
                 self._write(ids)
-        if self.training:  # validation stays fast
+        if self.training and (self.hold_file is None or os.path.exists(self.hold_file)):  # validation stays fast
             time.sleep(self.pause_s)
         return self.inner(inputs)
 
@@ -73,12 +79,24 @@ class PacedModel(nn.Module):
         self._record.flush()  # a line must survive the process being killed right after
 
 
-def build(pause_s: float = 0.1, id_record_dir: str | None = None, **mlp_options: Any) -> ModelBundle:
+def build(
+    pause_s: float = 0.1, id_record_dir: str | None = None, hold_file: str | None = None, **mlp_options: Any
+) -> ModelBundle:
     bundle = build_mlp(**mlp_options)
-    bundle.model = PacedModel(bundle.model, pause_s, id_record_dir)
+    bundle.model = PacedModel(bundle.model, pause_s, id_record_dir, hold_file)
     if id_record_dir is not None:
         bundle.train_dataset, bundle.val_dataset = IdTagged(bundle.train_dataset), IdTagged(bundle.val_dataset)
     return bundle
+
+
+def hold(path: Path) -> str:
+    """A hold file for ``model_options.hold_file``: the job's steps are paced until ``release(path)``."""
+    path.touch()
+    return str(path)
+
+
+def release(path: str) -> None:
+    Path(path).unlink()
 
 
 def read_tagged_steps(id_record_dir: str | Path) -> tuple[list[set[int]], int]:
