@@ -48,7 +48,7 @@ _SCRIPT_STOP_MARGIN_S = 15.0  # a cancelled script job's driver: to hear of the 
 _SUBMIT_GRACE_S = 30.0
 _WARM_POOL_INTERVAL_S = 2.0
 # Ray's autoscaler is asked to make room for at most this many worker bundles at once (running and queued together).
-_AUTOSCALER_BUNDLES = 10_000
+AUTOSCALER_BUNDLES = 10_000
 _SHARE_SAMPLE_INTERVAL_S = 10.0
 # The queue's places and reasons are written at most this often, besides after a pass that admitted a job or found a
 # job not placed yet (a job's first reason comes at once).
@@ -186,6 +186,7 @@ class Dispatcher:
             self._ledger,
             now,
             resizable=LIVE_RESIZES,
+            known=self._known_jobs,
         )
         if sample_due:
             self._share_sample_due = time.monotonic() + _SHARE_SAMPLE_INTERVAL_S
@@ -194,7 +195,7 @@ class Dispatcher:
         if not jobs_read.queued:
             return
         decided = plan(state)
-        self._ask_autoscaler(dispatch_plan.autoscaler_request(state, decided, _AUTOSCALER_BUNDLES))
+        self._ask_autoscaler(dispatch_plan.autoscaler_request(state, decided, AUTOSCALER_BUNDLES))
         for preemption in decided.preemptions:
             self._preempt(preemption.job_id, preemption.for_job)
         admitted_any = False

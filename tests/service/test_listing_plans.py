@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from ringmaster.service import jobs, queue_view, tenants
 from ringmaster.service.auth import Principal
 from ringmaster.service.db import Database, session_scope, upgrade_schema
+from ringmaster.service.dispatch_plan import KnownJobs
 from ringmaster.service.queue_view import ShareSample
 from ringmaster.service.spec import JobSpec
 from ringmaster.service.states import JobState
@@ -50,9 +51,10 @@ READS: dict[str, tuple[Callable[[Session], Any], int]] = {  # each read, and how
     "jobs in a state": (lambda session: jobs.list_jobs(session, JobState.QUEUED), 3),
     "a tenant's jobs": (lambda session: jobs.list_jobs(session, tenant="team-1", offset=30_000), 2),
     "a tenant's jobs in a state": (lambda session: jobs.list_jobs(session, JobState.FAILED, tenant="team-1"), 2),
-    "the queue": (lambda session: queue_view.queue_page(session, tenant=None, limit=100, offset=0), 4),
-    "the queue deep": (lambda session: queue_view.queue_page(session, tenant=None, limit=2, offset=4), 3),
-    "a tenant's queue": (lambda session: queue_view.queue_page(session, tenant="team-1", limit=100, offset=0), 4),
+    # The two counts, the page's ids (placed, then unplaced where the page goes past them), their rows.
+    "the queue": (lambda session: queue_view.queue_page(session, tenant=None, limit=100, offset=0), 5),
+    "the queue deep": (lambda session: queue_view.queue_page(session, tenant=None, limit=2, offset=4), 4),
+    "a tenant's queue": (lambda session: queue_view.queue_page(session, tenant="team-1", limit=100, offset=0), 5),
     "every tenant's standing": (lambda session: queue_view.tenant_standing(session), 2),
     "a tenant's standing": (lambda session: queue_view.tenant_standing(session, tenant="team-0"), 2),
     "a tenant's usage": (lambda session: tenants.usage(session, "team-1"), 1),
@@ -90,3 +92,16 @@ def test_each_listing_reads_its_page_in_index_order_without_a_sort_or_a_whole_ta
     for statement, steps in plans:
         assert not [step for step in steps if "TEMP B-TREE" in step], (statement, steps)
         assert not [step for step in steps if step in ("SCAN jobs", "SCAN tenant_shares")], (statement, steps)
+
+
+def test_a_dispatcher_pass_reads_each_queued_and_active_job_from_its_index_alone(db: Database) -> None:
+    """After the first pass (which reads each job whole once), a pass reads every queued and active job's id and
+    attempt from ix_jobs_dispatch alone, never their rows (10,000 queued jobs: their specs beside them)."""
+    known = KnownJobs()
+    with session_scope(db.sessions) as session:
+        known.read(session, 0.0)  # the first pass: every job read whole, every stored place read
+    plans = _plans(db, lambda session: known.read(session, 1.0))
+    on_jobs = [(statement, steps) for statement, steps in plans if "FROM jobs" in statement]
+    assert len(on_jobs) == 2, plans  # the queued jobs, the active ones
+    for statement, steps in on_jobs:
+        assert steps == ["SEARCH jobs USING COVERING INDEX ix_jobs_dispatch (state=?)"], (statement, steps)

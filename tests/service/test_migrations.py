@@ -105,3 +105,21 @@ def test_downgrading_the_listing_indexes_restores_the_earlier_ones_and_upgrade_b
         assert "ix_tenant_shares_tenant" in indexes("tenant_shares")
     finally:
         engine.dispose()
+
+
+def test_downgrading_the_dispatch_index_drops_it_and_upgrade_brings_it_back(db_url: str) -> None:
+    upgrade_schema(db_url)
+    engine = make_engine(db_url)
+
+    def indexes() -> set[str | None]:
+        with engine.connect() as connection:
+            return {index["name"] for index in inspect(connection).get_indexes("jobs")}
+
+    try:
+        with engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0012")
+        assert "ix_jobs_dispatch" not in indexes() and "ix_jobs_queue_order" in indexes()
+        upgrade_schema(db_url)
+        assert "ix_jobs_dispatch" in indexes()
+    finally:
+        engine.dispose()
