@@ -87,7 +87,11 @@ def _a_worker_node(cluster: SimulatedCluster, spared: str | None = None, worker_
     idle_pool = {name for name, status in pool_workers().items() if status["claimant"] is None}
     actors = [
         actor
-        for actor in list_actors(filters=[("class_name", "=", worker_class), ("state", "=", "ALIVE")])
+        for actor in list_actors(
+            # This cluster's, by its address: another Ray instance on the machine is not the one to look at.
+            address=cluster.dashboard_url,
+            filters=[("class_name", "=", worker_class), ("state", "=", "ALIVE")],
+        )
         if actor.get("name") not in idle_pool
     ]
     return cluster.node_by_id(sorted(actor["node_id"] for actor in actors if actor["node_id"] != spared)[-1])
@@ -113,11 +117,13 @@ def _recovering_event(client: RingmasterClient, job_id: str, timeout_s: float = 
     raise SystemExit(f"job {job_id} never went RECOVERING: {client.job(job_id)}")
 
 
-def _wait_until_released(client: RingmasterClient, job_id: str, timeout_s: float = 60) -> None:
+def _wait_until_released(client: RingmasterClient, job_id: str, address: str, timeout_s: float = 60) -> None:
     """The next scenario's job must find the whole cluster free, or it is admitted below max."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        held = list_placement_groups(filters=[("state", "!=", "REMOVED")], raise_on_missing_output=False)
+        held = list_placement_groups(
+            address=address, filters=[("state", "!=", "REMOVED")], raise_on_missing_output=False
+        )
         if client.job(job_id)["state"] in ("CANCELLED", "FAILED", "SUCCEEDED") and not held:
             return
         time.sleep(0.2)
@@ -182,14 +188,20 @@ def through_ringmaster(cluster: SimulatedCluster, client: RingmasterClient, scen
     else:
         cluster.kill_node(victim)
     try:
-        return _recovery(client, scenario, storage, job["id"], struck, step_at_kill)
+        return _recovery(client, scenario, storage, job["id"], struck, step_at_kill, cluster.dashboard_url)
     finally:
         if scenario == "frozen":
             cluster.kill_node(victim)  # a hung node left in the cluster stalls every later add_node (the next round's)
 
 
 def _recovery(
-    client: RingmasterClient, scenario: str, storage: Path, job_id: str, struck: float, step_at_kill: int
+    client: RingmasterClient,
+    scenario: str,
+    storage: Path,
+    job_id: str,
+    struck: float,
+    step_at_kill: int,
+    address: str,
 ) -> dict:
     """What one node's loss at `struck` cost the job: measured from its events, metrics and rank records."""
     recovering = _recovering_event(client, job_id)
@@ -205,7 +217,7 @@ def _recovery(
             _first_step_after(client, job_id, datetime.fromisoformat(grown["at"]).timestamp()) - struck, 2
         )
     client.cancel(job_id)
-    _wait_until_released(client, job_id)
+    _wait_until_released(client, job_id, address)
     resumed = next(
         e
         for e in client.events(job_id)["items"]
@@ -247,15 +259,16 @@ def script_job_spec(scenario: str) -> dict:
     }
 
 
-def _resumed_after(client: RingmasterClient, job_id: str, timeout_s: float = 60) -> int:
-    """The step the restarted script resumed after, as its rank 0 printed it."""
+def _first_row_after(client: RingmasterClient, job_id: str, moment: float, timeout_s: float = 300) -> dict:
+    """The metric row of the first step completed after `moment` (a step reported again carries its new wall time:
+    the control plane's upsert keeps the newest)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = [line for line in client.logs(job_id).splitlines() if line.startswith("[rank 0] resumed after step ")]
-        if found:
-            return int(found[-1].removeprefix("[rank 0] resumed after step ").split()[0])
-        time.sleep(0.5)
-    raise SystemExit(f"script job {job_id}: no resumed-after line from rank 0 within {timeout_s:.0f}s")
+        later = [row for row in client.metrics(job_id)["items"] if row["wall_time"] and row["wall_time"] > moment]
+        if later:
+            return min(later, key=lambda row: row["wall_time"])
+        time.sleep(0.05)
+    raise SystemExit(f"job {job_id} did not train again within {timeout_s}s: {client.job(job_id)}")
 
 
 def through_script_mode(cluster: SimulatedCluster, client: RingmasterClient, scenario: str) -> dict:
@@ -272,12 +285,12 @@ def through_script_mode(cluster: SimulatedCluster, client: RingmasterClient, sce
     recovering = _recovering_event(client, job["id"])
     last_before = max(step_at_kill, _newest_step(client, job["id"]))
     recovering_at = datetime.fromisoformat(recovering["at"]).timestamp()
-    # A step reported again after the restart (redone) carries its new wall time: the upsert keeps the newest.
-    trained_again = _first_step_after(client, job["id"], max(struck, recovering_at))
-    resumed_after = _resumed_after(client, job["id"])
+    # The script reports every step: the restarted group's first is the one after the checkpoint it resumed from.
+    first_again = _first_row_after(client, job["id"], max(struck, recovering_at))
+    trained_again, resumed_after = first_again["wall_time"], first_again["step"] - 1
     restarted = [e for e in client.events(job["id"])["items"] if e["to_state"] == "RUNNING"][-1]
     client.cancel(job["id"])
-    _wait_until_released(client, job["id"])
+    _wait_until_released(client, job["id"], cluster.dashboard_url)
     return {
         "recovery_s": round(trained_again - struck, 2),
         "noticed_s": round(recovering_at - struck, 2),
