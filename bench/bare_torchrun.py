@@ -5,7 +5,8 @@ torchrun, with no ringmaster in the way.
                                                        [--model hf-gpt2] [--report-every 1] [--checkpoint-every K]
 
 Prints one JSON line whose steps_per_s_steady ringmaster's overhead is measured against, the wall-clock span of the
-steady steps (steady_wall) and the end of this process's first step (first_step_wall).
+steady steps (steady_wall), the end of this process's first step (first_step_wall) and rank 0's own CPU seconds per
+steady step (rank0_cpu_s_per_step: its process alone, every thread).
 
 It is also the script bench/overhead.py --script and bench/recovery.py run through ringmaster's script mode, unchanged
 (a torchrun script: env:// rendezvous, its own loop): rank 0 reports its loss with `ringmaster.report` every
@@ -144,11 +145,11 @@ def main() -> None:
     start = resume(checkpoints, model, optimizer, device) if args.checkpoint_every else 0
 
     loss_sum = torch.zeros((), device=device)
-    steady_start, steady_wall_start = time.perf_counter(), time.time()
+    steady_start, steady_wall_start, steady_cpu_start = time.perf_counter(), time.time(), time.process_time()
     first_step_wall = None
     for step in range(start, args.steps):
         if step == start + args.skip_steps:
-            steady_start, steady_wall_start = time.perf_counter(), time.time()
+            steady_start, steady_wall_start, steady_cpu_start = time.perf_counter(), time.time(), time.process_time()
         loss_sum.zero_()
         for micro_step in range(accumulation):
             inputs, targets = next(batches)
@@ -168,6 +169,7 @@ def main() -> None:
         if rank == 0 and args.checkpoint_every and done % args.checkpoint_every == 0:
             save(checkpoints, model, optimizer, done)
     steady_seconds, steady_wall_end = time.perf_counter() - steady_start, time.time()
+    steady_cpu = time.process_time() - steady_cpu_start  # this process's own, every thread (gloo's) included
 
     if rank == 0:
         steady_steps = args.steps - start - args.skip_steps
@@ -177,6 +179,7 @@ def main() -> None:
             "steps_per_s_steady": steady_steps / steady_seconds,
             "steady_wall": [steady_wall_start, steady_wall_end],
             "first_step_wall": first_step_wall,
+            "rank0_cpu_s_per_step": steady_cpu / steady_steps,
             "resumed_from_step": start,
             "steps": args.steps,
             "world_size": world_size,
