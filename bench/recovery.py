@@ -28,8 +28,10 @@ script_steps_redone (the newest step reported before the kill minus the step its
 script_ratio (to Ray Train's time). Measured on the shared 2-core machine (load average 12-22; `nice -n 19 python
 bench/recovery.py --scenarios replace shrink --skip-torchft`, one round): replace: ringmaster 6.23 s (0 steps redone),
 script mode 8.71 s (0 redone: the kill fell just after a checkpoint), Ray Train 10.98 s (20 redone), script_ratio
-0.793; shrink: ringmaster 0.59 s, script mode 12.23 s (6 redone), Ray Train 71.4 s (20 redone), script_ratio 0.171.
-The script's group ran again 0.8-1.8 s after the kill; the rest was the script's own start (docs/benchmarks.md).
+0.793; shrink: ringmaster 0.59 s, script mode 12.23 s (6 redone), Ray Train 71.4 s (20 redone), script_ratio 0.171;
+and `--scenarios replace-elastic` run apart: ringmaster 0.52 s, script mode 8.63 s (0 redone, restarted at 2 workers),
+Ray Train 8.68 s (20 redone), script_ratio 0.994. The script's group ran again 0.8-1.9 s after the kill; the rest was
+the script's own start (docs/benchmarks.md).
 Ray Train runs through bench/raytrain_recovery.py; in replace, so does Ray Train with TorchftConfig (pip install
 torchft), whose surviving replica trains on (its pause compares with ringmaster's shrink, standby and replace-spare)
 while the replacement heals from it (compared with ringmaster's replace), and which trains one small epoch so that
