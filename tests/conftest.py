@@ -16,12 +16,29 @@ from harness.ports import free_port
 from ringmaster.service.db import Database, upgrade_schema
 
 POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
+# Under `pytest -n` the Ray cluster tests run one after another in one worker: the run's critical path. The worker
+# that runs the unit tests beside them does so at this lower CPU priority (and so does every process it starts), so
+# the cluster tests' bursts of work (a job's ranks starting, each importing torch) take the cores first, and the unit
+# tests, which have time to spare, run on what the cluster tests leave.
+UNIT_TEST_NICENESS = 10
 
 # The CLI's rich console takes its width from COLUMNS when it is first imported and keeps it; the CLI tests give the
 # width they read in each call's environment. An ambient one (an xdist worker starts with COLUMNS=80 and LINES=24, a
 # plain run with neither) would make them pass or fail by which test imported the CLI first.
 for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return  # one process runs everything: nothing to give way to
+    # The thread that runs the tests (niceness is a thread's on Linux): the processes and threads it starts inherit it.
+    wanted = 0 if item.get_closest_marker("integration") else UNIT_TEST_NICENESS
+    if os.getpriority(os.PRIO_PROCESS, 0) != wanted:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
+        except PermissionError:
+            pass  # back to a higher priority needs root: a worker that ran unit tests first keeps the lower one
 
 
 @pytest.fixture
