@@ -64,7 +64,9 @@ class Settings(BaseSettings):
     hold_after_s: float = Field(
         default=7200.0,
         ge=0,
-        description="elastic: a job that has waited this long and still cannot start has free capacity held for it.",
+        description="elastic: a job that has waited this long and still cannot start has free capacity held for it: "
+        "from every job when what it lacks is held by jobs it may take once their protection ends, else only from "
+        "jobs that are not preemptible.",
     )
     fair_share_preemption_above: float = Field(
         default=2.0,

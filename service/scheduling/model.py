@@ -100,7 +100,8 @@ class PolicySettings:
     # queue, or the same and submitted later): their slack, then whole jobs. Free capacity it cannot use yet goes to
     # the jobs behind it rather than stay idle ...
     reserve_after_s: float = 1800.0
-    # ... until it has waited this long: then, if its claim does not start it, the free capacity is held for it.
+    # ... until it has waited this long: then, if its claim does not start it, the free capacity is held for it (from
+    # every job when its wait is bounded by the protection of jobs it may take, else from jobs not preemptible).
     hold_after_s: float = 7200.0
     # elastic: for fair share alone (equal priority) a tenant's job is preempted, not only shrunk, while its tenant
     # holds more than this many times its weighted share.

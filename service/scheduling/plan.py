@@ -280,6 +280,11 @@ class _Pass:
         # that does not fit once it has waited reserve_after_s (until then the jobs behind use what it cannot).
         self.holders: list[str | None] = [None, None]
         self.claimed = [False, False]  # per pool: a job that waited reserve_after_s claimed room and did not start
+        # Under elastic, per pool: the claim the free capacity is held for (its job, its bundle, and whether its wait is
+        # bounded: _frees_soon), and whether the hold is applied yet. It is applied before the first work that must
+        # not use the capacity (_holds_back); until then preemptible work uses it rather than leave it idle.
+        self.soft_holds: list[tuple[QueuedJob, float, bool] | None] = [None, None]
+        self.hold_applied = [False, False]
         self.victims: list[_Victims | None] = [None, None]  # built when a job first tries to take from a pool
         # Per pool and (priority, group): the jobs that may not give way yet, as (until when, job id), soonest first.
         self.protected: list[dict[tuple[int, object], list[tuple[float, str]]] | None] = [None, None]
@@ -356,7 +361,9 @@ class _Pass:
         queue = las_queue(job.attained_gpu_seconds, self.settings.las_thresholds_gpu_s) if self.served else 0
         blocker = self._blocker(job) if job.preempted_for is not None else None
         claim = job.submitted_at if self._claims(job) else None
-        kind = (job.tenant, job.priority, shape.gpus, shape.cpus, job.min_workers, blocker, queue, claim)
+        pool_index = GPU if shape.gpus > 0 else CPU
+        held = self._holds_back(pool_index, job.preemptible)  # whether a claim's hold keeps this job from its GPUs
+        kind = (job.tenant, job.priority, shape.gpus, shape.cpus, job.min_workers, blocker, queue, claim, held)
         known = self.verdicts.get(kind)
         if known is not None and known[0] == self.version:
             return known[1]
@@ -396,6 +403,8 @@ class _Pass:
                 f"it needs {job.min_workers}: it waits for nodes to join"
             )
         pool = self.pools[pool_index]
+        if self._holds_back(pool_index, job.preemptible):
+            self._apply_hold(pool_index)
         fitting = pool.workers_fitting(need)
         upper = min(job.max_workers, room)
         if fitting >= job.min_workers:
@@ -417,18 +426,25 @@ class _Pass:
             )
             if holds:
                 self.holders[pool_index] = job.id
-                pool.hold_back(need)
+                if self.policy is PolicyName.ELASTIC:
+                    self.soft_holds[pool_index] = (job, need, self._frees_soon(job, pool_index, need, fitting))
+                else:
+                    pool.hold_back(need)
             self.heads[pool_index] = head or job.id
             self.version += 1
             short = _amount((job.min_workers - fitting) * need, pool_index)
             if head is None:
                 return f"reserved: head of the queue, waits for {short} more to free{note}"
             if holds:
+                soft = self.soft_holds[pool_index]
+                held_from = "" if soft is None or soft[2] else " from jobs that cannot be preempted"
                 return (
                     f"reserved: waited over {self.settings.hold_after_s:g} s, the free {_UNITS[pool_index]} are held "
-                    f"for it; waits for {short} more to free{note}"
+                    f"for it{held_from}; waits for {short} more to free{note}"
                 )
         holder = self.holders[pool_index]
+        if self.soft_holds[pool_index] is not None and not self.hold_applied[pool_index]:
+            holder = None  # the claim's hold is not applied to this job: it may use whatever is free
         reason_key = (pool_index, need, job.min_workers, fitting, holder, note)
         reason = self.reasons.get(reason_key)
         if reason is None:
@@ -442,6 +458,40 @@ class _Pass:
                 reason = f"{wanted}; {fitting} such workers fit now"
             reason = self.reasons[reason_key] = reason + note
         return reason
+
+    def _holds_back(self, pool_index: int, preemptible: bool | None) -> bool:
+        """Whether the pool's claim holds its capacity back from this work: a queued job (preemptible True or False) or
+        a running job's growth (None). From everything when its wait is bounded (_frees_soon); when it is not, only
+        from jobs that nobody could take back (not preemptible): preemptible work and growth use what would otherwise
+        stand idle for a time nobody knows, and give way (preempted or shrunk) once the claim's wait is bounded."""
+        soft = self.soft_holds[pool_index]
+        return soft is not None and (soft[2] or preemptible is False)
+
+    def _frees_soon(self, job: QueuedJob, pool_index: int, need: float, fitting: int) -> bool:
+        """Whether a claim that cannot start could once the jobs it may take from have run out their protection
+        (min_run_s, min_resize_interval_s): a wait the plan can bound. Running jobs' remaining time is unknown, so
+        capacity the claim waits on beyond those is no reason to hold GPUs idle."""
+        trial, could = _Trial(count=0), float(fitting) * need
+        for running in self.running:
+            if running.pool != pool_index:
+                continue
+            kind = self._victim_kind(job, running, trial, True, frozenset())
+            if kind == "lower" and running.job.preemptible:
+                could += len(running.nodes) * running.need
+            elif kind is not None:
+                could += max(len(running.nodes) - running.job.min_workers, 0) * running.need
+            if workers_in(could, need) >= job.min_workers:
+                return True
+        return False
+
+    def _apply_hold(self, pool_index: int) -> None:
+        """Hold the free capacity for the pool's claim from here on in the pass."""
+        soft = self.soft_holds[pool_index]
+        if soft is None or self.hold_applied[pool_index]:
+            return
+        self.hold_applied[pool_index] = True
+        if self.pools[pool_index].hold_back(soft[1]) > 0:
+            self.version += 1
 
     def _quota_room(self, tenant: _Tenant, shape: WorkerShape, new_job: bool, min_workers: int = 1) -> tuple[int, str]:
         """The most workers of this shape the tenant's quota still allows, and the reason when that is fewer than
@@ -838,6 +888,8 @@ class _Pass:
             shape, current, tenant = candidate.job.shape, candidate.nodes, self.tenant(candidate.job.tenant)
             upper = candidate.job.max_workers if isinstance(candidate, _Running) else candidate.upper
             pool, need = self.pools[candidate.pool], candidate.need
+            if self._holds_back(candidate.pool, None):
+                self._apply_hold(candidate.pool)
             room, _ = self._quota_room(tenant, shape, new_job=False)
             more = min(upper - len(current), pool.workers_fitting(need), room)
             if more <= 0:

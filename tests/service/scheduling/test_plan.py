@@ -49,7 +49,9 @@ def test_priority_job_gets_freed_capacity_before_twenty_older_low_priority_jobs(
 # --- backfill: a reservation for the head of the queue -------------------------------------------------------------
 
 
-def passes_until_started(policy: PolicyName, big_job: str = "big", passes: int = 12) -> int | None:
+def passes_until_started(
+    policy: PolicyName, big_job: str = "big", passes: int = 12, stream_preemptible: bool = True
+) -> int | None:
     """Four 1-GPU nodes; a 4-worker job waits while a 1-worker job arrives every pass and each job runs 4 passes."""
     state = snapshot(
         gpu_nodes(4),
@@ -61,7 +63,8 @@ def passes_until_started(policy: PolicyName, big_job: str = "big", passes: int =
     for number in range(1, passes + 1):
         for job in [job for job in state.running if ends[job.id] <= number]:
             state = without_job(state, job.id)
-        state = replace(state, queued=(*state.queued, queued(f"small{number}", 1, submitted_at=float(number))))
+        small = queued(f"small{number}", 1, submitted_at=float(number), preemptible=stream_preemptible)
+        state = replace(state, queued=(*state.queued, small))
         decided = plan(state)
         for admission in decided.admissions:
             ends[admission.job_id] = number + 4
@@ -77,7 +80,17 @@ def test_fifo_starves_a_four_worker_job_behind_a_stream_of_one_worker_jobs() -> 
 
 @pytest.mark.parametrize("policy", [BACKFILL, FAIR, ELASTIC])
 def test_reservation_starts_a_four_worker_job_despite_a_stream_of_one_worker_jobs(policy: PolicyName) -> None:
-    assert passes_until_started(policy) == 4  # the pass at which the last of the four running jobs ends
+    # The pass at which the last of the four running jobs ends. Under elastic the stream's jobs are not preemptible
+    # here: nobody could take them back, so the claim holds the GPUs from them.
+    assert passes_until_started(policy, stream_preemptible=policy is not ELASTIC) == 4
+
+
+def test_elastic_lets_a_preemptible_stream_use_the_gpus_a_claim_waits_for_until_its_wait_is_bounded() -> None:
+    # The big job cannot take from the four jobs it waits on (as old as it): how long they run is unknown, so the
+    # stream's preemptible jobs use the GPUs that free. Once what it lacks is jobs it may take when their minimum run
+    # ends (the stream's, younger), the GPUs are held for it; here the clock stands still, so the stream's jobs end
+    # (3 passes later) before their minimum run does.
+    assert passes_until_started(ELASTIC) == 7
 
 
 def test_reserved_head_holds_the_free_capacity_and_smaller_jobs_wait_behind_it() -> None:
@@ -223,11 +236,17 @@ def test_elastic_jobs_grow_back_into_capacity_nobody_queued_can_use() -> None:
 
 
 def test_no_growth_into_the_reserved_heads_capacity_or_soon_after_a_resize() -> None:
-    elastic = running("elastic", ["n0"], min_workers=1, max_workers=3)
-    blocker = running("blocker", ["n1"], preemptible=False)
+    # big may take both running jobs, the blocker once its minimum run ends in 200 s: its wait is bounded.
+    elastic = running("elastic", ["n0"], min_workers=1, max_workers=3, submitted_at=1.0)
+    blocker = running("blocker", ["n1"], started_at=9_900.0, submitted_at=5_000.0)
     decided = plan(snapshot(gpu_nodes(4), [elastic, blocker], [queued("big", 4)]))
-    assert decided.grows == () and decided.admissions == ()
+    assert decided.grows == () and decided.admissions == () and decided.preemptions == ()
     assert reason_of(decided, "big").startswith("reserved: head of the queue")
+
+    # A blocker nobody can take: how long big waits is unknown, and the elastic job grows rather than leave it idle.
+    unbounded = [elastic, replace(blocker, preemptible=False)]
+    decided = plan(snapshot(gpu_nodes(4), unbounded, [queued("big", 4)]))
+    assert [(grow.job_id, grow.workers) for grow in decided.grows] == [("elastic", 3)]
 
     recently = replace(elastic, last_resized_at=9_990.0)
     assert plan(snapshot(gpu_nodes(4), [recently], [], now=10_000.0)).grows == ()
@@ -419,12 +438,16 @@ def test_a_claim_shrinks_elastic_slack_before_it_preempts_a_whole_job() -> None:
 
 def test_a_claim_that_cannot_start_holds_the_free_gpus_only_after_hold_after_s() -> None:
     blockers = [running("r0", ["n0"], preemptible=False), running("r1", ["n1"], preemptible=False)]
-    big, small = queued("big", 4, submitted_at=0.0), queued("small", 1, submitted_at=1.0)
+    big, small = queued("big", 4, submitted_at=0.0), queued("small", 1, submitted_at=1.0, preemptible=False)
     before_hold = plan(snapshot(gpu_nodes(4), blockers, [big, small], now=5_000.0))  # 1800 <= waited < 7200
     assert admitted(before_hold).keys() == {"small"}
     after_hold = plan(snapshot(gpu_nodes(4), blockers, [big, small], now=7_300.0))
     assert after_hold.admissions == ()
     assert "behind job big at the head of the queue, for which the free GPUs are held" in reason_of(after_hold, "small")
+    # big waits on jobs nobody can take, for a time nobody knows: a preemptible job, which it can take back once it
+    # could start, uses the GPUs meanwhile.
+    preemptible = plan(snapshot(gpu_nodes(4), blockers, [big, replace(small, preemptible=True)], now=7_300.0))
+    assert admitted(preemptible).keys() == {"small"}
 
 
 def test_fair_share_preempts_an_equal_priority_tenant_only_above_twice_its_weighted_share() -> None:
