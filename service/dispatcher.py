@@ -21,6 +21,7 @@ import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,6 +33,7 @@ from ringmaster.service.models import Attempt, Job, utcnow
 from ringmaster.service.naming import placement_group_name, submission_id_for, worker_bundles
 from ringmaster.service.ray_agent import ClusterUnreachable
 from ringmaster.service.ray_cluster import ClusterBackend
+from ringmaster.service.reports import SCRIPT_FINAL_UPLOAD_WAIT_S
 from ringmaster.service.scheduling.fair_share import FairShareLedger
 from ringmaster.service.scheduling.plan import plan
 from ringmaster.service.settings import Settings
@@ -540,7 +542,11 @@ class Dispatcher:
         reported_end = (
             job.state in (JobState.SUCCEEDED, JobState.FAILED, JobState.PREEMPTED) and job.attempt == attempt.number
         )
-        exit_grace_s = _DRIVER_EXIT_GRACE_S if reported_end else _script_stop_grace_s(job, attempt)
+        exit_grace_s = (
+            _DRIVER_EXIT_GRACE_S
+            if reported_end
+            else _script_stop_grace_s(job, attempt, self.settings.resolved_storage_uri())
+        )
         if (
             exit_grace_s
             and self.cluster.status(attempt.submission_id) not in _RAY_TERMINAL | {None}
@@ -568,14 +574,15 @@ class Dispatcher:
         )
 
 
-def _script_stop_grace_s(job: Job, attempt: Attempt) -> float:
+def _script_stop_grace_s(job: Job, attempt: Attempt, storage_uri: str) -> float:
     """How long a cancelled script job's driver may take to end on its own: it sees the cancel in its next report's
     answer (within a second or two), then gives the script's processes stop_grace_s between SIGTERM and SIGKILL, so a
-    script that saves on SIGTERM keeps its work. Stopping the Ray job, or releasing its bundles, would kill them at
-    once. 0 for every other attempt."""
+    script that saves on SIGTERM keeps its work, and on remote storage its workers upload that save. Stopping the Ray
+    job, or releasing its bundles, would kill them at once. 0 for every other attempt."""
     if job.state != JobState.CANCELLED or job.attempt != attempt.number or not job.spec.get("command"):
         return 0.0
-    return float(JobSpec.model_validate(job.spec).stop_grace_s) + _SCRIPT_STOP_MARGIN_S
+    upload_s = SCRIPT_FINAL_UPLOAD_WAIT_S if urlsplit(storage_uri).scheme not in ("", "file") else 0.0
+    return float(JobSpec.model_validate(job.spec).stop_grace_s) + upload_s + _SCRIPT_STOP_MARGIN_S
 
 
 def _capped(spec: JobSpec, max_workers: int) -> JobSpec:

@@ -18,6 +18,10 @@ USER_METRIC_NAME = r"^[A-Za-z][A-Za-z0-9_.\-/]{0,63}$"
 # A validated step's point also holds their values over the validation set, each as val_<name> (workers/trainer/
 # validator.py): twice as many, under names that may be that much longer.
 VALIDATION_PREFIX = "val_"
+# A script job's worker on remote storage uploads RINGMASTER_CHECKPOINT_DIR once more after its script ends, and a stop
+# waits up to this long for that upload (workers/script/checkpoint_sync.py); so does the control plane before it
+# stops a cancelled script job's Ray job, which would cut the upload short.
+SCRIPT_FINAL_UPLOAD_WAIT_S = 120.0
 _POINT_METRIC_NAME = r"^(val_)?[A-Za-z][A-Za-z0-9_.\-/]{0,63}$"
 UserMetrics = Annotated[
     dict[Annotated[str, StringConstraints(pattern=_POINT_METRIC_NAME)], Annotated[float, Strict(), AllowInfNan(False)]],

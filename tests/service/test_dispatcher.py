@@ -15,7 +15,7 @@ from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.models import Attempt, Job, TenantShare
 from ringmaster.service.naming import workers_fitting
-from ringmaster.service.reports import DriverReport
+from ringmaster.service.reports import SCRIPT_FINAL_UPLOAD_WAIT_S, DriverReport
 from ringmaster.service.scheduling.model import PolicyName, PolicySettings
 from ringmaster.service.settings import Settings
 from ringmaster.service.spec import SHARED_POOL, JobSpec, RuntimeEnvSpec
@@ -268,10 +268,16 @@ def test_cancel_stops_the_ray_job_and_frees_the_placement_group(db, dispatcher):
     assert cluster.stopped == [f"ringmaster-{job_id}-1"], "a closed attempt is not stopped twice"
 
 
-def test_a_cancelled_script_job_keeps_its_processes_for_stop_grace_s_then_is_stopped(db, dispatcher):
+@pytest.mark.parametrize(
+    ("storage_uri", "upload_wait_s"), [("/ckpt", 0.0), ("s3://bucket/ckpt", SCRIPT_FINAL_UPLOAD_WAIT_S)]
+)
+def test_a_cancelled_script_job_keeps_its_processes_for_stop_grace_s_then_is_stopped(db, storage_uri, upload_wait_s):
     """Its driver sends SIGTERM and waits stop_grace_s before SIGKILL: stopping the Ray job, or releasing its bundles,
-    sooner would kill a script that saves on SIGTERM before it saved."""
-    dispatcher, cluster = dispatcher
+    sooner would kill a script that saves on SIGTERM before it saved; on remote storage, before its workers uploaded
+    that save."""
+    cluster = FakeCluster(cpus=4)
+    settings = Settings(api_url="http://control-plane:8765", storage_uri=storage_uri, driver_python="python3")
+    dispatcher = Dispatcher(db.sessions, cluster, settings, owner="test-dispatcher")
     spec = JobSpec.model_validate(
         {"name": "script", "command": ["python", "train.py"], "workers": {"min": 2, "max": 2}, "stop_grace_s": 20}
     )
@@ -287,6 +293,11 @@ def test_a_cancelled_script_job_keeps_its_processes_for_stop_grace_s_then_is_sto
         job = session.get(Job, job_id)
         job.finished_at -= timedelta(seconds=spec.stop_grace_s + 16)
     dispatcher.run_once()
+    if upload_wait_s:
+        assert cluster.stopped == [], "stopped before the workers' final upload could end"
+        with db.sessions() as session, session.begin():
+            session.get(Job, job_id).finished_at -= timedelta(seconds=upload_wait_s)
+        dispatcher.run_once()
     assert cluster.stopped == [submission_id] and cluster.free_cpus == 4
 
 

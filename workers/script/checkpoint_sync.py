@@ -39,9 +39,11 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
+from ringmaster.service.reports import SCRIPT_FINAL_UPLOAD_WAIT_S
+
 UPLOAD_EVERY_S = 5.0  # a pass over the directory while the script runs
 SETTLE_S = 5.0  # an entry is uploaded once nothing in it was written for this long (a file being written is not)
-FINAL_UPLOAD_WAIT_S = 120.0  # what a stop waits, past the script's end, for the final pass to reach the storage
+FINAL_UPLOAD_WAIT_S = SCRIPT_FINAL_UPLOAD_WAIT_S  # what a stop waits, past the script's end, for the final pass
 FINAL_TRIES = 3  # the final pass is tried again this many times in all: no later pass would retry it
 FILL_TRIES = 3  # a start's download likewise
 _RETRY_WAIT_S = 1.0  # doubled at each try
