@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
-from moto.server import ThreadedMotoServer
 
 from harness.checkpoints import load_model_weights
 from harness.local_control_plane import running_control_plane, wait_for_state
 from harness.process_group import run_on_ranks
+from harness.s3_server import s3_server
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec, KeepBestSpec
 from ringmaster.workers.checkpoint.durable import (
@@ -47,28 +46,8 @@ S3_SPEC = JobSpec.model_validate(
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on a free local port, with the bucket; the endpoint reaches s3fs (and the spawned
     ranks, which inherit the environment) through AWS_ENDPOINT_URL_S3, as it would on a real cluster."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    settings = {
-        "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        # moto keeps its buckets in this process across servers: another module's server may have made it already.
-        fsspec.filesystem("s3", skip_instance_cache=True).makedirs(BUCKET, exist_ok=True)
-        yield settings["AWS_ENDPOINT_URL_S3"]
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        server.stop()
+    with s3_server(BUCKET) as endpoint:
+        yield endpoint
 
 
 def _save_stop_corrupt_resume(rank: int, world_size: int, root: str, s3_root: str) -> None:

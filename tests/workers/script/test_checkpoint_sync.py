@@ -17,8 +17,8 @@ from typing import Any
 
 import fsspec
 import pytest
-from moto.server import ThreadedMotoServer
 
+from harness.s3_server import s3_server
 from ringmaster.workers.script.checkpoint_sync import SETTLE_S, CheckpointSync
 from ringmaster.workers.script.environment import ScriptPaths
 from ringmaster.workers.script.worker import ScriptWorker
@@ -30,31 +30,8 @@ _places = itertools.count()
 @pytest.fixture(scope="module")
 def s3() -> Iterator[fsspec.AbstractFileSystem]:
     """A moto S3 server on a free local port, reached through the environment as on a cluster."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    settings = {
-        "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    filesystem_class = fsspec.get_filesystem_class("s3")
-    filesystem_class.clear_instance_cache()  # an instance made for another module's server would be reused
-    try:
-        filesystem = fsspec.filesystem("s3")
-        filesystem.makedirs(BUCKET, exist_ok=True)
-        yield filesystem
-    finally:
-        filesystem_class.clear_instance_cache()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        server.stop()
+    with s3_server(BUCKET):
+        yield fsspec.filesystem("s3")
 
 
 @pytest.fixture
