@@ -157,14 +157,21 @@ class SimulatedCluster:
     def kill_node(self, node) -> None:
         """The machine dies: every process on it is gone at once. All are stopped before any is killed (the raylet
         first): a raylet that outlived its workers by a moment would report their deaths as crashes on a live node."""
-        processes = self._node_processes(node)
+        self.kill_nodes([node])
+
+    def kill_nodes(self, nodes: list) -> None:
+        """The machines die together: every process on any of them is stopped before any is killed, and each node
+        is removed from the cluster only then (a removal takes a moment: nodes killed one after another die that
+        far apart, and the job may see the first loss alone)."""
+        processes = [pid for node in nodes for pid in self._node_processes(node)]
         for sent in (signal.SIGSTOP, signal.SIGKILL):
             for pid in processes:
                 try:
                     os.kill(pid, sent)
                 except ProcessLookupError:
                     pass
-        self.cluster.remove_node(node, allow_graceful=False)
+        for node in nodes:
+            self.cluster.remove_node(node, allow_graceful=False)
 
     def freeze_node(self, node) -> list[int]:
         """The machine hangs: its processes stop but hold their sockets open."""

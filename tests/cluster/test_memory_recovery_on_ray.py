@@ -222,8 +222,7 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_checkpoint(cluster
     client = cluster.client
     job_id = client.submit(_sharded_spec("memory-buddy-lost", 3, 1))["id"]
     wait_for_recorded_step(cluster.storage / job_id, 6)  # past the durable checkpoint of step 4
-    for node in _worker_nodes(cluster)[1:]:
-        cluster.kill_node(node)
+    cluster.kill_nodes(_worker_nodes(cluster)[1:])
     killed_at = _assert_killed_mid_run(cluster, job_id, SHARDED_STEPS)
     done = wait_for_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout_s=240)
     assert done["state"] == "SUCCEEDED", done["error"]
