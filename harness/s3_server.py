@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from unittest.mock import patch
 
 import fsspec
 from moto.server import ThreadedMotoServer
@@ -24,19 +25,13 @@ def s3_server(bucket: str) -> Iterator[str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
     filesystem_class = fsspec.get_filesystem_class("s3")
-    filesystem_class.clear_instance_cache()  # an instance made for an earlier server would be reused
     try:
-        # moto keeps its buckets in this process across servers: an earlier server may have made it already.
-        fsspec.filesystem("s3").makedirs(bucket, exist_ok=True)
-        yield settings["AWS_ENDPOINT_URL_S3"]
+        with patch.dict(os.environ, settings):
+            filesystem_class.clear_instance_cache()  # an instance made for an earlier server would be reused
+            # moto keeps its buckets in this process across servers: an earlier server may have made it already.
+            fsspec.filesystem("s3").makedirs(bucket, exist_ok=True)
+            yield settings["AWS_ENDPOINT_URL_S3"]
     finally:
         filesystem_class.clear_instance_cache()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         server.stop()
