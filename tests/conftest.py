@@ -21,12 +21,20 @@ POSTGRES_ENV = "RINGMASTER_TEST_POSTGRES_URL"
 # the cluster tests' bursts of work (a job's ranks starting, each importing torch) take the cores first, and the unit
 # tests, which have time to spare, run on what the cluster tests leave.
 UNIT_TEST_NICENESS = 10
+# Where the kernel groups CPU time by session (autogroup, Linux's default on desktops and this CI's machine), a nice
+# value weighs only against processes of the same session: each Ray process that starts a session of its own (a
+# job's training process among them) gets as large a share as the whole of pytest's session, niced or not. So each
+# worker takes a session of its own, and the niceness is set on its autogroup as well.
+AUTOGROUP = "/proc/self/autogroup"
 
 # The CLI's rich console takes its width from COLUMNS when it is first imported and keeps it; the CLI tests give the
 # width they read in each call's environment. An ambient one (an xdist worker starts with COLUMNS=80 and LINES=24, a
 # plain run with neither) would make them pass or fail by which test imported the CLI first.
 for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
+
+
+_worker_autogroup_niceness: list[int] = []  # this worker's autogroup's niceness, once it has one of its own
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -39,6 +47,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, wanted)
         except PermissionError:
             pass  # back to a higher priority needs root: a worker that ran unit tests first keeps the lower one
+    _set_autogroup_niceness(wanted)
+
+
+def _set_autogroup_niceness(wanted: int) -> None:
+    if not _worker_autogroup_niceness:
+        if not os.path.exists(AUTOGROUP):
+            return  # a kernel without autogroups weighs the thread's niceness alone
+        try:
+            os.setsid()  # before the worker has started any process: all of them join its new autogroup
+        except PermissionError:
+            return  # already a process group's leader (a worker started in a session of its own does not need one)
+        _worker_autogroup_niceness.append(0)
+    if _worker_autogroup_niceness[0] != wanted:
+        try:
+            with open(AUTOGROUP, "w") as autogroup:
+                autogroup.write(str(wanted))
+        except PermissionError:
+            return  # as above: back to a higher priority needs root
+        _worker_autogroup_niceness[0] = wanted
 
 
 @pytest.fixture
