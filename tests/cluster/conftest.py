@@ -33,11 +33,6 @@ import pytest
 
 HERE = Path(__file__).parent
 RAY_CLUSTER_GROUP = "ray-cluster"
-# Modules that run after the unit tests, in the worker that ran those (on a shared head of its own): by then the one
-# group is the only work left, and it leaves a core partly idle. Each needs nothing of the other group's (their jobs
-# train to numeric results with minutes to spare); none measures time.
-LATE_RAY_CLUSTER_GROUP = "ray-cluster-late"
-LATE_MODULES = {"test_strategies_on_ray.py", "test_warm_pool.py", "test_web_ui.py", "test_user_code_names.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group mark into the scheduling group
@@ -45,14 +40,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
-    # A stable sort: each module's tests stay together and in their order (module fixtures are set up once); the one
-    # group first, the unit tests, then the late group.
-    order = {RAY_CLUSTER_GROUP: 0, None: 1, LATE_RAY_CLUSTER_GROUP: 2}
-    items.sort(key=lambda item: order[_group(item)])
-
-
-def _group(item: pytest.Item) -> str | None:
-    if HERE not in item.path.parents:
-        return None
-    return LATE_RAY_CLUSTER_GROUP if item.path.name in LATE_MODULES else RAY_CLUSTER_GROUP
+            item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
+    # A stable sort: each module's tests stay together and in their order (module fixtures are set up once).
+    items.sort(key=lambda item: HERE not in item.path.parents)
