@@ -23,7 +23,13 @@ With the unit tests' worker at a lower CPU priority (tests/conftest.py) and the 
 until their failure is over, the one group ended at 1,566 s against 1,679 s, the unit tests at 1,313 s against 940 s
 (pytest 26:25, the whole CI 27:42, against 28:08 and 29:22). Sampled from /proc each second, the processes at normal
 priority (the group's) kept 0.5-0.8 of the two cores busy throughout, the unit tests the rest: the run is now bound by
-the CPU work of the whole suite, not by the group's waits."""
+the CPU work of the whole suite, not by the group's waits.
+
+Then, with the unit tests' ranks forked from a server that imported torch once (harness/process_group.py) and each
+worker in a session of its own whose autogroup carries its niceness (tests/conftest.py), on a machine where the run
+before took pytest 31:50 (the group ending at 1,897 s, the unit tests at 1,811 s): pytest 27:40, the group ending at
+1,614 s and the unit tests at 1,645 s. Four shared-head modules moved to a second group collected after the unit
+tests ran alone at the end instead (xdist handed it to the worker that finished this group first): 200 s more."""
 
 from __future__ import annotations
 
