@@ -34,9 +34,6 @@ for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
 
 
-_worker_autogroup_niceness: list[int] = []  # this worker's autogroup's niceness, once it has one of its own
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         return  # one process runs everything: nothing to give way to
@@ -51,21 +48,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def _set_autogroup_niceness(wanted: int) -> None:
-    if not _worker_autogroup_niceness:
-        if not os.path.exists(AUTOGROUP):
-            return  # a kernel without autogroups weighs the thread's niceness alone
+    if not os.path.exists(AUTOGROUP):
+        return  # a kernel without autogroups weighs the thread's niceness alone
+    if os.getsid(0) != os.getpid():
         try:
-            os.setsid()  # before the worker has started any process: all of them join its new autogroup
+            os.setsid()  # at the first test, before the worker has started any process: all of them join its autogroup
         except PermissionError:
-            return  # already a process group's leader (a worker started in a session of its own does not need one)
-        _worker_autogroup_niceness.append(0)
-    if _worker_autogroup_niceness[0] != wanted:
+            return  # a process group's leader cannot: its autogroup is pytest's, not its own to renice
+    with open(AUTOGROUP) as autogroup:
+        current = int(autogroup.read().split()[-1])  # "/autogroup-25 nice 10"
+    if current != wanted:
         try:
             with open(AUTOGROUP, "w") as autogroup:
                 autogroup.write(str(wanted))
         except PermissionError:
-            return  # as above: back to a higher priority needs root
-        _worker_autogroup_niceness[0] = wanted
+            pass  # as above: back to a higher priority needs root
 
 
 @pytest.fixture
