@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 import ringmaster.workers.checkpoint.snapshots.transport as transport
-from harness.ports import free_port
 from harness.process_group import run_on_ranks
 from ringmaster.workers.checkpoint.snapshots.live_state import LiveStateSnapshots
 from ringmaster.workers.checkpoint.snapshots.restore import restore_from_peers
@@ -66,7 +65,7 @@ def _update(snapshots: LiveStateSnapshots, optimizer: torch.optim.Optimizer, ste
         snapshots.take(step, DataPosition(0, 4 * step), changed_anywhere=True)
 
 
-def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> None:
+def _split_by_a_failure(rank: int, world_size: int, root: str, rendezvous: str) -> None:
     torch.manual_seed(0)
     model, optimizer = _model()
     store = SnapshotStore()
@@ -106,7 +105,8 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
         result[f"held_{step}"], result[f"live_{step}"] = sorted(store.names(location)), store.live_names(location)
     if rank == DEAD:
         os._exit(0)  # its process, and everything it held, is gone
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # The survivors meet in a file: a port chosen free before the ranks started could be another process's by now.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     inventories: list = [None, None]
     dist.all_gather_object(inventories, store.inventory(JOB))
     choice = choose_snapshot(inventories)
@@ -132,7 +132,7 @@ def _split_by_a_failure(rank: int, world_size: int, root: str, port: int) -> Non
 
 
 def test_survivors_a_step_apart_continue_from_the_newer_step(tmp_path: Path) -> None:
-    run_on_ranks(_split_by_a_failure, 3, str(tmp_path), free_port())
+    run_on_ranks(_split_by_a_failure, 3, str(tmp_path), str(tmp_path / "regrouped"))
     first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
     # Until the gather a rank's live state is its snapshot of step 3; from the gather on it holds no part of it.
     for result, rank in ((first, 0), (second, 1)):

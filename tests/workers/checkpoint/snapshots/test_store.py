@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.ports import free_port
 from harness.process_group import run_on_ranks
 from harness.sinks import CallbackSink
 from ringmaster.service.spec import JobSpec
@@ -41,11 +40,13 @@ def _spec(strategy: str) -> JobSpec:
     return JobSpec.model_validate(document)
 
 
-def _regroup(rank: int | None, world_size: int, port: int) -> None:
+def _regroup(rank: int | None, world_size: int, rendezvous: str) -> None:
+    """Form the next group, meeting in a file of its own: a port chosen free when the test began could be another
+    process's by the time a group met on it (minutes later, on a busy machine), and the group then failed."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank is not None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
 
 
 def _train(
@@ -91,10 +92,10 @@ def _chosen(store: SnapshotStore, job: str) -> dict[str, Any]:
     return {"chosen": choice.chosen, "why_not": choice.why_not}
 
 
-def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, ports: list[int]) -> None:
+def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, rendezvous: list[str]) -> None:
     store = SnapshotStore()
     out: dict[str, Any] = {}
-    port = iter(ports)
+    group_file = iter(rendezvous)
     for strategy in STRATEGIES:
         spec, runs = _spec(strategy), {}
         runs["straight"], straight_events = _train(spec, f"{strategy}-straight", root, store, 1)
@@ -109,7 +110,7 @@ def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, ports: list
             survivors = (
                 [r for r in range(world_size) if r not in lost] if ending == "shrink" else list(range(world_size))
             )
-            _regroup(survivors.index(rank) if rank in survivors else None, len(survivors), next(port))
+            _regroup(survivors.index(rank) if rank in survivors else None, len(survivors), next(group_file))
             if rank in survivors:
                 choice = _chosen(store, job)
                 runs[f"{job}-choice"] = choice
@@ -118,7 +119,7 @@ def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, ports: list
                         spec, job, root, store, 2, resume=SnapshotRef(**choice["chosen"])
                     )
                     runs[f"{job}-restored"] = [e for e in events if "restored_step" in e]
-            _regroup(rank, world_size, next(port))
+            _regroup(rank, world_size, next(group_file))
         out[strategy] = runs
     if rank == 0:
         Path(root, "runs.json").write_text(json.dumps(out))
@@ -127,7 +128,9 @@ def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, ports: list
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("memory")
-    run_on_ranks(_lose_a_rank_and_continue, 3, str(root), [free_port() for _ in range(2 * 3 * len(STRATEGIES))])
+    groups = tmp_path_factory.mktemp("groups")
+    rendezvous = [str(groups / f"group-{index}") for index in range(2 * 3 * len(STRATEGIES))]
+    run_on_ranks(_lose_a_rank_and_continue, 3, str(root), rendezvous)
     return json.loads((root / "runs.json").read_text())
 
 
