@@ -92,10 +92,10 @@ def _chosen(store: SnapshotStore, job: str) -> dict[str, Any]:
     return {"chosen": choice.chosen, "why_not": choice.why_not}
 
 
-def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, rendezvous: list[str]) -> None:
+def _lose_a_rank_and_continue(rank: int, world_size: int, root: str) -> None:
     store = SnapshotStore()
     out: dict[str, Any] = {}
-    group_file = iter(rendezvous)
+    group_file = (str(Path(root, f"group-{index}")) for index in itertools.count())
     for strategy in STRATEGIES:
         spec, runs = _spec(strategy), {}
         runs["straight"], straight_events = _train(spec, f"{strategy}-straight", root, store, 1)
@@ -128,9 +128,7 @@ def _lose_a_rank_and_continue(rank: int, world_size: int, root: str, rendezvous:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("memory")
-    groups = tmp_path_factory.mktemp("groups")
-    rendezvous = [str(groups / f"group-{index}") for index in range(2 * 3 * len(STRATEGIES))]
-    run_on_ranks(_lose_a_rank_and_continue, 3, str(root), rendezvous)
+    run_on_ranks(_lose_a_rank_and_continue, 3, str(root))
     return json.loads((root / "runs.json").read_text())
 
 
