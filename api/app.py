@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ringmaster.api.errors import FiniteJSONResponse, install_error_handlers
 from ringmaster.api.limits import JSON_VALUE, BodySizeLimit, json_value_schema, state_document_rules
-from ringmaster.api.routes import code, health, internal, jobs, metrics, plan, queue, tenants, web
+from ringmaster.api.routes import code, health, internal, jobs, metrics, nodes, plan, queue, tenants, web
 from ringmaster.service import telemetry
 from ringmaster.service.auth import CheckedReportTokens, ensure_local_admin_token
 from ringmaster.service.db import Database, upgrade_schema
@@ -29,6 +29,10 @@ from ringmaster.service.spec import JobSpec
 LogsProvider = Callable[[str], str]
 """Returns the log text of a Ray job given its submission id; raises service.errors.LogsUnavailable."""
 
+NodeDrainer = Callable[[str, float | None, str], None]
+"""Has Ray drain a node (its id, the deadline in seconds since the epoch or None, the reason); raises
+service.errors.NodeNotFound, DrainRefused or ClusterUnavailable."""
+
 BackgroundStarter = Callable[[FastAPI], Callable[[], None]]
 """Called once the schema is current and app.state.db is set; returns the function that stops it."""
 
@@ -38,6 +42,7 @@ def create_app(
     *,
     start_background: BackgroundStarter | None = None,
     logs_provider: LogsProvider | None = None,
+    node_drainer: NodeDrainer | None = None,
     cluster_shape_provider: ClusterShapeProvider | None = None,
 ) -> FastAPI:
     """Build the API; without start_background it only records jobs (nothing dispatches them).
@@ -77,6 +82,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.logs_provider = logs_provider
+    app.state.node_drainer = node_drainer
     app.state.cluster_shape_provider = cluster_shape_provider
     # One registry per app, never prometheus_client's global one: several apps in a process must not clash.
     app.state.metrics_registry = registry = CollectorRegistry()
@@ -94,6 +100,7 @@ def create_app(
     app.include_router(queue.router)
     app.include_router(code.router)
     app.include_router(tenants.router)
+    app.include_router(nodes.router)
     app.include_router(plan.router)
     app.include_router(internal.router)
     app.include_router(health.router)
@@ -127,7 +134,16 @@ def _document_spec_schema(app: FastAPI) -> None:
 
 
 # The request bodies FastAPI documents itself (JobSpec's are added above), with the models within them.
-REQUEST_BODIES = ("PlanRequest", "QuotaIn", "TokenIn", "DriverReport", "MetricPoint", "CheckpointRecord", "RankMemory")
+REQUEST_BODIES = (
+    "PlanRequest",
+    "QuotaIn",
+    "DrainIn",
+    "TokenIn",
+    "DriverReport",
+    "MetricPoint",
+    "CheckpointRecord",
+    "RankMemory",
+)
 
 
 def _document_validation_errors(components: dict[str, Any]) -> None:

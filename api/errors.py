@@ -25,13 +25,16 @@ from starlette.routing import Match, Mount
 
 from ringmaster.service.auth import Forbidden, OwnTokenRevocation, TokenNotFound, Unauthorized
 from ringmaster.service.errors import (
+    ClusterUnavailable,
     CodeNotFound,
     CodeTooLarge,
+    DrainRefused,
     InvalidCode,
     InvalidSpec,
     JobConflict,
     JobNotFound,
     LogsUnavailable,
+    NodeNotFound,
     PlanError,
 )
 from ringmaster.service.states import IllegalTransition
@@ -238,6 +241,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OwnTokenRevocation, _conflict)
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(LogsUnavailable, _unavailable)
+    app.add_exception_handler(ClusterUnavailable, _unavailable)
+    app.add_exception_handler(NodeNotFound, _not_found)
+    app.add_exception_handler(DrainRefused, _conflict)
     app.add_exception_handler(InvalidSpec, _invalid_spec)
     app.add_exception_handler(PlanError, _plan_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)

@@ -545,6 +545,30 @@ class QuotaIn(JsonTyped):
         return tenants.Quota(self.gpus, self.cpus, self.jobs)
 
 
+class DrainIn(JsonTyped):
+    """A drain's deadline and reason."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 24 * 3600,
+        allow_inf_nan=False,
+        description="Seconds from now until the node goes (Ray is told; it does not end the node itself). Null (or "
+        "absent): no deadline.",
+    )
+    reason: str = Field(
+        default="drained through ringmaster's API", min_length=1, max_length=256, description="Why, as Ray records it."
+    )
+
+
+class DrainOut(BaseModel):
+    node_id: str
+    deadline: datetime | None = Field(description="When the node goes; null: no deadline given.")
+    reason: str
+
+
 class QuotaOut(BaseModel):
     gpus: int | None
     cpus: float | None

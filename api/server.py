@@ -20,10 +20,10 @@ from ringmaster.api.app import create_app
 from ringmaster.service.client import RingmasterClient
 from ringmaster.service.dispatcher import Dispatcher
 from ringmaster.service.embedded_ray import HEAD_STOP_GRACE_S, RayHead, start_head, stop_head
-from ringmaster.service.errors import LogsUnavailable
+from ringmaster.service.errors import ClusterUnavailable, LogsUnavailable
 from ringmaster.service.logs import configure_logging
 from ringmaster.service.process_tree import ProcessTree
-from ringmaster.service.ray_agent import agent_command
+from ringmaster.service.ray_agent import AgentRefused, ClusterUnreachable, agent_command
 from ringmaster.service.ray_cluster import RayCluster
 from ringmaster.service.server_lock import ServerLock
 from ringmaster.service.settings import Settings
@@ -87,6 +87,12 @@ class ControlPlane:
         except Exception as error:
             raise LogsUnavailable(f"Ray could not serve logs for {submission_id}: {error}") from error
 
+    def drain_node(self, node_id: str, deadline: float | None, reason: str) -> None:
+        try:
+            self.cluster.drain_node(node_id, deadline, reason)
+        except (ClusterUnreachable, AgentRefused) as error:
+            raise ClusterUnavailable(f"the Ray cluster could not drain node {node_id}: {error}") from error
+
     def start_dispatcher(self, app: FastAPI) -> Callable[[], None]:
         dispatcher = Dispatcher(app.state.db.sessions, self.cluster, self.settings)
         app.state.wake_dispatcher = dispatcher.wake
@@ -119,7 +125,9 @@ class ControlPlane:
         return stop
 
     def app(self) -> FastAPI:
-        return create_app(self.settings, start_background=self.start_dispatcher, logs_provider=self.logs)
+        return create_app(
+            self.settings, start_background=self.start_dispatcher, logs_provider=self.logs, node_drainer=self.drain_node
+        )
 
     def close(self) -> None:
         """Stop the Ray agent (it leaves the cluster) before an embedded head goes."""

@@ -1,5 +1,6 @@
 """`ringmaster queue`: the queued jobs in the order the dispatcher will start them, why each waits, and each tenant's
-fair-share standing, through the REST API (GET /v1/queue)."""
+fair-share standing, through the REST API (GET /v1/queue); `ringmaster drain`: a node's drain, which makes room
+elsewhere for the jobs on it (POST /v1/nodes/{id}/drain)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def queue(
         print(json.dumps(answer, indent=2))
         return
     _print_queue(answer, datetime.now(UTC))
+
+
+@_handled
+def drain(
+    node_id: Annotated[str, typer.Argument(help="The node's Ray id (hex), as `ray list nodes` shows it.")],
+    deadline_s: Annotated[
+        float | None, typer.Option(min=0, help="Seconds until the node goes; default: no deadline.")
+    ] = None,
+    reason: Annotated[str | None, typer.Option(help="Why, as Ray records it.")] = None,
+    api: ApiOption = None,
+) -> None:
+    """Drain a node before it goes (an admin's): nothing new is placed there, and its jobs move off it, each saved at
+    a step boundary and resumed elsewhere."""
+    answer = _client(api).drain_node(node_id, deadline_s, reason)
+    by = f" by {answer['deadline']}" if answer["deadline"] else ""
+    console.print(f"node {answer['node_id']} drains{by}: its jobs move off it")
 
 
 def _print_queue(answer: dict[str, Any], now: datetime) -> None:

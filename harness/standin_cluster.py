@@ -66,6 +66,8 @@ class StandInCluster:
         self.warm_pool_envs: dict[str, dict[str, Any]] = {}  # the pools asked for by the latest keep_warm
         self.status_calls: list[str] = []
         self.resource_requests: list[list[dict[str, float]]] = []  # each request_resources call's bundles
+        self.draining: dict[str, float | None] = {}  # node id -> its drain deadline, as Ray reports drains
+        self.drain_checks = 0
         self._lock = threading.Lock()
         self._drivers = drivers
         self._driver_thread: threading.Thread | None = None
@@ -96,12 +98,21 @@ class StandInCluster:
         free = float(STANDIN_UNBOUNDED_CPUS if self.free_cpus is None else self.free_cpus)
         gpus = float(STANDIN_UNBOUNDED_CPUS)  # GPU bundles always fit here (reserve counts CPUs alone)
         node = NodeResources(id=STANDIN_NODE, CPU=total, GPU=gpus, free_CPU=free, free_GPU=gpus)
+        if STANDIN_NODE in self.draining:
+            node.update(draining=True, drain_deadline=self.draining[STANDIN_NODE])
         with self._lock:
             held = {name: self.group_bundles[name] for name in groups if name in self.groups}
         return ClusterView(nodes=[node], groups={name: [STANDIN_NODE] * count for name, count in held.items()})
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
         self.resource_requests.append(bundles)
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        self.drain_checks += 1
+        return dict(self.draining)
+
+    def drain_node(self, node_id: str, deadline: float | None, reason: str) -> None:
+        self.draining[node_id] = deadline
 
     def release(self, name: str) -> None:
         with self._lock:

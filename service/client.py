@@ -165,6 +165,13 @@ class RingmasterClient:
             params["tenant"] = tenant
         return self._object("GET", "/v1/queue", params=params)
 
+    def drain_node(self, node_id: str, deadline_s: float | None = None, reason: str | None = None) -> dict[str, Any]:
+        """POST /v1/nodes/{id}/drain (an admin's): Ray places nothing new on the node, and its jobs move off it."""
+        body: dict[str, Any] = {"deadline_s": deadline_s}
+        if reason is not None:
+            body["reason"] = reason
+        return self._object("POST", f"/v1/nodes/{node_id}/drain", json=body)
+
     def me(self) -> dict[str, Any]:
         """GET /v1/me: the token's tenant (quotas and usage) and whether it is an admin's."""
         return self._object("GET", "/v1/me")

@@ -12,6 +12,7 @@ the same room), and the job it makes room for is admitted once Ray has that room
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,6 +31,7 @@ from ringmaster.service.scheduling.model import (
     NodeView,
     Plan,
     PolicySettings,
+    Preemption,
     QueuedJob,
     RunningJob,
     SchedulingInput,
@@ -133,7 +135,7 @@ class KnownJobs:
         self._queued_jobs: tuple[QueuedJob, ...] = ()
         # The plan's input objects kept between passes, each rebuilt only when what it is built from changes.
         self._running: dict[str, tuple[ActiveAttempt, list[str | None], bool, RunningJob]] = {}
-        self._nodes: dict[str, tuple[tuple[float, float, float, float], NodeView]] = {}
+        self._nodes: dict[str, tuple[tuple[float, float, float, float, float | None], NodeView]] = {}
         self._held: tuple[list[RunningJob], dict[str, Held]] = ([], {})
 
     def read(self, session: Session, now: float) -> JobsRead:
@@ -275,7 +277,8 @@ class KnownJobs:
 
     def node_view(self, node: NodeResources, free: list[float]) -> NodeView:
         """The node as the plan takes it: last pass's, while its totals and what is free are the same."""
-        amounts = (node["GPU"], node["CPU"], free[0], free[1])
+        drain_deadline = drain_deadline_of(node)
+        amounts = (node["GPU"], node["CPU"], free[0], free[1], drain_deadline)
         kept = self._nodes.get(node["id"])
         if kept is not None and kept[0] == amounts:
             return kept[1]
@@ -285,6 +288,7 @@ class KnownJobs:
             total_cpus=float(node["CPU"]),
             free_gpus=int(free[0]),
             free_cpus=free[1],
+            drain_deadline=drain_deadline,
         )
         self._nodes[node["id"]] = (amounts, made)
         return made
@@ -311,6 +315,28 @@ class KnownJobs:
     def written_elsewhere(self, job_id: str) -> None:
         """The job's place or reason was written outside record_queue: the next record writes the plan's again."""
         self.stored.pop(job_id, None)
+
+
+def drain_reason(state: SchedulingInput, preemption: Preemption, now: float) -> str | None:
+    """What a preemption off a draining node says (None for one made for a job): the node and its deadline."""
+    if preemption.for_job is not None:
+        return None
+    deadlines = {node.id: node.drain_deadline for node in state.nodes if node.drain_deadline is not None}
+    job = next((job for job in state.running if job.id == preemption.job_id), None)
+    on = sorted({node for node in job.nodes if node in deadlines}) if job is not None else []
+    if not on:
+        return "its node is going away"
+    deadline = min(deadlines[node] for node in on)
+    by = f", which goes in {max(0.0, deadline - now):.0f} s" if math.isfinite(deadline) else ""
+    return f"its node {', '.join(node[:12] for node in on)} is draining{by}; it moves off it"
+
+
+def drain_deadline_of(node: NodeResources) -> float | None:
+    """The plan's drain deadline of a node: None while it does not drain, infinity for a drain without one."""
+    if not node.get("draining"):
+        return None
+    deadline = node.get("drain_deadline")
+    return math.inf if deadline is None else deadline
 
 
 def pass_input(

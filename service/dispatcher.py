@@ -52,6 +52,8 @@ _WARM_POOL_INTERVAL_S = 2.0
 # Ray's autoscaler is asked to make room for at most this many worker bundles at once (running and queued together).
 AUTOSCALER_BUNDLES = 10_000
 _SHARE_SAMPLE_INTERVAL_S = 10.0
+# While jobs run and none wait, Ray is asked this often whether it drains a node (a cloud's notice may give 30 s).
+_DRAIN_CHECK_INTERVAL_S = 2.0
 # The queue's places and reasons are written at most this often, besides after a pass that admitted a job or found a
 # job not placed yet (a job's first reason comes at once).
 _QUEUE_RECORD_INTERVAL_S = 2.0  # each tenant's standing is recorded this often (the queue view's chart)
@@ -99,6 +101,7 @@ class Dispatcher:
         self._ledger = FairShareLedger(settings.fair_share_half_life_s, start=time.time())
         self._share_sample_due = 0.0
         self._queue_record_due = 0.0
+        self._drain_check_due = 0.0
         self._autoscaler_request: list[dict[str, float]] | None = None  # the bundles last sent to request_resources
         self._known_jobs = dispatch_plan.KnownJobs()  # each queued and active job's shape, read once
 
@@ -175,9 +178,10 @@ class Dispatcher:
         now = time.time()
         with self.sessions() as session:
             jobs_read = self._known_jobs.read(session, now)
+        draining = self._nodes_draining() if jobs_read.active and not jobs_read.queued else False
         if not jobs_read.queued:
             self._ask_autoscaler([])  # nothing waits: the nodes it asked for are not held for nothing
-            if not (sample_due and jobs_read.active):
+            if not (sample_due and jobs_read.active) and not draining:
                 return
         groups = [attempt.placement_group for attempt, _ in jobs_read.active if attempt.placement_group]
         view = self.cluster.cluster_view(groups)
@@ -194,12 +198,13 @@ class Dispatcher:
             self._share_sample_due = time.monotonic() + _SHARE_SAMPLE_INTERVAL_S
             with self.sessions() as session, session.begin():
                 queue_view.record_shares(session, utcnow(), dispatch_plan.share_samples(state))
-        if not jobs_read.queued:
+        if not jobs_read.queued and not draining:
             return
         decided = plan(state)
-        self._ask_autoscaler(dispatch_plan.autoscaler_request(state, decided, AUTOSCALER_BUNDLES))
+        if jobs_read.queued:
+            self._ask_autoscaler(dispatch_plan.autoscaler_request(state, decided, AUTOSCALER_BUNDLES))
         for preemption in decided.preemptions:
-            self._preempt(preemption.job_id, preemption.for_job)
+            self._preempt(preemption.job_id, preemption.for_job, dispatch_plan.drain_reason(state, preemption, now))
         admitted_any = False
         for job_id, size in dispatch_plan.admission_sizes(decided).items():
             job = queue.claim(self.sessions, job_id, self.owner, self.settings.lease_s)
@@ -230,10 +235,19 @@ class Dispatcher:
             return
         self._autoscaler_request = bundles
 
-    def _preempt(self, job_id: str, for_job: str | None) -> None:
+    def _nodes_draining(self) -> bool:
+        """Whether Ray drains any node, looked up every few seconds while jobs run and none wait (a pass with a queue
+        reads it with the rest of the cluster): a drain must move the jobs on it even when nothing waits."""
+        if time.monotonic() < self._drain_check_due:
+            return False
+        self._drain_check_due = time.monotonic() + _DRAIN_CHECK_INTERVAL_S
+        return bool(self.cluster.draining_nodes())
+
+    def _preempt(self, job_id: str, for_job: str | None, drain_reason: str | None) -> None:
         """Ask a running job's driver to save at its next step and stop; the plan that preempts it admits `for_job`
-        once the room is free. The driver that does not report PREEMPTED in preemption_timeout_s is stopped."""
-        reason = f"job {for_job} of higher priority needs its workers" if for_job else "its node is draining"
+        once the room is free (for a drain, it resumes elsewhere). The driver that does not report PREEMPTED in
+        preemption_timeout_s is stopped."""
+        reason = drain_reason or f"job {for_job} of higher priority needs its workers"
         with self.sessions() as session, session.begin():
             job = session.get(Job, job_id)
             if job is None or not jobs.request_preemption(session, job, for_job, reason):

@@ -69,3 +69,15 @@ class CodeNotFound(RingmasterError):
             "or `ringmaster submit --code DIR`)"
         )
         self.ref = ref
+
+
+class NodeNotFound(RingmasterError):
+    """No live node of the cluster has the id asked about."""
+
+
+class DrainRefused(RingmasterError):
+    """Ray would not drain the node (the head node, say)."""
+
+
+class ClusterUnavailable(RingmasterError):
+    """What was asked needs the cluster, which this server has none of or cannot reach now."""

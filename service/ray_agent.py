@@ -270,9 +270,10 @@ class AgentOps:
         the node of each bundle of the named placement groups that exist (None: a bundle not placed now)."""
         from ray.util.placement_group import placement_group_table
 
-        from ringmaster.service.ray_internals import free_resources_by_node
+        from ringmaster.service.ray_internals import draining_nodes, free_resources_by_node
 
         free = free_resources_by_node()
+        draining = draining_nodes()
         nodes = [
             {
                 "id": node["NodeID"],
@@ -280,6 +281,8 @@ class AgentOps:
                 "GPU": node["Resources"].get("GPU", 0.0),
                 "free_CPU": free.get(node["NodeID"], {}).get("CPU", 0.0),
                 "free_GPU": free.get(node["NodeID"], {}).get("GPU", 0.0),
+                "draining": node["NodeID"] in draining,
+                "drain_deadline": draining.get(node["NodeID"]),
             }
             for node in self._ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves nodes() unannotated
             if node["Alive"]
@@ -291,6 +294,21 @@ class AgentOps:
                 on_nodes = table.get("bundles_to_node_id", {})
                 placements[table["name"]] = [on_nodes.get(index) for index in range(len(table.get("bundles", {})))]
         return {"nodes": nodes, "groups": placements}
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        from ringmaster.service.ray_internals import draining_nodes
+
+        return draining_nodes()
+
+    def drain_node(self, node_id: str, deadline: float | None, reason: str) -> dict[str, Any]:
+        """Ask Ray to drain a live node (nothing new is placed there; the dispatcher moves its jobs off): {"refused":
+        why} when there is no such live node or Ray refuses, else {"refused": None}."""
+        from ringmaster.service.ray_internals import drain_node
+
+        alive = {node["NodeID"] for node in self._ray.nodes() if node["Alive"]}  # type: ignore[no-untyped-call]
+        if node_id not in alive:
+            return {"refused": f"no live Ray node has id {node_id!r}", "unknown": True}
+        return {"refused": drain_node(node_id, deadline, reason), "unknown": False}
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
         """Tell Ray's autoscaler the shapes the cluster should hold at once (replacing the previous request; [] clears

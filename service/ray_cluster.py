@@ -15,10 +15,11 @@ import re
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict
 
 from ringmaster.service.driver_handoff import DriverHandoff
 from ringmaster.service.embedded_ray import LOOPBACK, SINGLE_NODE_ENV
+from ringmaster.service.errors import DrainRefused, NodeNotFound
 from ringmaster.service.ray_agent import AgentUnavailable, ClusterUnreachable, RayAgent, agent_command
 from ringmaster.service.ray_auth import RayAuth
 
@@ -41,6 +42,10 @@ class NodeResources(TypedDict):
     GPU: float
     free_CPU: float
     free_GPU: float
+    # Ray drains it (a spot notice, maintenance): nothing new goes there, and its jobs move off. The deadline by which
+    # it goes, in seconds since the epoch (None: none given).
+    draining: NotRequired[bool]
+    drain_deadline: NotRequired[float | None]
 
 
 class ClusterView(TypedDict):
@@ -77,6 +82,8 @@ class ClusterBackend(Protocol):
     def node_capacities(self) -> list[dict[str, float]]: ...
     def cluster_view(self, groups: list[str]) -> ClusterView: ...
     def request_resources(self, bundles: list[dict[str, float]]) -> None: ...
+    def draining_nodes(self) -> dict[str, float | None]: ...
+    def drain_node(self, node_id: str, deadline: float | None, reason: str) -> None: ...
 
 
 class RayCluster:
@@ -184,6 +191,18 @@ class RayCluster:
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
         self._agent_call("request_resources", bundles=bundles)
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        """The nodes Ray drains, each with its deadline (seconds since the epoch; None: none given)."""
+        return dict(self._agent_call("draining_nodes"))
+
+    def drain_node(self, node_id: str, deadline: float | None, reason: str) -> None:
+        """Have Ray drain the node; NodeNotFound when no live node has that id, DrainRefused when Ray says no."""
+        answer = self._agent_call("drain_node", node_id=node_id, deadline=deadline, reason=reason)
+        if answer["unknown"]:
+            raise NodeNotFound(answer["refused"])
+        if answer["refused"]:
+            raise DrainRefused(f"Ray refused to drain node {node_id}: {answer['refused']}")
 
     def _agent_call(self, op: str, **args: Any) -> Any:
         if not self.agent.running and (why := _unreachable(self.address)):

@@ -10,6 +10,8 @@ Imported only by processes that have joined a Ray cluster: importing Ray takes s
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray._private import state as ray_state
 from ray.experimental import internal_kv
 
@@ -41,3 +43,28 @@ def free_resources_by_node() -> dict[str, dict[str, float]]:
     leave. Ray's public API gives only the cluster's sum (`ray.available_resources`); the scheduler plans per node."""
     free: dict[str, dict[str, float]] = ray_state.available_resources_per_node()  # type: ignore[no-untyped-call]
     return free
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """Each node Ray is draining (`ray drain-node`, the autoscaler, or drain_node below): node id → the deadline by
+    which it goes, in seconds since the epoch (None: no deadline given). Ray's public API does not say which nodes
+    drain; its scheduler already places nothing new there."""
+    deadlines: dict[str, int] = ray_state.state.get_draining_nodes()
+    return {node_id: (deadline_ms / 1000 if deadline_ms else None) for node_id, deadline_ms in deadlines.items()}
+
+
+def drain_node(node_id: str, deadline: float | None, reason: str) -> str | None:
+    """Ask Ray's GCS to drain a node as one about to be preempted (a spot notice, maintenance), as `ray drain-node
+    --reason DRAIN_NODE_REASON_PREEMPTION` does; None when accepted, else Ray's reason for refusing."""
+    from ray._private.worker import global_worker
+    from ray.core.generated import autoscaler_pb2
+
+    gcs_client: Any = global_worker.gcs_client  # type: ignore[attr-defined]  # set by ray.init, undeclared by Ray
+    reasons: Any = autoscaler_pb2.DrainNodeReason  # type: ignore[attr-defined]  # generated, without stubs
+    accepted, refusal = gcs_client.drain_node(
+        node_id,
+        reasons.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        reason,
+        int(deadline * 1000) if deadline is not None else 0,
+    )
+    return None if accepted else str(refusal or "refused")

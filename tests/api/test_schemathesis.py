@@ -60,6 +60,7 @@ def live_api(db_url: str, tmp_path: Path) -> Iterator[LiveApi]:
     app = create_app(Settings(database_url=db_url, data_dir=tmp_path))
     app.state.stream_poll_s = 0.01
     app.state.logs_provider = lambda submission_id: f"log of {submission_id}\n"
+    app.state.node_drainer = lambda node_id, deadline, reason: None  # every node exists and drains
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="api", daemon=True)

@@ -24,6 +24,7 @@ from ringmaster.api.app import create_app
 from ringmaster.service import jobs, queue_view, tenants
 from ringmaster.service.auth import Principal
 from ringmaster.service.db import session_scope
+from ringmaster.service.errors import NodeNotFound
 from ringmaster.service.models import Job, Tenant, utcnow
 from ringmaster.service.queue_view import ShareSample
 from ringmaster.service.settings import Settings
@@ -73,12 +74,23 @@ def _seed(app: FastAPI) -> dict[str, str]:
     return ids
 
 
+DRAINABLE = "ab" * 28
+DRAINED: list[tuple[str, float | None, str]] = []
+
+
+def _drain(node_id: str, deadline: float | None, reason: str) -> None:
+    """The cluster's side of a drain: one node exists."""
+    if node_id != DRAINABLE:
+        raise NodeNotFound(f"no live Ray node has id {node_id!r}")
+    DRAINED.append((node_id, deadline, reason))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The API on an embedded SQLite database (which writes its local admin token), with no cluster behind it."""
     data_dir = tmp_path_factory.mktemp("queue-cli")
     settings = Settings(data_dir=data_dir, api_port=free_port())
-    app = create_app(settings)
+    app = create_app(settings, node_drainer=_drain)
     uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.api_port, log_level="warning"))
     thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()
@@ -168,3 +180,16 @@ def test_tenant_weight_is_set_kept_across_quota_changes_and_refused_out_of_range
         assert tenant is not None and tenant.weight == 2.5 and tenant.quota_gpus == 4
     listed = ringmaster("tenant", "list", env=env)
     assert "2.5" in listed.stdout.splitlines()[_line_of(listed.stdout, "team-w")]
+
+
+def test_drain_asks_for_the_node_with_its_deadline_and_an_unknown_node_fails_in_one_line(server: Server) -> None:
+    before = time.time()
+    drained = ringmaster("drain", DRAINABLE, "--deadline-s", "90", "--reason", "spot notice", env=at(server))
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    assert drained.stdout.startswith(f"node {DRAINABLE} drains by ") and "its jobs move off it" in drained.stdout
+    [(node, deadline, reason)] = DRAINED
+    assert (node, reason) == (DRAINABLE, "spot notice") and deadline is not None and deadline >= before + 90
+    unknown = ringmaster("drain", "cd" * 28, env=at(server))
+    output = (unknown.stdout + unknown.stderr).strip()
+    assert unknown.returncode == 1 and len(output.splitlines()) == 1 and "no live Ray node has id" in output, output
+    assert len(DRAINED) == 1

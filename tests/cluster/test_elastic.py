@@ -342,3 +342,53 @@ def test_a_script_jobs_group_restarts_at_one_worker_on_a_lost_node_and_resumes_f
     assert runs[0]["start"] == 0 and runs[1]["start"] > SCRIPT_KILL_AFTER_STEP, runs
     steps = sorted(row["step"] for row in client.metrics(job["id"])["items"])
     assert steps[-1] == SCRIPT_STEPS - 1
+
+
+def test_a_drained_nodes_job_moves_off_it_before_the_deadline_with_no_step_redone(cluster, uninterrupted):
+    """A node drained through the API (Ray's drain: a spot instance's notice) while a job at its workers.min trains
+    there: the job saves at its next step and stops, goes back to the queue in its place, and resumes on the other
+    node from that step, long before the deadline; nothing is computed twice, no failure is counted, and its losses
+    are the undisturbed run's. Last in the module: the drained node takes nothing new afterwards."""
+    cluster.ensure_nodes(2)
+    client = cluster.client
+    job = client.submit(_spec(cluster, "drained", 1, 1))
+    wait_for_step(client, job["id"], KILL_AFTER_STEP)
+    drained = _worker_node(cluster)
+    began = time.monotonic()
+    answer = client.drain_node(drained.node_id, deadline_s=120, reason="spot instance notice")
+    assert answer["node_id"] == drained.node_id and answer["deadline"] is not None
+
+    def moved() -> bool:
+        return client.job(job["id"])["attempt"] == 2 and client.job(job["id"])["state"] == "RUNNING"
+
+    while not moved():
+        assert time.monotonic() - began < 120, f"still {client.job(job['id'])['state']} at the drain's deadline"
+        time.sleep(0.2)
+    print(f"drain to training again on the other node: {time.monotonic() - began:.1f} s")
+    assert _worker_node(cluster).node_id != drained.node_id, "resumed on the node that drains"
+
+    done = wait_for_state(client, job["id"], {"SUCCEEDED", "FAILED"}, timeout_s=300)
+    assert done["state"] == "SUCCEEDED", done["error"]
+    assert (done["attempt"], done["failures"], done["preemptions"], done["preempted_for"]) == (2, 0, 1, None)
+    events = _events(client, job["id"])
+    assert [e["to_state"] for e in events if e["to_state"]] == [
+        "QUEUED",
+        "ADMITTED",
+        "RUNNING",
+        "PREEMPTED",
+        "QUEUED",
+        "ADMITTED",
+        "RUNNING",
+        "SUCCEEDED",
+    ]
+    [asked] = [e for e in events if e["message"].startswith("preempting:")]
+    assert f"its node {drained.node_id[:12]} is draining, which goes in" in asked["message"], asked["message"]
+    [preempted] = [e for e in events if e["to_state"] == "PREEMPTED"]
+    assert "moving off a draining node" in preempted["message"]
+    rows = client.metrics(job["id"])["items"]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1)), "every step once"
+    saved_at = preempted["data"]["step"]
+    assert {row["attempt"] for row in rows if row["step"] > saved_at} == {2}
+    steps, redone = read_tagged_steps(cluster.id_records / "drained")
+    assert (len(steps), redone) == (STEPS, 0), "a step computed again after the move"
+    assert _losses(client, job["id"]) == pytest.approx(uninterrupted, abs=1e-4)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import select
 
-from harness.standin_cluster import StandInCluster
+from harness.standin_cluster import STANDIN_NODE, StandInCluster
 from ringmaster.service import jobs
 from ringmaster.service.db import Database
 from ringmaster.service.dispatcher import Dispatcher
@@ -618,3 +619,49 @@ def test_the_plan_takes_every_scheduling_setting_of_the_service():
         hold_after_s=15,
         fair_share_preemption_above=1.5,
     )
+
+
+def test_a_job_on_a_draining_node_is_asked_to_save_and_stop_even_with_nothing_queued_naming_node_and_deadline(db):
+    """A drain (Ray's `ray drain-node`, or POST /v1/nodes/{id}/drain) moves the jobs on the node off it: with nothing
+    queued, the dispatcher still looks at Ray's drains every few seconds and plans; a job at its workers.min is
+    preempted (it saves at its next step and resumes elsewhere), not counted as a failure."""
+    dispatcher, cluster = _preempting_dispatcher(db)
+    job = _submit(db, _spec("on-the-node", workers=2))
+    dispatcher.run_once()
+    _report(db, job, 1, "RUNNING")
+    dispatcher.run_once()
+    assert _report(db, job, 2).preempting is False, "no drain: nothing asks it to stop"
+    checks = cluster.drain_checks
+    cluster.draining[STANDIN_NODE] = time.time() + 120
+    dispatcher._drain_check_due = 0.0  # the next look is due
+    dispatcher.run_once()
+    assert cluster.drain_checks == checks + 1
+    answer = _report(db, job, 3)
+    assert (answer.preempting, answer.preempted_for) == (True, None)
+    with db.sessions() as session:
+        [asked] = [e for e in jobs.list_events(session, job).items if e.message.startswith("preempting:")]
+    assert f"its node {STANDIN_NODE[:12]} is draining, which goes in 1" in asked.message, asked.message
+    assert asked.message.endswith("it moves off it; it saves its state and stops at its next step")
+    stopped = _report(db, job, 4, "PREEMPTED")
+    assert stopped.state == JobState.PREEMPTED
+    cluster.ray_status[f"ringmaster-{job}-1"] = "SUCCEEDED"
+    dispatcher.run_once()
+    with db.sessions() as session:
+        row = session.get(Job, job)
+        assert (row.state, row.failures, row.preemptions) == (JobState.QUEUED, 0, 1)
+        assert "waits for nodes to join" in row.waiting_reason, "the draining node takes nothing new"
+    assert cluster.free_cpus == 4 and not [name for name in cluster.groups if job in name], "its room was freed"
+
+
+def test_with_no_drain_and_nothing_queued_a_pass_reads_no_cluster_beyond_the_drain_check(db):
+    dispatcher, cluster = _preempting_dispatcher(db)
+    job = _submit(db, _spec("alone", workers=2))
+    dispatcher.run_once()
+    _report(db, job, 1, "RUNNING")
+    views = []
+    cluster.cluster_view = lambda groups: views.append(groups)  # type: ignore[method-assign]
+    dispatcher._share_sample_due = float("inf")
+    for _ in range(3):
+        dispatcher._drain_check_due = 0.0
+        dispatcher.run_once()
+    assert cluster.drain_checks == 3 and views == []

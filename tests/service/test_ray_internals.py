@@ -41,3 +41,13 @@ def test_rays_internal_kv_takes_the_arguments_ringmaster_passes() -> None:
 
 def test_rays_per_node_free_resources_take_no_arguments() -> None:
     assert _parameters(ray_state.available_resources_per_node) == {}
+
+
+def test_rays_drain_api_is_where_ringmaster_calls_it() -> None:
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    assert list(_parameters(ray_state.GlobalState.get_draining_nodes)) == ["self"]
+    assert isinstance(ray_state.state, ray_state.GlobalState)
+    assert callable(GcsClient.drain_node)
+    assert autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION") > 0
