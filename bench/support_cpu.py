@@ -39,7 +39,6 @@ from harness.local_control_plane import running_control_plane, wait_for_state  #
 # (what the command line holds, the kind reported), first match wins; Ray names its actors' processes ray::<Class>.
 _KINDS = [
     ("ringmaster.workers.rank_process", "ranks"),
-    ("ringmaster.workers.rank_forkserver", "ranks, forked by their node's fork server, and the server"),
     ("ringmaster.workers.driver", "job driver"),
     ("ray::JobSupervisor", "Ray JobSupervisor"),
     ("ray::TrainWorker", "worker actors (the job's and the warm pool's)"),

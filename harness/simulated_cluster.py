@@ -52,23 +52,6 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _fork_servers_of(raylet: int) -> list[int]:
-    """The training processes' fork servers of one raylet and the processes they forked, whose command line is
-    theirs (it names the socket, rank-forkserver-<raylet>-<key>)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"ringmaster.workers.rank_forkserver" in command and f"rank-forkserver-{raylet}-".encode() in b" ".join(
-                command
-            ):
-                found.append(int(entry))
-    return found
-
-
 @contextmanager
 def _own_metrics_ports() -> Iterator[None]:
     """Free ports for the head's dashboard and autoscaler monitor metrics, which this process starts, as the embedded
@@ -168,12 +151,8 @@ class SimulatedCluster:
         return next(node for node in self.cluster.worker_nodes if node.node_id == node_id)
 
     def _node_processes(self, node) -> list[int]:
-        """The raylet, everything under it, and the node's training processes: their fork server
-        (workers/rank_forkserver.py) leaves the raylet's tree when the actor that started it ends."""
         raylet = node.all_processes["raylet"][0].process.pid
-        servers = _fork_servers_of(raylet)
-        tree = [raylet, *_descendants(raylet), *servers, *(pid for server in servers for pid in _descendants(server))]
-        return list(dict.fromkeys(tree))
+        return [raylet, *_descendants(raylet)]
 
     def kill_node(self, node) -> None:
         """The machine dies: every process on it is gone at once. All are stopped before any is killed (the raylet

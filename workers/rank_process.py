@@ -5,14 +5,10 @@ takes the GIL every 10 ms to check for signals (Ray's task loop). Where training
 holds the GIL while it waits for a core, and the training thread waits behind it. In a plain child process the
 training thread shares its GIL with nothing of Ray's, as a torchrun rank does (bench/overhead.py measures both).
 
-The node's fork server (workers/rank_forkserver.py) forks the process from one that imported torch and the training
-stack already; where it cannot, the actor starts it afresh (`python -m ringmaster.workers.rank_process`).
-
-The actor and its process are one failure unit. The process dies with the actor: a process the actor started gets
-SIGKILL from the kernel when the thread that started it ends (prctl's parent-death signal; that thread lives as long
-as the actor's process), a forked one from its server when the actor's request to it closes; and either exits when
-its connection ends. The actor dies with the process: when the connection ends, the actor's process exits, so the
-driver sees a lost worker as it did when training ran in the actor.
+The actor and its process are one failure unit. The process dies with the actor: the kernel sends it SIGKILL when
+the thread that started it ends (prctl's parent-death signal; that thread lives as long as the actor's process), and
+it exits when its connection ends. The actor dies with the process: when the connection ends, the actor's process
+exits, so the driver sees a lost worker as it did when training ran in the actor.
 
 Calls are served concurrently, each in a thread of its own, as the threaded actor serves them: `join` aborts the
 group that a `train` stuck in a collective still holds.
@@ -38,8 +34,6 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
-from ringmaster.workers.rank_forkserver import ForkedRankProcess, fork_rank_process
-
 if TYPE_CHECKING:
     from ringmaster.service.reports import CheckpointRecord, MetricPoint, RankMemory
     from ringmaster.workers.checkpoint.snapshots.store import SnapshotStore
@@ -63,7 +57,7 @@ class RankProcess:
         self._send_lock = threading.Lock()
         # Both set by the thread below before `started` resolves: this constructor returns only once they are.
         self._connection: Connection
-        self._process: subprocess.Popen[bytes] | ForkedRankProcess
+        self._process: subprocess.Popen[bytes]
         started: Future[None] = Future()
         # The process's parent-death signal follows the thread that starts it: this one lives as long as the actor.
         threading.Thread(
@@ -91,8 +85,26 @@ class RankProcess:
     def _start_and_receive(self, pooled: bool, started: Future[None]) -> None:
         try:
             ours, theirs = socket.socketpair()
-            forked = fork_rank_process(theirs.fileno())
-            self._process = forked if forked is not None else self._start_afresh(theirs, pooled)
+            # The actor's import path names the job's code (Ray's working_dir and py_modules): the process imports
+            # from the same places in the same order, in the same directory (-P: nothing put before them). Its
+            # PYTHONPATH is then the actor's again, which the model registry puts first (the job's own code).
+            environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+            if "PYTHONPATH" in os.environ:
+                environment[_ACTOR_PYTHONPATH] = os.environ["PYTHONPATH"]
+            command = [
+                sys.executable,
+                "-P",
+                "-m",
+                "ringmaster.workers.rank_process",
+                str(theirs.fileno()),
+                str(os.getpid()),
+            ]
+            self._process = subprocess.Popen(
+                command + (["--pooled"] if pooled else []),
+                pass_fds=(theirs.fileno(),),
+                env=environment,
+                cwd=os.getcwd(),
+            )
             theirs.close()
             self._connection = Connection(ours.detach())
         except BaseException as error:
@@ -114,29 +126,6 @@ class RankProcess:
             code,
         )
         os._exit(1)
-
-    @staticmethod
-    def _start_afresh(theirs: socket.socket, pooled: bool) -> subprocess.Popen[bytes]:
-        # The actor's import path names the job's code (Ray's working_dir and py_modules): the process imports
-        # from the same places in the same order, in the same directory (-P: nothing put before them). Its
-        # PYTHONPATH is then the actor's again, which the model registry puts first (the job's own code).
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-        if "PYTHONPATH" in os.environ:
-            environment[_ACTOR_PYTHONPATH] = os.environ["PYTHONPATH"]
-        command = [
-            sys.executable,
-            "-P",
-            "-m",
-            "ringmaster.workers.rank_process",
-            str(theirs.fileno()),
-            str(os.getpid()),
-        ]
-        return subprocess.Popen(
-            command + (["--pooled"] if pooled else []),
-            pass_fds=(theirs.fileno(),),
-            env=environment,
-            cwd=os.getcwd(),
-        )
 
 
 def raised_error(payload: bytes, text: str, where: str) -> BaseException:
@@ -163,7 +152,7 @@ class Rank:
         self._place: tuple[int, int] | None = None  # (rank, world size) in the group it last joined
         self._generation = 0
         # Import the training stack while the driver is still placing and ranking the other workers.
-        warm_up = _import_training_stack_in_background if pooled else import_training_stack
+        warm_up = _import_training_stack_in_background if pooled else _import_training_stack
         self._warm = threading.Thread(target=warm_up, name="warm-up", daemon=True)
         self._warm.start()
 
@@ -383,23 +372,20 @@ def form_default_group(
         torch_internals.set_default_group_timeout(collectives)
 
 
-def import_training_stack(every_optimizer: bool = False) -> None:
-    """Import what training imports; `every_optimizer`: also ZeRO-1's optimizer, which a worker started for its job
-    imports only when the job shards its optimizer (a pool worker or a fork server serves any job)."""
+def _import_training_stack() -> None:
     from ringmaster.workers import torch_internals
 
     torch_internals.import_dynamo()  # DistributedDataParallel imports it on construction
     import ringmaster.workers.trainer  # noqa: F401
 
-    if every_optimizer:
-        import torch.distributed.optim  # noqa: F401
-
 
 def _import_training_stack_in_background() -> None:
     """The warm-up of a pool worker: at the lowest CPU priority (this thread only), so a pool refilling on a node
-    never slows the training running there; on an idle node it runs at full speed."""
+    never slows the training running there; on an idle node it runs at full speed. Any job may claim it, so it also
+    imports ZeRO-1's optimizer, which a worker started for its job imports only when the job shards its optimizer."""
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    import_training_stack(every_optimizer=True)
+    _import_training_stack()
+    import torch.distributed.optim  # noqa: F401
 
 
 def _serve(
@@ -425,17 +411,22 @@ def _serve(
         connection.send(reply)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the thread that started it ends (Linux); if that parent is already gone, exit now."""
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that started it ends (Linux); if the actor is already gone, exit now."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:
         os._exit(1)
 
 
-def serve_calls(connection_fd: int, pooled: bool) -> None:
-    """Serve the actor's calls on `connection_fd`, each in a thread of its own, until the actor is gone."""
+def main() -> None:
+    fd, parent_pid, pooled = int(sys.argv[1]), int(sys.argv[2]), "--pooled" in sys.argv[3:]
+    _die_with_parent(parent_pid)
+    if _ACTOR_PYTHONPATH in os.environ:
+        os.environ["PYTHONPATH"] = os.environ.pop(_ACTOR_PYTHONPATH)
+    else:
+        del os.environ["PYTHONPATH"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    connection = Connection(connection_fd)
+    connection = Connection(fd)
     rank, send_lock = Rank(pooled), threading.Lock()
     while True:
         try:
@@ -445,16 +436,6 @@ def serve_calls(connection_fd: int, pooled: bool) -> None:
         threading.Thread(
             target=_serve, args=(rank, connection, send_lock, call_id, method, args), name=f"call-{method}", daemon=True
         ).start()
-
-
-def main() -> None:
-    fd, parent_pid, pooled = int(sys.argv[1]), int(sys.argv[2]), "--pooled" in sys.argv[3:]
-    die_with_parent(parent_pid)
-    if _ACTOR_PYTHONPATH in os.environ:
-        os.environ["PYTHONPATH"] = os.environ.pop(_ACTOR_PYTHONPATH)
-    else:
-        del os.environ["PYTHONPATH"]
-    serve_calls(fd, pooled)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ recovery or a checkpoint restore.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -33,7 +32,6 @@ __all__ = [
     "FsspecWriter",
     "MemTracker",
     "composable_checkpoint",
-    "cuda_driver_queries",
     "default_group_timeout",
     "foreach_copy_",
     "foreach_mul_",
@@ -95,29 +93,6 @@ def set_groups_made(count: int) -> None:
 def import_dynamo() -> None:
     """Import torch._dynamo, which DistributedDataParallel imports on construction (seconds, on a cold process)."""
     import torch._dynamo  # noqa: F401
-
-
-@contextmanager
-def cuda_driver_queries() -> Iterator[list[None]]:
-    """Record each call, while the block runs, that asks the CUDA runtime how many devices it has (what
-    torch.cuda.is_available and device_count call before CUDA is initialised): the first initialises the CUDA driver
-    in this process, which a process forked from it then cannot use. A build without CUDA records none."""
-    calls: list[None] = []
-    original = getattr(torch._C, "_cuda_getDeviceCount", None)
-    if original is None:
-        yield calls
-        return
-
-    def counted() -> int:
-        calls.append(None)
-        count: int = original()
-        return count
-
-    torch._C._cuda_getDeviceCount = counted
-    try:
-        yield calls
-    finally:
-        torch._C._cuda_getDeviceCount = original
 
 
 # The foreach kernels torch's own optimizers and get_total_norm call: one kernel over a list of tensors, without a

@@ -34,29 +34,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def _started_worker() -> tuple[ray.actor.ActorHandle, dict]:
     worker = TrainWorker.options(num_cpus=0).remote(1, False)
     ray.get(worker.warm_up.remote(), timeout=120)
     placement = ray.get(worker.placement.remote())
     assert placement["training_pid"] != placement["pid"] and _running(placement["training_pid"]), placement
-    # Forked by the node's fork server (workers/rank_forkserver.py), which the raylet's worker started.
-    server = _parent(placement["training_pid"])
-    assert "ringmaster.workers.rank_forkserver" in Path(f"/proc/{server}/cmdline").read_text(), placement
     return worker, placement
-
-
-def test_the_workers_of_a_node_share_one_fork_server(local_ray) -> None:
-    first, first_placement = _started_worker()
-    second, second_placement = _started_worker()
-    try:
-        assert _parent(first_placement["training_pid"]) == _parent(second_placement["training_pid"])
-    finally:
-        ray.kill(first, no_restart=True)
-        ray.kill(second, no_restart=True)
 
 
 def test_the_worker_ends_when_its_training_process_dies(local_ray) -> None:

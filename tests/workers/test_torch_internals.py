@@ -174,27 +174,6 @@ def test_import_dynamo_loads_it() -> None:
     assert "torch._dynamo" in sys.modules
 
 
-def test_cuda_driver_queries_records_the_device_count_query_and_puts_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    def three_devices() -> int:
-        return 3
-
-    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", three_devices, raising=False)
-    with torch_internals.cuda_driver_queries() as calls:
-        assert calls == []
-        assert torch._C._cuda_getDeviceCount() == 3
-    assert len(calls) == 1 and torch._C._cuda_getDeviceCount is three_devices
-
-
-def test_cuda_availability_is_asked_through_the_recorded_query() -> None:
-    """A CUDA build's is_available asks the runtime through the recorded name; a CPU build has neither."""
-    with torch_internals.cuda_driver_queries() as calls:
-        available = torch.cuda.is_available()
-    if torch.cuda._is_compiled():
-        assert len(calls) == 1, "torch.cuda.is_available no longer calls torch._C._cuda_getDeviceCount"
-    else:
-        assert not available and calls == [] and not hasattr(torch._C, "_cuda_getDeviceCount")
-
-
 def test_mem_tracker_sees_a_module_s_parameters() -> None:
     model = nn.Linear(256, 256)
     tracker = torch_internals.MemTracker()
