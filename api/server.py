@@ -73,6 +73,7 @@ class ControlPlane:
         self.cluster.connect()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._dispatcher: Dispatcher | None = None
         # Set when a stop with a grace period begins (run_server): each step of the stop takes a share of what is left.
         self.stop_deadline: float | None = None
 
@@ -92,9 +93,11 @@ class ControlPlane:
             self.cluster.drain_node(node_id, deadline, reason)
         except (ClusterUnreachable, AgentRefused) as error:
             raise ClusterUnavailable(f"the Ray cluster could not drain node {node_id}: {error}") from error
+        if self._dispatcher is not None:
+            self._dispatcher.note_drain(node_id, deadline)
 
     def start_dispatcher(self, app: FastAPI) -> Callable[[], None]:
-        dispatcher = Dispatcher(app.state.db.sessions, self.cluster, self.settings)
+        dispatcher = self._dispatcher = Dispatcher(app.state.db.sessions, self.cluster, self.settings)
         app.state.wake_dispatcher = dispatcher.wake
         self._thread = threading.Thread(target=dispatcher.run, args=(self._stop,), name="dispatcher", daemon=True)
         self._thread.start()

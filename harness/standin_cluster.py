@@ -98,8 +98,6 @@ class StandInCluster:
         free = float(STANDIN_UNBOUNDED_CPUS if self.free_cpus is None else self.free_cpus)
         gpus = float(STANDIN_UNBOUNDED_CPUS)  # GPU bundles always fit here (reserve counts CPUs alone)
         node = NodeResources(id=STANDIN_NODE, CPU=total, GPU=gpus, free_CPU=free, free_GPU=gpus)
-        if STANDIN_NODE in self.draining:
-            node.update(draining=True, drain_deadline=self.draining[STANDIN_NODE])
         with self._lock:
             held = {name: self.group_bundles[name] for name in groups if name in self.groups}
         return ClusterView(nodes=[node], groups={name: [STANDIN_NODE] * count for name, count in held.items()})

@@ -52,8 +52,11 @@ _WARM_POOL_INTERVAL_S = 2.0
 # Ray's autoscaler is asked to make room for at most this many worker bundles at once (running and queued together).
 AUTOSCALER_BUNDLES = 10_000
 _SHARE_SAMPLE_INTERVAL_S = 10.0
-# While jobs run and none wait, Ray is asked this often whether it drains a node (a cloud's notice may give 30 s).
-_DRAIN_CHECK_INTERVAL_S = 2.0
+# While jobs run, Ray is asked this often which nodes it drains (a drain made through ringmaster is known at once). Not
+# more often: while a placement group has a bundle Ray cannot place (a job that lost a node and trains on without it),
+# each such query adds to the GCS's busy retrying of it (a 4-to-3 shrink test slowed from 75 s to a hang when asked
+# every 2 s).
+_DRAIN_CHECK_INTERVAL_S = 10.0
 # The queue's places and reasons are written at most this often, besides after a pass that admitted a job or found a
 # job not placed yet (a job's first reason comes at once).
 _QUEUE_RECORD_INTERVAL_S = 2.0  # each tenant's standing is recorded this often (the queue view's chart)
@@ -102,6 +105,10 @@ class Dispatcher:
         self._share_sample_due = 0.0
         self._queue_record_due = 0.0
         self._drain_check_due = 0.0
+        # The nodes Ray drains (id -> deadline, None: none given), as last looked up or noted; the API's thread notes.
+        self._drains: dict[str, float | None] = {}
+        self._new_drain = False
+        self._drains_lock = threading.Lock()
         self._autoscaler_request: list[dict[str, float]] | None = None  # the bundles last sent to request_resources
         self._known_jobs = dispatch_plan.KnownJobs()  # each queued and active job's shape, read once
 
@@ -178,13 +185,17 @@ class Dispatcher:
         now = time.time()
         with self.sessions() as session:
             jobs_read = self._known_jobs.read(session, now)
-        draining = self._nodes_draining() if jobs_read.active and not jobs_read.queued else False
+        draining = self._drains_changed(bool(jobs_read.active))
         if not jobs_read.queued:
             self._ask_autoscaler([])  # nothing waits: the nodes it asked for are not held for nothing
             if not (sample_due and jobs_read.active) and not draining:
                 return
         groups = [attempt.placement_group for attempt, _ in jobs_read.active if attempt.placement_group]
         view = self.cluster.cluster_view(groups)
+        with self._drains_lock:
+            for node in view["nodes"]:
+                if node["id"] in self._drains:
+                    node["draining"], node["drain_deadline"] = True, self._drains[node["id"]]
         state = dispatch_plan.pass_input(
             jobs_read,
             view,
@@ -235,13 +246,27 @@ class Dispatcher:
             return
         self._autoscaler_request = bundles
 
-    def _nodes_draining(self) -> bool:
-        """Whether Ray drains any node, looked up every few seconds while jobs run and none wait (a pass with a queue
-        reads it with the rest of the cluster): a drain must move the jobs on it even when nothing waits."""
-        if time.monotonic() < self._drain_check_due:
-            return False
-        self._drain_check_due = time.monotonic() + _DRAIN_CHECK_INTERVAL_S
-        return bool(self.cluster.draining_nodes())
+    def note_drain(self, node_id: str, deadline: float | None) -> None:
+        """A drain made through ringmaster (POST /v1/nodes/{id}/drain): planned for at the next pass, which starts
+        now."""
+        with self._drains_lock:
+            self._drains[node_id] = deadline
+            self._new_drain = True
+        self.wake()
+
+    def _drains_changed(self, jobs_active: bool) -> bool:
+        """Whether a pass should plan for drains: Ray's drains (however made: `ray drain-node`, the autoscaler, this
+        API) are looked up every _DRAIN_CHECK_INTERVAL_S while jobs run; True when they hold a node not known to drain
+        before, or one was noted here since the last pass. Passes with a queue plan anyway, with the drains known."""
+        with self._drains_lock:
+            changed, self._new_drain = self._new_drain, False
+        if jobs_active and time.monotonic() >= self._drain_check_due:
+            self._drain_check_due = time.monotonic() + _DRAIN_CHECK_INTERVAL_S
+            draining = self.cluster.draining_nodes()
+            with self._drains_lock:
+                changed = changed or not set(draining) <= set(self._drains)
+                self._drains = draining
+        return changed
 
     def _preempt(self, job_id: str, for_job: str | None, drain_reason: str | None) -> None:
         """Ask a running job's driver to save at its next step and stop; the plan that preempts it admits `for_job`

@@ -270,10 +270,9 @@ class AgentOps:
         the node of each bundle of the named placement groups that exist (None: a bundle not placed now)."""
         from ray.util.placement_group import placement_group_table
 
-        from ringmaster.service.ray_internals import draining_nodes, free_resources_by_node
+        from ringmaster.service.ray_internals import free_resources_by_node
 
         free = free_resources_by_node()
-        draining = draining_nodes()
         nodes = [
             {
                 "id": node["NodeID"],
@@ -281,8 +280,6 @@ class AgentOps:
                 "GPU": node["Resources"].get("GPU", 0.0),
                 "free_CPU": free.get(node["NodeID"], {}).get("CPU", 0.0),
                 "free_GPU": free.get(node["NodeID"], {}).get("GPU", 0.0),
-                "draining": node["NodeID"] in draining,
-                "drain_deadline": draining.get(node["NodeID"]),
             }
             for node in self._ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves nodes() unannotated
             if node["Alive"]

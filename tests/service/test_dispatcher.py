@@ -623,8 +623,8 @@ def test_the_plan_takes_every_scheduling_setting_of_the_service():
 
 def test_a_job_on_a_draining_node_is_asked_to_save_and_stop_even_with_nothing_queued_naming_node_and_deadline(db):
     """A drain (Ray's `ray drain-node`, or POST /v1/nodes/{id}/drain) moves the jobs on the node off it: with nothing
-    queued, the dispatcher still looks at Ray's drains every few seconds and plans; a job at its workers.min is
-    preempted (it saves at its next step and resumes elsewhere), not counted as a failure."""
+    queued, the dispatcher still looks up Ray's drains (every _DRAIN_CHECK_INTERVAL_S) and plans; a job at its
+    workers.min is preempted (it saves at its next step and resumes elsewhere), not counted as a failure."""
     dispatcher, cluster = _preempting_dispatcher(db)
     job = _submit(db, _spec("on-the-node", workers=2))
     dispatcher.run_once()
@@ -665,3 +665,20 @@ def test_with_no_drain_and_nothing_queued_a_pass_reads_no_cluster_beyond_the_dra
         dispatcher._drain_check_due = 0.0
         dispatcher.run_once()
     assert cluster.drain_checks == 3 and views == []
+
+
+def test_a_drain_noted_through_the_api_is_planned_for_at_the_next_pass_without_waiting_for_the_lookup(db):
+    dispatcher, cluster = _preempting_dispatcher(db)
+    job = _submit(db, _spec("on-the-node", workers=2))
+    dispatcher.run_once()
+    _report(db, job, 1, "RUNNING")
+    dispatcher.run_once()
+    checks = cluster.drain_checks
+    dispatcher.note_drain(STANDIN_NODE, None)  # as ControlPlane.drain_node does once Ray accepted the drain
+    dispatcher.run_once()
+    assert cluster.drain_checks == checks, "no lookup was due: the noted drain was planned for"
+    answer = _report(db, job, 2)
+    assert (answer.preempting, answer.preempted_for) == (True, None)
+    with db.sessions() as session:
+        [asked] = [e for e in jobs.list_events(session, job).items if e.message.startswith("preempting:")]
+    assert f"its node {STANDIN_NODE[:12]} is draining; it moves off it" in asked.message, asked.message
